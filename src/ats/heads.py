@@ -1,0 +1,322 @@
+"""Calibration heads: map the backbone's final hidden states h (B, T, H) to a per-token log-temperature tau (B, T).
+
+The calibrated logits are `q = z * exp(tau)` (clamped by the caller), so every head ends in a zero-initialised H -> 1
+projection: tau == 0 exactly at step 0 and the calibrated model starts as the original model.
+
+Three heads share one signature, `head(hidden, attention_mask=None, cache=None) -> tau (B, T) float32`:
+
+- `LinearHead`: H -> 1.
+- `MLPHead`: H -> mlp_hidden -> 1 with GELU.
+- `TransformerHead`: one Llama-style decoder layer at the backbone's hidden size (RMSNorm, causal self-attention with
+  RoPE, SwiGLU MLP), then RMSNorm + Linear H -> 1. This is the head of the paper. It is causal (tau at position t
+  reads h_0..h_t only) and has a KV cache (`HeadCache`) so calibrated generation costs one position per step.
+
+Padding: positions where `attention_mask == 0` get tau == 0 and are never attended to. Right padding (training) and
+left padding (generation) both work: RoPE positions come from the mask, `cumsum(mask) - 1`, so a left-padded sequence
+gets the same tau as the same sequence unpadded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .errors import ATSError
+
+HEAD_TYPES = ("linear", "mlp", "transformer")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# config
+
+
+def default_num_heads(hidden_size: int) -> int:
+    """Head dim 64 when H is a multiple of 64 (576 -> 9 heads); otherwise the divisor of H whose (even) head dim is
+    closest to 64 (32 -> 1 head of 32)."""
+    if hidden_size % 64 == 0:
+        return hidden_size // 64
+    candidates = [n for n in range(1, hidden_size + 1) if hidden_size % n == 0 and (hidden_size // n) % 2 == 0]
+    if not candidates:
+        return 1  # odd hidden size: rejected by HeadConfig with a clear message (RoPE needs an even head dim)
+    return min(candidates, key=lambda n: (abs(hidden_size // n - 64), n))
+
+
+def default_intermediate_size(hidden_size: int, multiple_of: int = 256) -> int:
+    """Llama's SwiGLU width: 8/3 * H rounded up to a multiple of 256 (576 -> 1536 as in SmolLM2, 4096 -> 11008)."""
+    width = int(8 * hidden_size / 3)
+    return multiple_of * math.ceil(width / multiple_of)
+
+
+@dataclass
+class HeadConfig:
+    """Which head to build and its sizes. Sizes left as None are filled from `hidden_size` (see the defaults above)."""
+
+    head_type: str = "transformer"
+    hidden_size: int = 576
+    mlp_hidden: int | None = None  # MLPHead width; default hidden_size
+    num_heads: int | None = None  # TransformerHead attention heads; default head dim 64
+    intermediate_size: int | None = None  # TransformerHead SwiGLU width; default Llama's 8/3 * H rounded up to 256
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.head_type not in HEAD_TYPES:
+            raise ATSError(f"head_type: unknown head type {self.head_type!r}; known: {', '.join(HEAD_TYPES)}")
+        _check_positive_int("hidden_size", self.hidden_size)
+        if self.mlp_hidden is None:
+            self.mlp_hidden = self.hidden_size
+        if self.num_heads is None:
+            self.num_heads = default_num_heads(self.hidden_size)
+        if self.intermediate_size is None:
+            self.intermediate_size = default_intermediate_size(self.hidden_size)
+        for name in ("mlp_hidden", "num_heads", "intermediate_size"):
+            _check_positive_int(name, getattr(self, name))
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
+            raise ATSError(f"rope_theta: expected a positive number, got {self.rope_theta!r}")
+        self.rope_theta = float(self.rope_theta)
+        if self.head_type == "transformer":
+            if self.hidden_size % self.num_heads != 0:
+                raise ATSError(f"num_heads: hidden_size {self.hidden_size} is not divisible by num_heads "
+                               f"{self.num_heads}")
+            if (self.hidden_size // self.num_heads) % 2 != 0:
+                raise ATSError(f"num_heads: head dim {self.hidden_size // self.num_heads} "
+                               f"(hidden_size {self.hidden_size} / num_heads {self.num_heads}) must be even for RoPE")
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable dict with every size filled in."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "HeadConfig":
+        """Inverse of `to_dict`; unknown keys are an error (a typo must not silently fall back to a default)."""
+        if not isinstance(data, dict):
+            raise ATSError(f"head config: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ATSError(f"head config: unknown key {key!r}; known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ATSError(f"{name}: expected a positive integer, got {value!r}")
+
+
+def build_head(config: HeadConfig) -> nn.Module:
+    """The head described by `config`, at identity (tau == 0)."""
+    if config.head_type == "linear":
+        return LinearHead(config.hidden_size)
+    if config.head_type == "mlp":
+        return MLPHead(config.hidden_size, mlp_hidden=config.mlp_hidden)
+    if config.head_type == "transformer":
+        return TransformerHead(config.hidden_size, config.num_heads, config.intermediate_size,
+                               rope_theta=config.rope_theta)
+    raise ATSError(f"head_type: unknown head type {config.head_type!r}; known: {', '.join(HEAD_TYPES)}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# shared pieces
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT/Llama-style init: Linear weights N(0, 0.02), biases 0 (RMSNorm weights stay 1)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+def _zero_linear(layer: nn.Linear) -> nn.Linear:
+    """The final H -> 1 projection starts at zero so that tau == 0 exactly (identity calibration)."""
+    nn.init.zeros_(layer.weight)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def _finish(tau: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """tau (B, T, 1) -> (B, T) float32, 0 on padding. The mask may cover past + new positions: use its tail."""
+    tau = tau.squeeze(-1).float()  # (B, T)
+    if attention_mask is not None:
+        new = attention_mask[:, attention_mask.shape[1] - tau.shape[1]:].bool()  # (B, T)
+        tau = tau.masked_fill(~new, 0.0)
+    return tau
+
+
+class LinearHead(nn.Module):
+    """tau = w . h + b: one log-temperature per token from a linear probe of the hidden state."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.proj = _zero_linear(nn.Linear(hidden_size, 1))
+
+    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None, cache: "HeadCache | None" = None) -> Tensor:
+        x = hidden.to(self.proj.weight.dtype)  # (B, T, H)
+        return _finish(self.proj(x), attention_mask)  # (B, T)
+
+
+class MLPHead(nn.Module):
+    """tau = w . gelu(W h + c) + b: a per-token nonlinear probe (no context)."""
+
+    def __init__(self, hidden_size: int, mlp_hidden: int | None = None):
+        super().__init__()
+        mlp_hidden = mlp_hidden or hidden_size
+        self.fc = nn.Linear(hidden_size, mlp_hidden)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(mlp_hidden, 1)
+        _init_weights(self)
+        _zero_linear(self.proj)
+
+    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None, cache: "HeadCache | None" = None) -> Tensor:
+        x = hidden.to(self.fc.weight.dtype)  # (B, T, H)
+        return _finish(self.proj(self.act(self.fc(x))), attention_mask)  # (B, T)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# transformer head
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm, computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class HeadCache:
+    """Keys and values of the transformer head's attention for the positions seen so far; extended in place.
+
+    keys, values: (B, n_heads, T_past, head_dim), keys already rotated (RoPE), or None before the first call.
+    """
+
+    def __init__(self) -> None:
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Number of cached positions (T_past)."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the new positions' k, v (B, n_heads, T_new, d); return all of them (B, n_heads, T_past+T_new, d)."""
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys = torch.cat([self.keys, k], dim=2)
+            self.values = torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+    def select(self, index: Tensor) -> None:
+        """Keep (or reorder) batch rows, e.g. after sequences finish or for beam search."""
+        if self.keys is not None:
+            self.keys = self.keys.index_select(0, index)
+            self.values = self.values.index_select(0, index)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE (Llama layout: rotate-half, no biases)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, rope_theta: float = 10000.0):
+        super().__init__()
+        self.n_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.q_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.k_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.v_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.o_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (d/2,) derived, not saved
+
+    def rope(self, x: Tensor, position_ids: Tensor) -> Tensor:
+        """Rotate x (B, nh, T, d) by the angles of `position_ids` (B, T), in float32."""
+        freqs = position_ids[:, None, :, None].float() * self.inv_freq.float()  # (B, 1, T, d/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, 1, T, d)
+        xf = x.float()
+        return (xf * emb.cos() + _rotate_half(xf) * emb.sin()).to(x.dtype)
+
+    def forward(self, x: Tensor, position_ids: Tensor, allowed: Tensor, cache: HeadCache | None = None) -> Tensor:
+        """x (B, T, H); position_ids (B, T); allowed (B, 1, T, T_past+T) bool, True where a query may see a key."""
+        B, T, H = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, d)
+        k = self.k_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, d)
+        v = self.v_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, d)
+        q, k = self.rope(q, position_ids), self.rope(k, position_ids)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, nh, T_past+T, d)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, nh, T, d)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H))  # (B, T, H)
+
+
+class SwiGLU(nn.Module):
+    """Llama MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerHead(nn.Module):
+    """One Llama decoder layer over the hidden states, then RMSNorm + Linear H -> 1 (the paper's ATS head).
+
+    With a `cache`, `hidden` holds only the new positions (B, T_new, H) and `attention_mask` covers past + new
+    positions (B, T_past + T_new); the cache is extended in place. Without a cache, `hidden` is the whole sequence.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, rope_theta: float = 10000.0):
+        super().__init__()
+        if hidden_size % num_heads != 0 or (hidden_size // num_heads) % 2 != 0:
+            raise ATSError(f"num_heads: hidden_size {hidden_size} / num_heads {num_heads} must be an even integer")
+        self.input_norm = RMSNorm(hidden_size)
+        self.attn = CausalSelfAttention(hidden_size, num_heads, rope_theta)
+        self.post_attn_norm = RMSNorm(hidden_size)
+        self.mlp = SwiGLU(hidden_size, intermediate_size)
+        self.final_norm = RMSNorm(hidden_size)
+        self.proj = nn.Linear(hidden_size, 1)
+        _init_weights(self)
+        _zero_linear(self.proj)
+
+    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None, cache: HeadCache | None = None) -> Tensor:
+        B, T, _ = hidden.shape
+        past = cache.length if cache is not None else 0
+        if attention_mask is None:
+            mask = torch.ones(B, past + T, dtype=torch.bool, device=hidden.device)
+        else:
+            if tuple(attention_mask.shape) != (B, past + T):
+                raise ATSError(f"attention_mask: expected shape {(B, past + T)} (past {past} + new {T}), "
+                               f"got {tuple(attention_mask.shape)}")
+            mask = attention_mask.to(hidden.device).bool()  # (B, T_past+T)
+        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # (B, T)
+
+        # query i (absolute past+i) sees key j if j <= past+i and key j is real; always itself, so that padding query
+        # rows are never fully masked (no NaN); real queries never see padding keys.
+        q_idx = torch.arange(past, past + T, device=hidden.device)[:, None]  # (T, 1)
+        k_idx = torch.arange(past + T, device=hidden.device)[None, :]  # (1, T_past+T)
+        allowed = (k_idx <= q_idx) & mask[:, None, :]  # (B, T, T_past+T)
+        allowed = (allowed | (k_idx == q_idx))[:, None]  # (B, 1, T, T_past+T)
+
+        x = hidden.to(self.proj.weight.dtype)  # (B, T, H)
+        x = x + self.attn(self.input_norm(x), position_ids, allowed, cache)
+        x = x + self.mlp(self.post_attn_norm(x))
+        return _finish(self.proj(self.final_norm(x)), mask)  # (B, T)
