@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import logging
 import os
 from dataclasses import dataclass, field
@@ -136,12 +137,10 @@ class Backbone:
         use_cache: bool = False,
     ) -> tuple[Tensor, object]:
         """Final hidden states `h` (B, T, H), after the final norm, and the KV cache when `use_cache`."""
-        out = self.model.base_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-        )
+        base = self.model.base_model
+        cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache,
+                   **{cache_arg: past_key_values})
         return out.last_hidden_state, (out.past_key_values if use_cache else None)
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -179,7 +178,8 @@ def load_backbone(
 
     dtype: "float32" (default, the safe choice on CPU), "bfloat16" or "float16".
     """
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    torch_dtype = dtypes.get(dtype) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
         raise ATSError(f"unknown dtype {dtype!r}; expected float32, bfloat16 or float16")
     path = Path(name_or_path)
