@@ -1,0 +1,136 @@
+"""Binning baselines on the top-1 confidence: scaling-binning (Kumar, Liang, Ma 2019) and histogram binning.
+
+Both use equal-mass bins over the fitting tokens' top-1 confidence. Bin i holds confidences in (u_{i-1}, u_i] where
+the upper edges u are quantiles of the fitting confidences (the last edge is 1.0, the first bin starts at 0).
+- ScalingBinning ("Verified Uncertainty Calibration"): temperature scaling first, then each bin maps to the mean
+  *scaled* confidence in it; calibrate() applies the temperature, calibrate_confidence() the bin map.
+- HistogramBinning (Zadrozny & Elkan 2001): bins on the uncalibrated confidence map to the empirical accuracy in
+  them; calibrate() is the identity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import ATSError
+from .base import Calibrator, LogitChunks
+from .temperature import TemperatureScaling, check_positive_float, check_positive_int, collect_top1
+
+
+def equal_mass_bins(confidence: np.ndarray, target: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Upper edges (K,) and per-bin mean of `target` (K,), K <= n_bins (tied quantiles merge bins; none is empty)."""
+    order = np.sort(confidence)  # (N,)
+    n = order.size
+    cut = [order[int(np.ceil(n * (i + 1) / n_bins)) - 1] for i in range(n_bins - 1)]  # max of each equal-mass group
+    upper = np.unique(np.append(np.asarray(cut, dtype=np.float64), 1.0))  # (K,) increasing, last = 1.0
+    idx = np.searchsorted(upper, confidence, side="left")  # bin i holds (u_{i-1}, u_i]
+    counts = np.bincount(idx, minlength=upper.size)
+    sums = np.bincount(idx, weights=target, minlength=upper.size)
+    full = counts > 0  # only the last bin can be empty (every other edge is a fitting value)
+    upper = upper[full]
+    upper[-1] = 1.0
+    return upper, sums[full] / counts[full]
+
+
+def apply_bins(confidence, upper: np.ndarray, values: np.ndarray):
+    """Map each confidence to its bin's value; numpy in -> numpy out, tensor in -> tensor out (same device/dtype)."""
+    if isinstance(confidence, Tensor):
+        dtype = confidence.dtype if confidence.dtype.is_floating_point else torch.float32
+        u = torch.as_tensor(upper, dtype=torch.float64, device=confidence.device)
+        v = torch.as_tensor(values, dtype=torch.float64, device=confidence.device)
+        idx = torch.searchsorted(u, confidence.double().contiguous(), right=False).clamp(max=u.numel() - 1)
+        return v[idx].to(dtype)
+    conf = np.asarray(confidence, dtype=np.float64)
+    idx = np.minimum(np.searchsorted(upper, conf, side="left"), upper.size - 1)
+    return values[idx]
+
+
+def _load_bins(tensors: dict[str, Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    for key in ("upper_edges", "values"):
+        if key not in tensors:
+            raise ATSError(f"model.safetensors: tensor {key!r} missing")
+    upper, values = tensors["upper_edges"].double().numpy(), tensors["values"].double().numpy()
+    if upper.ndim != 1 or upper.shape != values.shape or upper.size == 0:
+        raise ATSError(f"model.safetensors: tensors 'upper_edges' {upper.shape} and 'values' {values.shape} "
+                       "must be equal-length non-empty vectors")
+    return upper, values
+
+
+class _Binning(Calibrator):
+    """Shared state and persistence: upper edges (K,) and bin values (K,) as float64 tensors."""
+
+    maps_confidence = True
+
+    def __init__(self, *, n_bins: int = 15) -> None:
+        self.n_bins = check_positive_int("n_bins", n_bins)
+        self.upper_edges: np.ndarray | None = None
+        self.values: np.ndarray | None = None
+
+    def _check_fitted(self) -> None:
+        if self.upper_edges is None or self.values is None:
+            raise ATSError(f"{type(self).__name__}: not fitted; call fit() or from_pretrained() first")
+
+    def calibrate_confidence(self, confidence):
+        self._check_fitted()
+        return apply_bins(confidence, self.upper_edges, self.values)
+
+    def config(self) -> dict:
+        self._check_fitted()
+        return {"n_bins": self.n_bins}
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        self._check_fitted()
+        return {"upper_edges": torch.from_numpy(self.upper_edges.copy()),
+                "values": torch.from_numpy(self.values.copy())}
+
+    def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
+        self.n_bins = check_positive_int("n_bins", config.get("n_bins", 15))
+        self.upper_edges, self.values = _load_bins(tensors)
+
+
+class ScalingBinning(_Binning):
+    """Temperature scaling, then equal-mass bins on the scaled confidence mapped to their mean scaled confidence."""
+
+    name = "scaling-binning"
+
+    def __init__(self, *, n_bins: int = 15) -> None:
+        super().__init__(n_bins=n_bins)
+        self.temperature: float | None = None
+
+    def fit(self, chunks: LogitChunks) -> "ScalingBinning":
+        self.temperature = TemperatureScaling().fit(chunks).temperature
+        conf, _ = collect_top1(chunks, transform=lambda z: z / self.temperature)
+        self.upper_edges, self.values = equal_mass_bins(conf, conf, self.n_bins)
+        return self
+
+    def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
+                  index: Tensor | None = None) -> Tensor:
+        """logits / T (the scaling half); the binning half is `calibrate_confidence`."""
+        self._check_fitted()
+        return logits / self.temperature
+
+    def config(self) -> dict:
+        return {**super().config(), "temperature": self.temperature}
+
+    def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
+        super().load_state(config, tensors)
+        self.temperature = check_positive_float("temperature", config.get("temperature"))
+
+
+class HistogramBinning(_Binning):
+    """Equal-mass bins on the uncalibrated confidence mapped to the empirical accuracy in each bin."""
+
+    name = "histogram"
+
+    def fit(self, chunks: LogitChunks) -> "HistogramBinning":
+        conf, correct = collect_top1(chunks)
+        self.upper_edges, self.values = equal_mass_bins(conf, correct, self.n_bins)
+        return self
+
+    def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
+                  index: Tensor | None = None) -> Tensor:
+        """Identity (the logits are left as they are); the map is `calibrate_confidence`."""
+        self._check_fitted()
+        return logits

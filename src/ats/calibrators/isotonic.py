@@ -1,0 +1,71 @@
+"""Isotonic regression (Zadrozny & Elkan 2002) of correctness on the top-1 confidence.
+
+Fitted with scikit-learn's IsotonicRegression (clipped to [0, 1] and out-of-range inputs clipped), but only its
+thresholds are kept, as tensors, and applied with np.interp: the same piecewise-linear map, saved without pickle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from sklearn.isotonic import IsotonicRegression
+from torch import Tensor
+
+from ..errors import ATSError
+from .base import Calibrator, LogitChunks
+from .temperature import collect_top1
+
+
+class IsotonicCalibration(Calibrator):
+    """Monotone map of the top-1 confidence to accuracy; calibrate() leaves the logits unchanged."""
+
+    name = "isotonic"
+    maps_confidence = True
+
+    def __init__(self) -> None:
+        self.x_thresholds: np.ndarray | None = None  # (K,) increasing confidences
+        self.y_thresholds: np.ndarray | None = None  # (K,) non-decreasing accuracies in [0, 1]
+
+    def fit(self, chunks: LogitChunks) -> "IsotonicCalibration":
+        conf, correct = collect_top1(chunks)
+        iso = IsotonicRegression(out_of_bounds="clip", y_min=0.0, y_max=1.0, increasing=True).fit(conf, correct)
+        self.x_thresholds = np.asarray(iso.X_thresholds_, dtype=np.float64)
+        self.y_thresholds = np.asarray(iso.y_thresholds_, dtype=np.float64)
+        return self
+
+    def _check_fitted(self) -> None:
+        if self.x_thresholds is None or self.y_thresholds is None:
+            raise ATSError("IsotonicCalibration: not fitted; call fit() or from_pretrained() first")
+
+    def calibrate_confidence(self, confidence):
+        """Piecewise-linear interpolation between thresholds, clipped at the ends; numpy or tensor in, same out."""
+        self._check_fitted()
+        if isinstance(confidence, Tensor):
+            dtype = confidence.dtype if confidence.dtype.is_floating_point else torch.float32
+            out = np.interp(confidence.detach().double().cpu().numpy(), self.x_thresholds, self.y_thresholds)
+            return torch.from_numpy(out).to(device=confidence.device, dtype=dtype)
+        return np.interp(np.asarray(confidence, dtype=np.float64), self.x_thresholds, self.y_thresholds)
+
+    def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
+                  index: Tensor | None = None) -> Tensor:
+        self._check_fitted()
+        return logits
+
+    def config(self) -> dict:
+        self._check_fitted()
+        return {}
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        self._check_fitted()
+        return {"x_thresholds": torch.from_numpy(self.x_thresholds.copy()),
+                "y_thresholds": torch.from_numpy(self.y_thresholds.copy())}
+
+    def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
+        for key in ("x_thresholds", "y_thresholds"):
+            if key not in tensors:
+                raise ATSError(f"model.safetensors: tensor {key!r} missing")
+        x, y = tensors["x_thresholds"].double().numpy(), tensors["y_thresholds"].double().numpy()
+        if x.ndim != 1 or x.shape != y.shape or x.size == 0:
+            raise ATSError(f"model.safetensors: tensors 'x_thresholds' {x.shape} and 'y_thresholds' {y.shape} "
+                           "must be equal-length non-empty vectors")
+        self.x_thresholds, self.y_thresholds = x, y

@@ -1,0 +1,151 @@
+"""Temperature scaling (Guo et al. 2017): one temperature T for every token, fitted by NLL; q = z / T.
+
+The fit never holds all logits: it runs exact Newton steps on s = 1/T, one pass over the chunks per step. Per token
+the loss is logsumexp(s z) - s z_y, so dL/ds = E_p[z] - z_y and d2L/ds2 = Var_p[z] >= 0 (p = softmax(s z)); the loss
+is convex in s, and a bracket [lo, hi] on the root of dL/ds guards every step (bisection when Newton leaves it).
+
+Also home of the chunk helpers the other token-level baselines share (`iter_chunks`, `collect_top1`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import ATSError
+from .base import Calibrator, LogitChunks, top1_confidence
+
+IGNORE_INDEX = -100
+S_MIN, S_MAX = 1e-2, 1e2  # 1/T stays in [0.01, 100]: T in [0.01, 100]
+
+
+def iter_chunks(chunks: LogitChunks) -> Iterator[tuple[Tensor, Tensor]]:
+    """One pass over validated chunks: logits (N, V) floating, labels (N,) in [0, V); -100 labels are dropped."""
+    try:
+        iterator = chunks()
+    except TypeError:
+        raise ATSError(f"chunks: expected a callable returning an iterator, got {type(chunks).__name__}") from None
+    for logits, labels in iterator:
+        if logits.dim() != 2 or not logits.dtype.is_floating_point:
+            raise ATSError(f"chunks: logits must be floating (N, V), got {logits.dtype} {tuple(logits.shape)}")
+        if labels.shape != logits.shape[:1]:
+            raise ATSError(f"chunks: labels shape {tuple(labels.shape)} does not match logits {tuple(logits.shape)}")
+        keep = labels != IGNORE_INDEX
+        if not bool(keep.all()):
+            logits, labels = logits[keep], labels[keep]
+        if labels.numel() == 0:
+            continue
+        bad = (labels < 0) | (labels >= logits.shape[1])
+        if bool(bad.any()):
+            raise ATSError(f"chunks: label {int(labels[bad][0])} outside the vocabulary [0, {logits.shape[1]})")
+        yield logits, labels.long()
+
+
+def collect_top1(chunks: LogitChunks, transform: Callable[[Tensor], Tensor] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Top-1 confidence (N,) float64 and correctness (N,) float64 of every fitting token, after `transform`."""
+    confs, corrects = [], []
+    for logits, labels in iter_chunks(chunks):
+        if transform is not None:
+            logits = transform(logits)
+        conf, pred = top1_confidence(logits)
+        confs.append(conf.double().clamp(0.0, 1.0).cpu().numpy())
+        corrects.append((pred == labels).double().cpu().numpy())
+    if not confs:
+        raise ATSError("chunks: no fitting tokens (every chunk was empty)")
+    return np.concatenate(confs), np.concatenate(corrects)
+
+
+def _work_dtype(logits: Tensor) -> Tensor:
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+
+def nll_derivatives(chunks: LogitChunks, s: float) -> tuple[float, float, float, int]:
+    """Mean NLL, dNLL/ds and d2NLL/ds2 at inverse temperature s over all tokens, in one pass."""
+    loss = grad = hess = 0.0
+    n = 0
+    for logits, labels in iter_chunks(chunks):
+        z = _work_dtype(logits)  # (N, V)
+        sz = z * s
+        logp = torch.log_softmax(sz, dim=-1)
+        p = logp.exp()
+        z_y = z.gather(1, labels[:, None]).squeeze(1)  # (N,)
+        mean_z = (p * z).sum(-1)  # (N,) E_p[z]
+        var_z = (p * (z - mean_z[:, None]).square()).sum(-1)  # (N,) Var_p[z], centred for accuracy
+        loss += float(-logp.gather(1, labels[:, None]).sum(dtype=torch.float64))
+        grad += float((mean_z - z_y).sum(dtype=torch.float64))
+        hess += float(var_z.sum(dtype=torch.float64))
+        n += labels.numel()
+    if n == 0:
+        raise ATSError("chunks: no fitting tokens (every chunk was empty)")
+    return loss / n, grad / n, hess / n, n
+
+
+def check_positive_int(field: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ATSError(f"{field}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_positive_float(field: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ATSError(f"{field}: expected a positive finite number, got {value!r}")
+    return float(value)
+
+
+class TemperatureScaling(Calibrator):
+    """One temperature for every token: q = z / T, T fitted by NLL with guarded Newton steps on 1/T."""
+
+    name = "temperature"
+
+    def __init__(self, *, max_passes: int = 20, tol: float = 1e-6) -> None:
+        self.max_passes = check_positive_int("max_passes", max_passes)
+        self.tol = check_positive_float("tol", tol)
+        self.temperature: float | None = None
+        self.passes_: int = 0
+
+    def fit(self, chunks: LogitChunks) -> "TemperatureScaling":
+        s, lo, hi = 1.0, S_MIN, S_MAX  # the optimum of the convex loss lies in [lo, hi] (clamped to the range)
+        for passes in range(1, self.max_passes + 1):
+            _, grad, hess, _ = nll_derivatives(chunks, s)
+            if grad > 0:
+                hi = s  # loss increases with s here: optimum is below
+            elif grad < 0:
+                lo = s
+            else:
+                break
+            step = grad / hess if hess > 0 else math.inf
+            new = s - step
+            if not (lo < new < hi):  # Newton left the bracket (or hess == 0): bisect instead
+                new = math.sqrt(lo * hi)  # geometric midpoint: s is a scale
+            if abs(new - s) <= self.tol * max(s, 1.0) or hi - lo <= self.tol * lo:
+                s = new
+                break
+            s = new
+        self.passes_ = passes
+        self.temperature = 1.0 / s
+        return self
+
+    def _check_fitted(self) -> float:
+        if self.temperature is None:
+            raise ATSError(f"{type(self).__name__}: not fitted; call fit() or from_pretrained() first")
+        return self.temperature
+
+    def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
+                  index: Tensor | None = None) -> Tensor:
+        """logits / T, same shape and dtype."""
+        return logits / self._check_fitted()
+
+    def config(self) -> dict:
+        return {"max_passes": self.max_passes, "tol": self.tol, "temperature": self._check_fitted()}
+
+    def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
+        self.max_passes = check_positive_int("max_passes", config.get("max_passes", 20))
+        self.tol = check_positive_float("tol", config.get("tol", 1e-6))
+        self.temperature = check_positive_float("temperature", config.get("temperature"))
+        self.passes_ = 0

@@ -1,0 +1,107 @@
+"""Vector scaling (Guo et al. 2017): q = a * z + b with a per-class scale a (V,) and bias b (V,).
+
+Unlike every other method here it can change the argmax (a class-dependent scale and bias reorder the logits), so it
+can change accuracy as well as confidence. With V ~ 49k classes and tens of thousands of fitting tokens most classes
+are rare, so the fit adds `weight_decay * (||a - 1||^2 + ||b||^2)` (summed over classes) to the mean NLL, pulling
+every parameter back to the identity map unless the data clearly move it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import ATSError
+from .base import Calibrator, LogitChunks
+from .temperature import check_positive_float, check_positive_int, iter_chunks
+
+
+def _check_nonnegative(field: str, value) -> float:
+    if value == 0 and not isinstance(value, bool):
+        return 0.0
+    return check_positive_float(field, value)
+
+
+class VectorScaling(Calibrator):
+    """Per-class affine map of the logits, fitted by minibatch Adam over the chunks with an identity-pulling penalty."""
+
+    name = "vector"
+
+    def __init__(self, *, epochs: int = 5, lr: float = 1e-2, weight_decay: float = 1e-4, batch_size: int = 512,
+                 seed: int = 0) -> None:
+        self.epochs = check_positive_int("epochs", epochs)
+        self.lr = check_positive_float("lr", lr)
+        self.weight_decay = _check_nonnegative("weight_decay", weight_decay)
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        self.seed = int(seed)
+        self.scale: Tensor | None = None  # (V,) a
+        self.bias: Tensor | None = None  # (V,) b
+
+    def fit(self, chunks: LogitChunks) -> "VectorScaling":
+        gen = torch.Generator().manual_seed(self.seed)
+        a = b = opt = None
+        for _ in range(self.epochs):
+            seen = 0
+            for logits, labels in iter_chunks(chunks):
+                if a is None:  # vocabulary size and device come from the first chunk
+                    a = torch.ones(logits.shape[1], device=logits.device, requires_grad=True)
+                    b = torch.zeros(logits.shape[1], device=logits.device, requires_grad=True)
+                    opt = torch.optim.Adam([a, b], lr=self.lr)
+                if logits.shape[1] != a.numel():
+                    raise ATSError(f"chunks: vocabulary size {logits.shape[1]} differs from the first chunk's "
+                                   f"{a.numel()}")
+                order = torch.randperm(labels.numel(), generator=gen).to(logits.device)  # shuffle within the chunk
+                for batch in order.split(self.batch_size):
+                    z = logits[batch].float()  # (n, V)
+                    loss = F.cross_entropy(z * a + b, labels[batch])
+                    if self.weight_decay:
+                        loss = loss + self.weight_decay * ((a - 1).square().sum() + b.square().sum())
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                seen += labels.numel()
+            if seen == 0:
+                raise ATSError("chunks: no fitting tokens (every chunk was empty)")
+        self.scale = a.detach().cpu().clone()
+        self.bias = b.detach().cpu().clone()
+        return self
+
+    def _check_fitted(self) -> tuple[Tensor, Tensor]:
+        if self.scale is None or self.bias is None:
+            raise ATSError("VectorScaling: not fitted; call fit() or from_pretrained() first")
+        return self.scale, self.bias
+
+    def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
+                  index: Tensor | None = None) -> Tensor:
+        """a * z + b over the last axis; same shape and dtype as `logits` (computed in float32)."""
+        a, b = self._check_fitted()
+        if logits.shape[-1] != a.numel():
+            raise ATSError(f"logits: vocabulary size {logits.shape[-1]} does not match the fitted {a.numel()}")
+        a, b = a.to(logits.device), b.to(logits.device)
+        return (logits.float() * a + b).to(logits.dtype)
+
+    def config(self) -> dict:
+        a, _ = self._check_fitted()
+        return {"epochs": self.epochs, "lr": self.lr, "weight_decay": self.weight_decay,
+                "batch_size": self.batch_size, "seed": self.seed, "vocab_size": a.numel()}
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        a, b = self._check_fitted()
+        return {"scale": a, "bias": b}
+
+    def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
+        self.epochs = check_positive_int("epochs", config.get("epochs", 5))
+        self.lr = check_positive_float("lr", config.get("lr", 1e-2))
+        self.weight_decay = _check_nonnegative("weight_decay", config.get("weight_decay", 1e-4))
+        self.batch_size = check_positive_int("batch_size", config.get("batch_size", 512))
+        self.seed = int(config.get("seed", 0))
+        vocab = check_positive_int("vocab_size", config.get("vocab_size"))
+        for key in ("scale", "bias"):
+            if key not in tensors:
+                raise ATSError(f"model.safetensors: tensor {key!r} missing")
+            if tuple(tensors[key].shape) != (vocab,):
+                raise ATSError(f"model.safetensors: tensor {key!r} has shape {tuple(tensors[key].shape)}, "
+                               f"expected ({vocab},)")
+        self.scale = tensors["scale"].float()
+        self.bias = tensors["bias"].float()
