@@ -71,15 +71,19 @@ class ATSCalibrator(Calibrator):
         self.head: nn.Module = build_head(config.head)
 
     @classmethod
-    def for_backbone(cls, backbone: Backbone, *, head_type: str = "transformer", **options) -> "ATSCalibrator":
-        """A fresh (identity) calibrator sized for `backbone`; options go to ATSConfig / HeadConfig."""
+    def for_backbone(cls, backbone: Backbone, *, head_type: str = "transformer", seed: int = 0,
+                     **options) -> "ATSCalibrator":
+        """A fresh (identity) calibrator sized for `backbone`, initialised from `seed` (the global RNG is left
+        untouched); options go to ATSConfig / HeadConfig."""
         head_fields = {f.name for f in dataclasses.fields(HeadConfig)}
         head_options = {k: v for k, v in options.items() if k in head_fields}
         config_options = {k: v for k, v in options.items() if k not in head_fields}
         head = HeadConfig(head_type=head_type, hidden_size=backbone.hidden_size, **head_options)
         config = ATSConfig(head=head, hidden_size=backbone.hidden_size, vocab_size=backbone.vocab_size,
                            base_model=backbone.name, revision=backbone.revision, **config_options)
-        return cls(config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return cls(config)
 
     # --- the method --------------------------------------------------------------------------------------------
     def temperature(self, hidden: Tensor, attention_mask: Tensor | None = None, cache=None) -> Tensor:

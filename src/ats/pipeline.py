@@ -1,0 +1,95 @@
+"""End-to-end steps shared by the CLI, the demo and the benchmarks: data -> features -> head -> baselines -> eval.
+
+Each step writes into a run folder and is skipped when its output is already there, so a run that stopped can be
+repeated with the same command and only the unfinished work is done.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from .ats import ATSCalibrator
+from .backbone import Backbone
+from .calibrators import build_calibrator, load_calibrator
+from .calibrators.base import CONFIG_NAME, Calibrator
+from .data import load_instructions, tokenize_instructions, train_val_split
+from .features import META_NAME, FeatureStore, extract_features
+from .io import write_json
+from .training import TrainingConfig, train_ats
+
+logger = logging.getLogger(__name__)
+
+BASELINES = ("temperature", "vector", "scaling-binning", "histogram", "isotonic")
+
+
+@dataclass
+class DataOptions:
+    source: str = "alpaca_gpt4"
+    limit: int | None = None
+    max_length: int = 512
+    val_fraction: float = 0.1
+    seed: int = 0
+    batch_tokens: int = 8192
+    feature_dtype: str = "float16"
+
+
+def prepare_features(backbone: Backbone, features_dir: str | Path, options: DataOptions | None = None,
+                     *, progress: bool = True) -> tuple[FeatureStore, FeatureStore]:
+    """Tokenize the instruction data, split it, and extract (or reuse) train/val feature caches."""
+    options = options or DataOptions()
+    features_dir = Path(features_dir)
+    stores = []
+    if all((features_dir / split / META_NAME).exists() for split in ("train", "val")):
+        stores = [FeatureStore(features_dir / split) for split in ("train", "val")]
+        for store in stores:
+            store.check_backbone(backbone)
+        return stores[0], stores[1]
+    records = load_instructions(options.source, limit=options.limit, seed=options.seed)
+    examples, stats = tokenize_instructions(backbone.tokenizer, records, max_length=options.max_length)
+    logger.info("instruction data %s: %s", options.source, stats.summary())
+    print(f"[data] {options.source}: {stats.summary()}")
+    train, val = train_val_split(examples, val_fraction=options.val_fraction, seed=options.seed)
+    meta = {"data_source": options.source, "max_length": options.max_length, "truncated": stats.truncated,
+            "dropped": stats.dropped}
+    for split, part in (("train", train), ("val", val)):
+        stores.append(extract_features(backbone, part, features_dir / split, batch_tokens=options.batch_tokens,
+                                       dtype=options.feature_dtype, progress=progress,
+                                       extra_meta={**meta, "split": split}))
+    return stores[0], stores[1]
+
+
+def train_head(backbone: Backbone, train_store: FeatureStore, val_store: FeatureStore | None, out_dir: str | Path,
+               *, head_type: str = "transformer", loss_type: str = "selective", alpha: float = 0.5,
+               weighting: str = "token", max_scale: float = 10.0, training: TrainingConfig | None = None,
+               resume: bool = False, progress: bool = True) -> ATSCalibrator:
+    """Train an ATS head and save it to `out_dir` (reused if already saved there)."""
+    out_dir = Path(out_dir)
+    if (out_dir / CONFIG_NAME).exists() and not resume:
+        return ATSCalibrator.from_pretrained(out_dir, backbone=backbone)
+    calibrator = ATSCalibrator.for_backbone(backbone, head_type=head_type, loss_type=loss_type, alpha=alpha,
+                                            weighting=weighting, max_scale=max_scale)
+    result = train_ats(calibrator, train_store, backbone, config=training, val_store=val_store,
+                       out_dir=out_dir.with_name(out_dir.name + ".work"), resume=resume, progress=progress)
+    calibrator.save_pretrained(out_dir)
+    write_json(out_dir / "training_history.json", {"steps": result.history, "epochs": result.epochs})
+    return calibrator
+
+
+def fit_baselines(backbone: Backbone, train_store: FeatureStore, out_dir: str | Path,
+                  names: tuple[str, ...] = BASELINES) -> dict[str, Calibrator]:
+    """Fit each baseline on the same response tokens ATS trains on; saved under `out_dir/<name>` and reused."""
+    out_dir = Path(out_dir)
+    chunks = train_store.logit_chunks(backbone.logits)
+    fitted = {}
+    for name in names:
+        target = out_dir / name
+        if (target / CONFIG_NAME).exists():
+            fitted[name] = load_calibrator(target)
+            continue
+        print(f"[baselines] fitting {name} on {train_store.meta['response_tokens']} response tokens")
+        calibrator = build_calibrator(name).fit(chunks)
+        calibrator.save_pretrained(target)
+        fitted[name] = calibrator
+    return fitted
