@@ -1,0 +1,196 @@
+"""What each `ats` sub-command does, on top of the library (the CLI only parses arguments)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import ATSError
+
+# Sizes of the end-to-end demo. "demo" finishes in about 20 minutes on 2 CPU cores.
+DEMO_SIZES = {
+    "tiny": dict(limit=60, max_length=256, epochs=1, task_limit={"mmlu": 1, "triviaqa": 20, "truthfulqa_mc1": 20},
+                 subjects=10),
+    "demo": dict(limit=300, max_length=320, epochs=2, task_limit={"mmlu": 3, "triviaqa": 150, "truthfulqa_mc1": 150},
+                 subjects=None),
+    "benchmark": dict(limit=1000, max_length=512, epochs=2,
+                      task_limit={"mmlu": 10, "triviaqa": 500, "truthfulqa_mc1": 817}, subjects=None),
+}
+
+
+def _device(name: str | None) -> str:
+    if name:
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _backbone(args):
+    from .backbone import load_backbone
+
+    return load_backbone(args.model, dtype=getattr(args, "dtype", "float32"), device=_device(getattr(args, "device", None)),
+                         trust_remote_code=getattr(args, "trust_remote_code", False))
+
+
+def _data_options(args):
+    from .pipeline import DataOptions
+
+    return DataOptions(source=args.data, limit=args.limit, max_length=args.max_length,
+                       val_fraction=args.val_fraction, seed=getattr(args, "seed", 0), batch_tokens=args.batch_tokens)
+
+
+def cmd_train(args) -> int:
+    from .pipeline import prepare_features, train_head
+    from .token_eval import token_confidences
+    from .calibrators.base import Uncalibrated
+    from .metrics import summarize
+    from .training import TrainingConfig
+
+    out = Path(args.out)
+    backbone = _backbone(args)
+    train_store, val_store = prepare_features(backbone, args.features or out / "features", _data_options(args),
+                                              progress=not args.quiet)
+    training = TrainingConfig(lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
+                              micro_batch_size=args.micro_batch_size, seed=args.seed, bf16=args.bf16,
+                              save_every=args.save_every)
+    train_head(backbone, train_store, val_store, out / "head", head_type=args.head, loss_type=args.loss,
+               alpha=args.alpha, weighting=args.weighting, max_scale=args.max_scale, training=training,
+               resume=args.resume, progress=not args.quiet)
+    from .ats import ATSCalibrator
+
+    calibrator = ATSCalibrator.from_pretrained(out / "head", backbone=backbone)  # reload: what users will load
+    results = token_confidences(val_store, backbone, {"uncalibrated": Uncalibrated(), "ats": calibrator},
+                                progress=not args.quiet)
+    print(f"\nToken-level calibration on the held-out split ({len(val_store)} sequences, "
+          f"{len(results['ats'][0])} response tokens):")
+    print(_token_table({name: summarize(*value) for name, value in results.items()}))
+    print(f"\nhead saved to {out / 'head'}")
+    return 0
+
+
+def _token_table(rows: dict[str, dict]) -> str:
+    lines = ["| method | Acc | ECE | Brier | NLL |", "|---|---|---|---|---|"]
+    for name, m in rows.items():
+        lines.append(f"| {name} | {m['accuracy']:.3f} | {m['ece']:.3f} | {m['brier']:.3f} | {m['nll']:.3f} |")
+    return "\n".join(lines)
+
+
+def _calibrators_from_args(args, backbone, out: Path) -> dict:
+    from .ats import ATSCalibrator
+    from .calibrators import CALIBRATORS, load_calibrator
+    from .calibrators.base import Uncalibrated
+
+    names = [c for item in (args.calibrator or ["none"]) for c in item.split(",") if c]
+    calibrators: dict = {"uncalibrated": Uncalibrated()}
+    to_fit = []
+    for name in names:
+        if Path(name).is_dir():
+            calibrator = load_calibrator(name)
+            if isinstance(calibrator, ATSCalibrator):
+                calibrator.check_backbone(backbone)
+                calibrator.to(backbone.device)
+            calibrators[Path(name).name if calibrator.name != "ats" else "ats"] = calibrator
+        elif name == "none":
+            continue
+        elif name in CALIBRATORS:
+            to_fit.append(name)
+        else:
+            raise ATSError(f"--calibrator {name!r}: not a folder and not a known calibrator "
+                           f"({', '.join(sorted(CALIBRATORS))})")
+    if to_fit:
+        from .pipeline import fit_baselines, prepare_features
+
+        train_store, _ = prepare_features(backbone, args.features or out / "features", _data_options(args),
+                                          progress=not args.quiet)
+        calibrators.update(fit_baselines(backbone, train_store, out / "baselines", tuple(to_fit)))
+    return calibrators
+
+
+def cmd_eval(args) -> int:
+    from .evaluate import evaluate, format_table
+
+    out = Path(args.out)
+    backbone = _backbone(args)
+    calibrators = _calibrators_from_args(args, backbone, out)
+    tasks = [t for t in args.tasks.split(",") if t]
+    results = evaluate(backbone, calibrators, tasks, out, bootstrap=args.bootstrap, limit=args.task_limit,
+                       progress=not args.quiet)
+    print(format_table(results))
+    print(f"\nresults: {out / 'results.json'}, {out / 'results.md'}, figures in {out / 'figures'}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .ats import ATSCalibrator
+    from .generation import generate_calibrated, print_stream
+
+    backbone = _backbone(args)
+    calibrator = ATSCalibrator.from_pretrained(args.calibrator, backbone=backbone).to(backbone.device)
+    torch.manual_seed(args.seed)
+    outputs = generate_calibrated(backbone, calibrator, [" ".join(args.prompt)], max_new_tokens=args.max_new_tokens,
+                                  do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, stop_strings=args.stop,
+                                  chat_template=not args.no_chat_template, stream=print_stream)
+    for out in outputs:
+        print(f"\nsequence confidence: mean {out.mean_confidence:.3f}, product {out.product_confidence:.3g} "
+              f"(uncalibrated mean {out.mean_uncalibrated:.3f})")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Train ATS on the embedded chat model, fit every baseline on the same data, evaluate all on three tasks."""
+    from .backbone import load_backbone
+    from .calibrators.base import Uncalibrated
+    from .evaluate import evaluate, format_table
+    from .metrics import summarize
+    from .pipeline import BASELINES, DataOptions, fit_baselines, prepare_features, train_head
+    from .sources import data_dir
+    from .tasks import build_task
+    from .token_eval import token_confidences
+    from .training import TrainingConfig
+
+    size = DEMO_SIZES[args.size]
+    out = Path(args.out)
+    start = time.time()
+    progress = not args.quiet
+    if data_dir() is None and Path("../shared/data").is_dir():
+        os.environ["ATS_DATA_DIR"] = str(Path("../shared/data").resolve())
+    print(f"[1/5] loading {args.model}")
+    backbone = load_backbone(args.model, device=_device(None))
+    print(f"[2/5] features: Alpaca-GPT4, {size['limit']} examples, max length {size['max_length']}")
+    train_store, val_store = prepare_features(
+        backbone, out / "features", DataOptions(limit=size["limit"], max_length=size["max_length"]), progress=progress)
+    print(f"[3/5] training the transformer ATS head ({train_store.meta['response_tokens']} response tokens)")
+    ats = train_head(backbone, train_store, val_store, out / "ats-transformer",
+                     training=TrainingConfig(epochs=size["epochs"]), progress=progress)
+    print("[4/5] fitting the baselines on the same tokens")
+    calibrators = {"uncalibrated": Uncalibrated(), **fit_baselines(backbone, train_store, out / "baselines"),
+                   "ats": ats}
+    token = token_confidences(val_store, backbone, calibrators, progress=progress)
+    print("\nToken-level calibration on the held-out Alpaca-GPT4 split:")
+    print(_token_table({name: summarize(*value) for name, value in token.items()}))
+    print("\n[5/5] evaluating on MMLU, TriviaQA, TruthfulQA MC1")
+    subjects = None
+    if size["subjects"]:
+        subjects = ["abstract_algebra", "anatomy", "astronomy", "college_biology", "high_school_geography",
+                    "high_school_us_history", "marketing", "nutrition", "philosophy", "world_religions"]
+    tasks = [build_task("mmlu", limit=size["task_limit"]["mmlu"], subjects=subjects),
+             build_task("triviaqa", limit=size["task_limit"]["triviaqa"]),
+             build_task("truthfulqa_mc1", limit=size["task_limit"]["truthfulqa_mc1"])]
+    results = evaluate(backbone, calibrators, tasks, out / "eval", progress=progress)
+    print(format_table(results))
+    print(f"\nfigures: {out / 'eval' / 'figures'}; tables: {out / 'eval' / 'results.md'}; "
+          f"total {(time.time() - start) / 60:.1f} min")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "demo": cmd_demo}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quiet:
+        os.environ["TQDM_DISABLE"] = "1"
+    return COMMANDS[args.command](args)
