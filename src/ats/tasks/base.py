@@ -1,0 +1,377 @@
+"""What every evaluation task shares: the `Task` interface, `TaskResult`, and the machinery that applies every
+calibrator to ONE backbone forward.
+
+A task runs the backbone once per example (or per batch of examples) and applies each calibrator to that same
+forward: the logits at the positions it needs (never the whole (T, V) matrix) and, for calibrators that read the
+backbone's hidden states (ATS), the hidden states of the whole sequence (B, T, H) with its attention mask and the
+index (B, K) of the positions whose logits are passed. Evaluating seven methods therefore costs one backbone pass.
+
+Binning calibrators (`maps_confidence`) are applied after the logits map, to the top-1 confidence the task derives
+from the calibrated logits (`final_confidence`).
+
+A shared few-shot prefix is encoded once (`PrefixCache`): its KV cache and hidden states are reused for every example
+that starts with it, so an example costs only its own tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import zlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..calibrators.base import Calibrator
+from ..errors import ATSError
+
+
+# --- results ---------------------------------------------------------------------------------------------------------
+@dataclass
+class TaskResult:
+    """Per-example results of one method on one task: confidence in [0, 1] and whether the answer was correct.
+
+    `extra` holds further per-example arrays of the same length (e.g. TriviaQA's `confidence_product`).
+    """
+
+    confidence: np.ndarray  # (N,) float
+    correct: np.ndarray  # (N,) bool
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.confidence = np.asarray(self.confidence, dtype=np.float64).reshape(-1)
+        self.correct = np.asarray(self.correct, dtype=bool).reshape(-1)
+        if self.confidence.shape != self.correct.shape:
+            raise ATSError(f"TaskResult: confidence has {self.confidence.size} entries, correct "
+                           f"{self.correct.size}")
+        self.extra = {k: np.asarray(v) for k, v in self.extra.items()}
+
+    def __len__(self) -> int:
+        return int(self.confidence.size)
+
+    def to_dict(self) -> dict:
+        return {"confidence": self.confidence.tolist(), "correct": self.correct.tolist(),
+                "extra": {k: v.tolist() for k, v in self.extra.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "task result") -> "TaskResult":
+        try:
+            return cls(confidence=np.asarray(data["confidence"], dtype=np.float64),
+                       correct=np.asarray(data["correct"], dtype=bool),
+                       extra={k: np.asarray(v) for k, v in data.get("extra", {}).items()})
+        except (KeyError, TypeError, ValueError) as err:
+            raise ATSError(f"{where}: malformed task result ({err})") from None
+
+
+class Task(ABC):
+    """An evaluation task: `run` returns, per calibrator name, per-example confidence and correctness."""
+
+    name: str  # safe for file names
+
+    @abstractmethod
+    def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
+        """Evaluate every calibrator on the same backbone forward passes."""
+
+    def describe(self) -> dict:
+        """The settings that determine the results (stored beside them, so stale results are never reused)."""
+        return {"name": self.name}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.describe()})"
+
+
+# --- small helpers ---------------------------------------------------------------------------------------------------
+def progress_bar(iterable: Iterable, *, enabled: bool, desc: str, total: int | None = None):
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, disable=not enabled, leave=False, dynamic_ncols=True)
+
+
+def chunks(items: Sequence, size: int) -> list[Sequence]:
+    size = max(1, int(size))
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def seeded_subset(n: int, limit: int | None, seed: int, *, salt: str = "") -> list[int]:
+    """Sorted indices of a seeded random subset of `range(n)` of size `limit` (all of them when None)."""
+    if limit is None or limit >= n:
+        return list(range(n))
+    if limit < 0:
+        raise ATSError(f"limit must be >= 0, got {limit}")
+    rng = random.Random(seed * 1_000_003 + zlib.crc32(salt.encode()))
+    return sorted(rng.sample(range(n), limit))
+
+
+def encode(tokenizer, text: str, *, special: bool) -> list[int]:
+    """Token ids of `text`; `special` adds the tokenizer's BOS (for the start of a prompt)."""
+    return list(tokenizer(text, add_special_tokens=special).input_ids)
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def continuation_token_id(tokenizer, context: str, continuation: str) -> int:
+    """The single token that `continuation` adds after `context` (e.g. " A" after "Answer:"); error if not one."""
+    base = encode(tokenizer, context, special=False)
+    full = encode(tokenizer, context + continuation, special=False)
+    if full[:len(base)] != base or len(full) != len(base) + 1:
+        simple = encode(tokenizer, continuation, special=False)
+        if len(simple) == 1:
+            return simple[0]
+        raise ATSError(f"tokenizer: {continuation!r} after {context!r} is not a single token "
+                       f"({full[len(base):] if full[:len(base)] == base else simple}); letter scoring needs one")
+    return full[-1]
+
+
+def letter_token_ids(tokenizer, n: int, context: str = "Answer:") -> list[int]:
+    """Token ids of " A", " B", ... (n letters) as they follow "Answer:"; each must be one distinct token."""
+    if not 2 <= n <= 26:
+        raise ATSError(f"letter scoring supports 2 to 26 choices, got {n}")
+    ids = [continuation_token_id(tokenizer, context, " " + chr(ord("A") + i)) for i in range(n)]
+    if len(set(ids)) != n:
+        raise ATSError(f"tokenizer: the letter tokens {ids} are not distinct")
+    return ids
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ATSError(f"{path}: line {lineno}: invalid JSON ({err.msg})") from None
+    return rows
+
+
+def hub_dataset(path: str, config: str | None, split: str):
+    """A split of a Hub data set (online users; with ATS_DATA_DIR set the local files are used instead)."""
+    try:
+        import datasets
+    except ImportError as err:  # pragma: no cover - datasets is a dependency
+        raise ATSError("loading from the Hub needs the `datasets` package: pip install datasets") from err
+    try:
+        return datasets.load_dataset(path, config, split=split)
+    except Exception as err:
+        raise ATSError(f"could not load {path} ({config}, {split}) from the Hugging Face Hub: {err}; "
+                       f"set ATS_DATA_DIR to a folder with local copies") from None
+
+
+# --- calibrated confidences from one forward -------------------------------------------------------------------------
+def calibrated_logits(
+    calibrator: Calibrator,
+    logits: Tensor,  # (B, K, V) float32
+    hidden: Tensor,  # (B, T, H)
+    attention_mask: Tensor,  # (B, T)
+    index: Tensor,  # (B, K)
+) -> Tensor:
+    """Calibrated logits (B, K, V) float32; hidden states are passed only to calibrators that read them."""
+    if calibrator.needs_hidden:
+        q = calibrator.calibrate(logits, hidden, attention_mask=attention_mask, index=index)
+    else:
+        q = calibrator.calibrate(logits)
+    if tuple(q.shape) != tuple(logits.shape):
+        raise ATSError(f"calibrator {type(calibrator).__name__} returned logits of shape {tuple(q.shape)}, "
+                       f"expected {tuple(logits.shape)}")
+    return q.float()
+
+
+def final_confidence(calibrator: Calibrator, confidence: Tensor | np.ndarray) -> np.ndarray:
+    """A top-1 confidence computed from calibrated logits, passed through the binning map when there is one."""
+    conf = confidence.detach().float().cpu().numpy() if isinstance(confidence, Tensor) else np.asarray(confidence)
+    conf = conf.astype(np.float64)
+    if calibrator.maps_confidence:
+        mapped = calibrator.calibrate_confidence(conf)
+        conf = (mapped.detach().float().cpu().numpy() if isinstance(mapped, Tensor) else np.asarray(mapped))
+        conf = conf.astype(np.float64).reshape(np.shape(confidence))
+    return np.clip(conf, 0.0, 1.0)
+
+
+def gather_logits(backbone, hidden: Tensor, index: Tensor) -> Tensor:
+    """Logits (B, K, V) float32 at positions `index` (B, K) of `hidden` (B, T, H), and nowhere else."""
+    h = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+    return backbone.logits(h).float()
+
+
+def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
+    """(ids (B, T), mask (B, T)) with right padding: positions of the real tokens are unaffected."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, :len(r)] = 1
+    return ids.to(device), mask.to(device)
+
+
+class PrefixCache:
+    """A prompt prefix encoded once: its KV cache and hidden states, reused by every example that starts with it.
+
+    `forward(rows)` runs a batch of full token sequences (each one starting with some of the prefix's tokens) and
+    returns the hidden states of the WHOLE sequences (B, T, H) (prefix included, as ATS's head attends to it) and the
+    attention mask (B, T), right-padded, at the cost of the tokens after the shared prefix only.
+
+    The cache is never mutated: each batch gets a copy cropped to the shared length and repeated over the batch
+    (transformers' DynamicCache is extended in place by a forward).
+    """
+
+    def __init__(self, backbone, prefix_ids: Sequence[int]) -> None:
+        self.backbone = backbone
+        self.ids = list(prefix_ids)
+        self.hidden: Tensor | None = None
+        self.cache = None
+        if len(self.ids) > 0:
+            x = torch.tensor([self.ids], dtype=torch.long, device=backbone.device)
+            self.hidden, self.cache = backbone.forward(x, attention_mask=torch.ones_like(x), use_cache=True)
+
+    def _cache_for(self, length: int, batch: int):
+        cache = copy.deepcopy(self.cache)
+        remove = len(self.ids) - length
+        if remove > 0:
+            cache.crop(-remove)  # negative: remove that many positions (all transformers versions)
+        if batch > 1:
+            cache.batch_repeat_interleave(batch)
+        return cache
+
+    def shared_length(self, row: Sequence[int]) -> int:
+        """How many of `row`'s first tokens the cache covers (at least one token is left to run)."""
+        return min(common_prefix_length(self.ids, row), len(row) - 1)
+
+    def forward(self, rows: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+        """Hidden states (B, T, H) and attention mask (B, T) of the right-padded full sequences `rows`."""
+        backbone = self.backbone
+        device = backbone.device
+        pad = backbone.tokenizer.pad_token_id
+        shared = min(self.shared_length(r) for r in rows) if self.cache is not None else 0
+        if shared == 0:
+            ids, mask = pad_right(rows, pad, device)
+            hidden, _ = backbone.forward(ids, attention_mask=mask)
+            return hidden, mask
+        B = len(rows)
+        ids, mask = pad_right([r[shared:] for r in rows], pad, device)
+        past_mask = torch.ones((B, shared), dtype=mask.dtype, device=device)
+        full_mask = torch.cat([past_mask, mask], dim=1)
+        new_hidden, _ = backbone.forward(ids, attention_mask=full_mask, past_key_values=self._cache_for(shared, B),
+                                         use_cache=True)
+        prefix_hidden = self.hidden[:, :shared].expand(B, -1, -1)
+        return torch.cat([prefix_hidden.to(new_hidden.dtype), new_hidden], dim=1), full_mask
+
+
+# --- two scoring rules shared by the multiple-choice tasks -----------------------------------------------------------
+@dataclass
+class LetterItem:
+    """One question scored by letters: its full prompt tokens (ending at "Answer:") and the letter token ids."""
+
+    ids: list[int]
+    letters: list[int]  # token ids of " A", " B", ... (one per choice)
+    answer: int
+
+
+def score_letters(backbone, calibrators: dict[str, Calibrator], items: Sequence[LetterItem], *,
+                  prefix: PrefixCache | None = None, batch_size: int = 8, progress: bool = False,
+                  desc: str = "letters") -> dict[str, TaskResult]:
+    """Confidence = softmax over the letter tokens of the calibrated logits at the answer position."""
+    prefix = prefix or PrefixCache(backbone, [])
+    conf: dict[str, list[np.ndarray]] = {m: [] for m in calibrators}
+    pred: dict[str, list[np.ndarray]] = {m: [] for m in calibrators}
+    answers = []
+    for batch in progress_bar(chunks(list(items), batch_size), enabled=progress, desc=desc):
+        hidden, mask = prefix.forward([it.ids for it in batch])
+        last = torch.tensor([[len(it.ids) - 1] for it in batch], device=hidden.device)  # (B, 1)
+        z = gather_logits(backbone, hidden, last)  # (B, 1, V)
+        n = max(len(it.letters) for it in batch)
+        letter_ids = torch.tensor([it.letters + [it.letters[0]] * (n - len(it.letters)) for it in batch],
+                                  device=z.device)  # (B, n)
+        valid = torch.tensor([[j < len(it.letters) for j in range(n)] for it in batch], device=z.device)
+        answers.extend(it.answer for it in batch)
+        for method, calibrator in calibrators.items():
+            q = calibrated_logits(calibrator, z, hidden, mask, last)[:, 0]  # (B, V)
+            letter_logits = q.gather(1, letter_ids).masked_fill(~valid, float("-inf"))
+            probs = torch.softmax(letter_logits, dim=-1)
+            c, p = probs.max(dim=-1)
+            conf[method].append(final_confidence(calibrator, c))
+            pred[method].append(p.cpu().numpy())
+    return _collect(conf, pred, np.asarray(answers, dtype=np.int64))
+
+
+@dataclass
+class ChoiceItem:
+    """One question scored by choice likelihood: context tokens and each choice's continuation tokens."""
+
+    context: list[int]
+    choices: list[list[int]]
+    answer: int
+
+
+def score_choices(backbone, calibrators: dict[str, Calibrator], items: Sequence[ChoiceItem], *,
+                  prefix: PrefixCache | None = None, progress: bool = False,
+                  desc: str = "choices") -> dict[str, TaskResult]:
+    """Each choice scored by its summed log-likelihood under the calibrated logits; softmax over the choices.
+
+    The choices of one question run as one batch (they share the context, and the prefix cache when given).
+    """
+    prefix = prefix or PrefixCache(backbone, [])
+    conf: dict[str, list[np.ndarray]] = {m: [] for m in calibrators}
+    pred: dict[str, list[np.ndarray]] = {m: [] for m in calibrators}
+    answers = []
+    for item in progress_bar(items, enabled=progress, desc=desc):
+        if any(len(c) == 0 for c in item.choices):
+            raise ATSError("a choice has no tokens")
+        rows = [item.context + c for c in item.choices]
+        hidden, mask = prefix.forward(rows)
+        start = len(item.context)
+        K = max(len(c) for c in item.choices)
+        # position start + j - 1 predicts choice token j; padded entries repeat a valid position and are masked out
+        index = torch.tensor([[start - 1 + min(j, len(c) - 1) for j in range(K)] for c in item.choices],
+                             device=hidden.device)  # (C, K)
+        targets = torch.tensor([[c[min(j, len(c) - 1)] for j in range(K)] for c in item.choices],
+                               device=hidden.device)  # (C, K)
+        valid = torch.tensor([[j < len(c) for j in range(K)] for c in item.choices], device=hidden.device)
+        z = gather_logits(backbone, hidden, index)  # (C, K, V)
+        answers.append(item.answer)
+        for method, calibrator in calibrators.items():
+            q = calibrated_logits(calibrator, z, hidden, mask, index)
+            logp = torch.log_softmax(q, dim=-1).gather(2, targets[..., None])[..., 0]  # (C, K)
+            total = (logp * valid).sum(dim=1)  # (C,)
+            probs = torch.softmax(total, dim=0)
+            c, p = probs.max(dim=0)
+            conf[method].append(final_confidence(calibrator, c.reshape(1)))
+            pred[method].append(p.reshape(1).cpu().numpy())
+    return _collect(conf, pred, np.asarray(answers, dtype=np.int64))
+
+
+def _collect(conf: dict[str, list[np.ndarray]], pred: dict[str, list[np.ndarray]],
+             answers: np.ndarray) -> dict[str, TaskResult]:
+    out = {}
+    for method in conf:
+        c = np.concatenate(conf[method]) if conf[method] else np.zeros(0)
+        p = np.concatenate(pred[method]).astype(np.int64) if pred[method] else np.zeros(0, dtype=np.int64)
+        out[method] = TaskResult(confidence=c, correct=p == answers, extra={"prediction": p, "answer": answers})
+    return out
+
+
+def concat_results(parts: list[dict[str, TaskResult]], methods: Iterable[str]) -> dict[str, TaskResult]:
+    """Join per-group results (e.g. MMLU subjects) in order."""
+    out = {}
+    for m in methods:
+        rs = [p[m] for p in parts]
+        if not rs:
+            out[m] = TaskResult(np.zeros(0), np.zeros(0, dtype=bool))
+            continue
+        keys = set(rs[0].extra)
+        out[m] = TaskResult(np.concatenate([r.confidence for r in rs]), np.concatenate([r.correct for r in rs]),
+                            {k: np.concatenate([r.extra[k] for r in rs]) for k in keys})
+    return out
