@@ -35,6 +35,7 @@ def test_cached_hidden_states_match_a_direct_forward(tiny_backbone, examples, tm
     assert hidden.shape == (7, tiny_backbone.hidden_size) and (labels != IGNORE_INDEX).all()
     logits, labels2 = next(store.logit_chunks(tiny_backbone.logits, chunk_tokens=7)())
     torch.testing.assert_close(logits, tiny_backbone.logits(hidden))
+    assert torch.is_grad_enabled()  # a suspended chunk generator must not leave grad mode off for its consumer
 
 
 def test_extraction_resumes_without_recomputing_finished_shards(tiny_backbone, examples, tmp_path):

@@ -141,7 +141,10 @@ class Backbone:
         cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
         out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache,
                    **{cache_arg: past_key_values})
-        return out.last_hidden_state, (out.past_key_values if use_cache else None)
+        if not use_cache:
+            return out.last_hidden_state, None
+        cache = out.get("cache") if "cache" in out else out.get("past_key_values")
+        return out.last_hidden_state, cache
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Logits `z` (..., V) from hidden states (..., H), exactly as the model's own head computes them."""

@@ -63,6 +63,38 @@ def shard_plan(examples: list[TokenizedExample], shard_sequences: int) -> list[l
     return [order[k:k + shard_sequences] for k in range(0, len(order), shard_sequences)]
 
 
+def micro_batch_plan(shard_sizes: list[int], batch_size: int, *, shuffle: bool = False, seed: int = 0,
+                     shard_ids: list[int] | None = None) -> list[tuple[int, list[int]]]:
+    """The seeded global order of micro-batches as (shard, rows in the shard), computed from the sizes alone.
+
+    Shards are visited in a seeded order, and the rows of each shard in a seeded order, cut into `batch_size` pieces
+    (the last piece of a shard may be smaller). Shards hold sequences of similar length (they are cut from the
+    length-sorted data), so a micro-batch wastes little padding. Cached and online features use the same plan.
+    """
+    rng = random.Random(seed)
+    shard_ids = list(range(len(shard_sizes))) if shard_ids is None else list(shard_ids)
+    if shuffle:
+        rng.shuffle(shard_ids)
+    plan = []
+    for k in shard_ids:
+        order = list(range(shard_sizes[k]))
+        if shuffle:
+            rng.shuffle(order)
+        plan.extend((k, order[i:i + batch_size]) for i in range(0, len(order), batch_size))
+    return plan
+
+
+def pad_batch(ids: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-padded input_ids (B, T_max) and attention mask (B, T_max)."""
+    t_max = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), t_max), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), t_max), dtype=torch.long)
+    for row, x in enumerate(ids):
+        input_ids[row, : len(x)] = torch.tensor(x)
+        mask[row, : len(x)] = 1
+    return input_ids, mask
+
+
 @torch.no_grad()
 def extract_features(
     backbone: Backbone,
@@ -102,12 +134,7 @@ def extract_features(
         pieces: dict[int, Tensor] = {}
         for batch in _token_batches([len(examples[i].input_ids) for i in indices], batch_tokens):
             ids = [examples[indices[j]].input_ids for j in batch]
-            t_max = max(len(x) for x in ids)
-            input_ids = torch.full((len(ids), t_max), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(ids), t_max), dtype=torch.long)
-            for row, x in enumerate(ids):
-                input_ids[row, : len(x)] = torch.tensor(x)
-                mask[row, : len(x)] = 1
+            input_ids, mask = pad_batch(ids, pad_id)
             hidden, _ = backbone.forward(input_ids.to(backbone.device), mask.to(backbone.device))  # (B, T, H)
             for row, j in enumerate(batch):
                 pieces[j] = hidden[row, : len(ids[row])].to("cpu", store_dtype)
@@ -208,19 +235,25 @@ class FeatureStore:
                 yield shard["hidden"][a:b], shard["labels"][a:b]
 
     def batches(self, batch_size: int, *, shuffle: bool = False, seed: int = 0,
-                shard_ids: list[int] | None = None) -> Iterator[SequenceBatch]:
-        """Right-padded batches of whole sequences; with shuffle, shard order and sequence order are seeded."""
-        rng = random.Random(seed)
-        shard_ids = list(range(self.n_shards)) if shard_ids is None else list(shard_ids)
-        if shuffle:
-            rng.shuffle(shard_ids)
-        for k in shard_ids:
-            seqs = list(self.sequences([k]))
-            order = list(range(len(seqs)))
-            if shuffle:
-                rng.shuffle(order)
-            for start in range(0, len(order), batch_size):
-                yield collate([seqs[i] for i in order[start:start + batch_size]])
+                shard_ids: list[int] | None = None, rank: int = 0, world_size: int = 1,
+                start: int = 0) -> Iterator[SequenceBatch]:
+        """Right-padded batches of whole sequences; with shuffle, shard order and sequence order are seeded.
+
+        Distributed training: the global sequence of micro-batches (see `micro_batch_plan`) is dealt round-robin,
+        this process gets those with index % world_size == rank; `start` skips the first global micro-batches
+        without reading them (resuming). A shard is read only if one of this process's micro-batches is in it.
+        """
+        plan = micro_batch_plan([s["sequences"] for s in self.meta["shards"]], batch_size, shuffle=shuffle,
+                                seed=seed, shard_ids=shard_ids)
+        loaded_k, shard = None, None
+        for m, (k, rows) in enumerate(plan):
+            if m < start or m % world_size != rank:
+                continue
+            if k != loaded_k:
+                shard, loaded_k = self.load_shard(k), k
+                offsets = shard["offsets"].tolist()
+            yield collate([(shard["hidden"][offsets[i]:offsets[i + 1]], shard["labels"][offsets[i]:offsets[i + 1]])
+                           for i in rows])
 
     def response_tokens(self, chunk_tokens: int = 4096) -> Iterator[tuple[Tensor, Tensor]]:
         """(hidden (n, H) float32, labels (n,)) chunks over response tokens only."""
@@ -236,8 +269,9 @@ class FeatureStore:
 
         def chunks() -> Iterator[tuple[Tensor, Tensor]]:
             for hidden, labels in self.response_tokens(chunk_tokens):
-                with torch.no_grad():
-                    yield logits_fn(hidden).float(), labels
+                with torch.no_grad():  # closed before the yield: grad mode is global, the consumer may train
+                    logits = logits_fn(hidden).float()
+                yield logits, labels
 
         return chunks
 
@@ -254,3 +288,76 @@ def collate(seqs: list[tuple[Tensor, Tensor]]) -> SequenceBatch:
         mask[row, : len(y)] = 1
         labels[row, : len(y)] = y
     return SequenceBatch(hidden=hidden, attention_mask=mask, labels=labels)
+
+
+class OnlineFeatures:
+    """Features computed on the fly (large backbones): the same interface as FeatureStore, nothing cached.
+
+    The tokenized examples are cut into the same length-sorted shards as an extraction would write (`shard_plan`),
+    and micro-batches follow the same seeded plan, so a head trained online sees exactly the batches it would see
+    from a cache. Each micro-batch runs the frozen backbone (no grad) on its padded token ids; hidden states live
+    only for that micro-batch, so memory does not grow with the data set (only the token ids are held).
+    """
+
+    def __init__(self, backbone: Backbone, examples: list[TokenizedExample], *, shard_sequences: int = 256,
+                 batch_tokens: int = 8192, extra_meta: dict | None = None) -> None:
+        self.backbone = backbone
+        self.examples = examples
+        self.batch_tokens = batch_tokens
+        self.plan = shard_plan(examples, shard_sequences)
+        shards = []
+        for indices in self.plan:
+            shards.append({"sequences": len(indices), "tokens": sum(len(examples[i].input_ids) for i in indices),
+                           "response_tokens": sum(sum(y != IGNORE_INDEX for y in examples[i].labels)
+                                                  for i in indices)})
+        self.meta = {"online": True, **backbone.describe(), "shards": shards,
+                     "sequences": len(examples), "tokens": sum(s["tokens"] for s in shards),
+                     "response_tokens": sum(s["response_tokens"] for s in shards), **(extra_meta or {})}
+        self.directory = None
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.plan)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.backbone.hidden_size
+
+    def check_backbone(self, backbone: Backbone) -> None:
+        if backbone.describe() != self.backbone.describe():
+            raise ATSError("online features: the training backbone differs from the one computing the features")
+
+    @torch.no_grad()
+    def _forward(self, indices: list[int]) -> SequenceBatch:
+        ids = [self.examples[i].input_ids for i in indices]
+        input_ids, mask = pad_batch(ids, self.backbone.tokenizer.pad_token_id or 0)
+        labels = torch.full(mask.shape, IGNORE_INDEX, dtype=torch.long)
+        for row, i in enumerate(indices):
+            labels[row, : len(ids[row])] = torch.tensor(self.examples[i].labels)
+        device = self.backbone.device
+        hidden, _ = self.backbone.forward(input_ids.to(device), mask.to(device))  # (B, T, H)
+        hidden = hidden.float() * mask.to(device)[..., None]  # zeros on padding, as a cached batch
+        return SequenceBatch(hidden=hidden, attention_mask=mask, labels=labels)
+
+    def batches(self, batch_size: int, *, shuffle: bool = False, seed: int = 0,
+                shard_ids: list[int] | None = None, rank: int = 0, world_size: int = 1,
+                start: int = 0) -> Iterator[SequenceBatch]:
+        """As FeatureStore.batches, with the backbone run on each of this process's micro-batches."""
+        plan = micro_batch_plan([len(p) for p in self.plan], batch_size, shuffle=shuffle, seed=seed,
+                                shard_ids=shard_ids)
+        for m, (k, rows) in enumerate(plan):
+            if m >= start and m % world_size == rank:
+                yield self._forward([self.plan[k][i] for i in rows])
+
+    def sequences(self, shard_ids: list[int] | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+        """(hidden (T, H) float32, labels (T,)) per sequence, forward passes of at most `batch_tokens` tokens."""
+        for k in range(self.n_shards) if shard_ids is None else shard_ids:
+            indices = self.plan[k]
+            for batch in _token_batches([len(self.examples[i].input_ids) for i in indices], self.batch_tokens):
+                out = self._forward([indices[j] for j in batch])
+                for row in range(len(batch)):
+                    n = int(out.attention_mask[row].sum())
+                    yield out.hidden[row, :n], out.labels[row, :n]
