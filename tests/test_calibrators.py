@@ -176,7 +176,7 @@ def test_save_load_round_trip(name, tmp_path):
 
 
 def test_registry_names():
-    assert set(CALIBRATORS) == {"none", *FITTABLE}
+    assert set(CALIBRATORS) == {"none", "thermometer", *FITTABLE}  # thermometer fits on sequences (its own tests)
     assert isinstance(build_calibrator("none"), Uncalibrated)
     with pytest.raises(ATSError, match="unknown name 'platt'.*temperature.*isotonic"):
         build_calibrator("platt")

@@ -5,6 +5,9 @@
     ats generate --model M --calibrator DIR "prompt"
     ats demo     --out DIR         (the README's main job)
 
+    accelerate launch --num_processes N -m ats train ...   (or torchrun --nproc_per_node N -m ats train ...):
+    extraction and head training on N processes (docs/scaling.md)
+
 Every user error prints one line `ats: error: ...` and exits with status 2; nothing half-written is left behind.
 """
 
@@ -51,6 +54,8 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the head (GPU)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT")
+    p.add_argument("--online", action="store_true",
+                   help="no feature cache: run the backbone inside the training loop (large models)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--no-chat-template", action="store_true")
+
+    from .ablate import add_ablate_parser
+
+    add_ablate_parser(sub)
 
     p = sub.add_parser("demo", help="the end-to-end demo on the embedded model and local data")
     p.add_argument("--out", default="runs/demo")

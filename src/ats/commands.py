@@ -43,31 +43,50 @@ def _data_options(args):
 
 
 def cmd_train(args) -> int:
-    from .pipeline import prepare_features, train_head
-    from .token_eval import token_confidences
+    """Extract features (or run the backbone online) and train a head; on N processes when launched with
+    `accelerate launch` / `torchrun` (see docs/scaling.md)."""
+    from .distributed import gathered_token_confidences, init_distributed
+    from .pipeline import online_features, prepare_features, train_head
     from .calibrators.base import Uncalibrated
     from .metrics import summarize
     from .training import TrainingConfig
 
     out = Path(args.out)
-    backbone = _backbone(args)
-    train_store, val_store = prepare_features(backbone, args.features or out / "features", _data_options(args),
-                                              progress=not args.quiet)
+    dist = init_distributed()
+    if dist.distributed:
+        from .backbone import load_backbone
+
+        if getattr(args, "device", None):
+            print(f"[ats] --device {args.device} ignored: each of the {dist.world_size} processes uses its own "
+                  f"device ({dist.device} here)")
+        # the frozen backbone is moved to each process's device and never wrapped
+        backbone = load_backbone(args.model, dtype=args.dtype, device=dist.device,
+                                 trust_remote_code=args.trust_remote_code)
+    else:
+        backbone = _backbone(args)
+    progress = not args.quiet and dist.is_main
+    if args.online:
+        train_store, val_store = online_features(backbone, _data_options(args), verbose=dist.is_main)
+    else:
+        train_store, val_store = prepare_features(backbone, args.features or out / "features", _data_options(args),
+                                                  progress=progress, dist=dist)
     training = TrainingConfig(lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
                               micro_batch_size=args.micro_batch_size, seed=args.seed, bf16=args.bf16,
                               save_every=args.save_every)
     train_head(backbone, train_store, val_store, out / "head", head_type=args.head, loss_type=args.loss,
                alpha=args.alpha, weighting=args.weighting, max_scale=args.max_scale, training=training,
-               resume=args.resume, progress=not args.quiet)
+               resume=args.resume, progress=progress, dist=dist)
     from .ats import ATSCalibrator
 
     calibrator = ATSCalibrator.from_pretrained(out / "head", backbone=backbone)  # reload: what users will load
-    results = token_confidences(val_store, backbone, {"uncalibrated": Uncalibrated(), "ats": calibrator},
-                                progress=not args.quiet)
-    print(f"\nToken-level calibration on the held-out split ({len(val_store)} sequences, "
-          f"{len(results['ats'][0])} response tokens):")
-    print(_token_table({name: summarize(*value) for name, value in results.items()}))
-    print(f"\nhead saved to {out / 'head'}")
+    calibrator.to(backbone.device)
+    results = gathered_token_confidences(val_store, backbone, {"uncalibrated": Uncalibrated(), "ats": calibrator},
+                                         dist, progress=progress)
+    if dist.is_main:
+        print(f"\nToken-level calibration on the held-out split ({len(val_store)} sequences, "
+              f"{len(results['ats'][0])} response tokens):")
+        print(_token_table({name: summarize(*value) for name, value in results.items()}))
+        print(f"\nhead saved to {out / 'head'}")
     return 0
 
 
@@ -187,7 +206,13 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "demo": cmd_demo}
+def cmd_ablate(args) -> int:
+    from .ablate import cmd_ablate as run_ablate
+
+    return run_ablate(args)
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "demo": cmd_demo, "ablate": cmd_ablate}
 
 
 def run(args: argparse.Namespace) -> int:

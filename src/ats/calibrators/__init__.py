@@ -10,11 +10,13 @@ from .base import CONFIG_NAME, Calibrator, LogitChunks, Uncalibrated
 from .binning import HistogramBinning, ScalingBinning
 from .isotonic import IsotonicCalibration
 from .temperature import TemperatureScaling
+from .thermometer import Thermometer
 from .vector import VectorScaling
 
 CALIBRATORS: dict[str, type[Calibrator]] = {
     cls.name: cls
-    for cls in (Uncalibrated, TemperatureScaling, VectorScaling, ScalingBinning, HistogramBinning, IsotonicCalibration)
+    for cls in (Uncalibrated, TemperatureScaling, VectorScaling, ScalingBinning, HistogramBinning, IsotonicCalibration,
+                Thermometer)
 }
 
 

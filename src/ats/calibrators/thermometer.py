@@ -1,0 +1,271 @@
+"""Thermometer (Shen et al., ICML 2024): an MLP on the prompt's last-token hidden state predicts ONE temperature per
+prompt; every response token of that prompt is scaled by it, q = z / T(prompt).
+
+The network follows the authors' code (github.com/maohaos2/Thermometer): three parallel branches
+Linear(H, m) -> ReLU -> Linear(m, 1), combined by Linear(3, 1); a softplus of the output is the INVERSE temperature
+s = 1/T (> 0, so argmax q == argmax z). Here s is also clamped to [0.01, 100] (T in [0.01, 100]), the range the
+temperature-scaling baseline uses.
+
+Training (our token-level setting; the paper fits per-task temperatures on multiple-choice answer tokens):
+
+    loss = mean over sequences i of [ mean over i's response tokens CE(z_t / T_i, y_t)  +  lambda * R(T_i) ]
+    R(T) = -log Gamma(T; alpha0, beta0) = -(alpha0 - 1) log T + T / beta0 + lgamma(alpha0) + alpha0 log beta0
+
+The Gamma prior is parameterised by shape alpha0 and SCALE beta0, as in the authors' code (`GammaLoss(Gamma_k=1.25,
+Gamma_theta=4.0)`, `lambda_reg=1e-2`): its mode (alpha0 - 1) * beta0 = 1, a weak prior centred on T = 1. These are
+the defaults here (`prior_alpha=1.25, prior_beta=4.0, prior_weight=1e-2`), and so are the authors' AdamW settings
+(lr 1e-3, weight decay 1e-4). (The authors regularise one task-level temperature per batch; we regularise each
+prompt's temperature, which is what is predicted per prompt here.)
+
+Which hidden state is "the prompt's last token":
+- fitting (`fit_sequences`): `labels[t]` is the id of token t+1 on response positions, so the FIRST position with
+  a label != -100 is the last prompt token (it predicts the first response token); its hidden state is the input.
+- calibrating (`calibrate`): the calibrator does not know where the prompt ends, so the input is the hidden state at
+  `index[:, 0]`, the first position whose logits are passed (for MMLU / TruthfulQA / multiple-choice tasks that is
+  the last prompt token predicting the first answer token; for token-level evaluation it is the first response
+  position, i.e. the same position as in fitting). Without `index` (K == T, e.g. a whole prompt being continued), the
+  last real token of each row (per `attention_mask`) is used: the whole input is taken as the prompt. With 2-D
+  logits (N, V) and hidden (N, H), each row is its own prompt.
+
+Logits are never built for the whole data: `ats.losses.chunked_cross_entropy` recomputes them from hidden states in
+chunks with an exact gradient w.r.t. the per-token scale.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..errors import ATSError
+from .base import Calibrator, LogitChunks
+from .temperature import S_MAX, S_MIN, check_positive_float, check_positive_int
+
+IGNORE_INDEX = -100
+SOFTPLUS_ONE = math.log(math.e - 1.0)  # softplus(SOFTPLUS_ONE) == 1: the network starts at T = 1
+
+
+def gamma_neg_log_prior(temperature: Tensor, alpha: float, beta: float) -> Tensor:
+    """-log p(T) for T ~ Gamma(shape=alpha, scale=beta), elementwise (scipy.stats.gamma(a=alpha, scale=beta))."""
+    t = temperature
+    return -(alpha - 1.0) * torch.log(t) + t / beta + math.lgamma(alpha) + alpha * math.log(beta)
+
+
+class ThermometerNet(nn.Module):
+    """The authors' architecture: three Linear-ReLU-Linear branches mixed by Linear(3, 1); output = raw 1/T."""
+
+    def __init__(self, input_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(
+            nn.Sequential(nn.Linear(input_size, hidden_size), nn.ReLU(), nn.Linear(hidden_size, 1)) for _ in range(3))
+        self.final = nn.Linear(3, 1)
+        with torch.no_grad():  # start at T = 1 (near the identity), with a small, non-zero slope
+            self.final.weight.mul_(0.01)
+            self.final.bias.fill_(SOFTPLUS_ONE)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, H) -> (B,) pre-softplus inverse temperature."""
+        return self.final(torch.cat([b(x) for b in self.branches], dim=-1)).squeeze(-1)
+
+
+def prompt_positions(labels: Tensor) -> Tensor:
+    """(B,) index of the first response label in each row of labels (B, T): the prompt's last token; -1 if none."""
+    has = labels != IGNORE_INDEX
+    first = has.to(torch.int8).argmax(dim=1)
+    return torch.where(has.any(dim=1), first, torch.full_like(first, -1))
+
+
+class Thermometer(Calibrator):
+    """One temperature per prompt, predicted by an MLP from the prompt's last-token hidden state (Shen et al. 2024)."""
+
+    name = "thermometer"
+    needs_hidden = True
+
+    def __init__(self, *, hidden_size: int, mlp_hidden: int = 256, epochs: int = 2, lr: float = 1e-3,
+                 weight_decay: float = 1e-4, batch_size: int = 8, prior_alpha: float = 1.25,
+                 prior_beta: float = 4.0, prior_weight: float = 1e-2, chunk_size: int = 1024, seed: int = 0) -> None:
+        self.hidden_size = check_positive_int("hidden_size", hidden_size)
+        self.mlp_hidden = check_positive_int("mlp_hidden", mlp_hidden)
+        self.epochs = check_positive_int("epochs", epochs)
+        self.lr = check_positive_float("lr", lr)
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+            raise ATSError(f"weight_decay: expected a number >= 0, got {weight_decay!r}")
+        self.weight_decay = float(weight_decay)
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        self.prior_alpha = check_positive_float("prior_alpha", prior_alpha)
+        self.prior_beta = check_positive_float("prior_beta", prior_beta)
+        if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) or prior_weight < 0:
+            raise ATSError(f"prior_weight: expected a number >= 0, got {prior_weight!r}")
+        self.prior_weight = float(prior_weight)
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ATSError(f"seed: expected an integer, got {seed!r}")
+        self.seed = seed
+        self.fitted = False
+        self.history: list[dict] = []
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.net = ThermometerNet(self.hidden_size, self.mlp_hidden)
+
+    # --- the method --------------------------------------------------------------------------------------------
+    def prior(self, temperature: Tensor) -> Tensor:
+        """-log Gamma(T; prior_alpha, scale=prior_beta), elementwise."""
+        return gamma_neg_log_prior(temperature, self.prior_alpha, self.prior_beta)
+
+    def inverse_temperature(self, x: Tensor) -> Tensor:
+        """s = 1/T (B,) from prompt features x (B, H), clamped to [0.01, 100]; differentiable."""
+        param = next(self.net.parameters())
+        return F.softplus(self.net(x.to(param.device, param.dtype))).clamp(S_MIN, S_MAX)
+
+    def temperature(self, x: Tensor) -> Tensor:
+        """T (B,) from prompt features x (B, H)."""
+        with torch.no_grad():
+            return 1.0 / self.inverse_temperature(x)
+
+    def _prompt_features(self, hidden: Tensor, attention_mask: Tensor | None, index: Tensor | None) -> Tensor:
+        """(B, H): the hidden state the temperature is read from (see the module docstring)."""
+        B, T = hidden.shape[:2]
+        if index is not None:
+            pos = index[:, 0].to(hidden.device).long()
+        elif attention_mask is not None:
+            pos = attention_mask.to(hidden.device).long().sum(dim=1).sub(1).clamp(min=0)
+        else:
+            pos = torch.full((B,), T - 1, dtype=torch.long, device=hidden.device)
+        return hidden[torch.arange(B, device=hidden.device), pos]
+
+    def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
+                  index: Tensor | None = None) -> Tensor:
+        """q = z / T(prompt) for every position of a row; same shape as `logits` ((B, K, V) or (N, V))."""
+        self._check_fitted()
+        if hidden is None:
+            raise ATSError("Thermometer needs the backbone's hidden states: pass hidden=(B, T, H)")
+        if logits.dim() == 2:  # (N, V) with hidden (N, H): each row is its own prompt
+            if hidden.dim() != 2 or hidden.shape[0] != logits.shape[0]:
+                raise ATSError(f"Thermometer: logits {tuple(logits.shape)} need hidden (N, H), got "
+                               f"{tuple(hidden.shape)}")
+            x = hidden
+        else:
+            if hidden.dim() != 3 or hidden.shape[0] != logits.shape[0]:
+                raise ATSError(f"Thermometer: logits {tuple(logits.shape)} need hidden (B, T, H), got "
+                               f"{tuple(hidden.shape)}")
+            x = self._prompt_features(hidden, attention_mask, index)
+        with torch.no_grad():
+            s = self.inverse_temperature(x)  # (B,)
+        s = s.to(logits.device, logits.dtype)
+        return logits * (s[:, None] if logits.dim() == 2 else s[:, None, None])
+
+    def fit(self, chunks: LogitChunks) -> "Thermometer":
+        raise ATSError("Thermometer predicts a temperature per prompt and trains on whole sequences: use "
+                       "fit_sequences(feature_store, backbone.logits)")
+
+    def sequence_loss(self, hidden: Tensor, labels: Tensor, logits_fn: Callable[[Tensor], Tensor]
+                      ) -> tuple[Tensor, float, float, int]:
+        """(loss, mean NLL, mean T, sequences) for a padded batch hidden (B, T, H), labels (B, T); differentiable."""
+        pos = prompt_positions(labels)  # (B,)
+        keep = pos >= 0
+        if not bool(keep.any()):
+            zero = next(self.net.parameters()).sum() * 0.0
+            return zero, 0.0, 0.0, 0
+        hidden, labels, pos = hidden[keep], labels[keep], pos[keep]
+        B = hidden.shape[0]
+        x = hidden[torch.arange(B, device=hidden.device), pos]  # (B, H)
+        s = self.inverse_temperature(x)  # (B,)
+        select = labels != IGNORE_INDEX  # (B, T)
+        row = torch.arange(B, device=hidden.device)[:, None].expand_as(labels)[select]  # (N,) sequence of each token
+        scale = s.to(hidden.device)[row]  # (N,) every token of a sequence shares its scale
+        from ..losses import chunked_cross_entropy
+
+        ce_y, _, _ = chunked_cross_entropy(hidden[select], scale, labels[select], logits_fn, self.chunk_size)
+        counts = select.sum(dim=1).to(ce_y.dtype)  # (B,)
+        per_seq = torch.zeros(B, dtype=ce_y.dtype, device=ce_y.device).index_add(0, row, ce_y) / counts
+        temperature = 1.0 / s
+        loss = per_seq.mean() + self.prior_weight * self.prior(temperature.to(per_seq.dtype)).mean()
+        return loss, float(per_seq.detach().mean()), float(temperature.detach().mean()), B
+
+    def fit_sequences(self, store, logits_fn: Callable[[Tensor], Tensor], *, device=None,
+                      progress: bool = False) -> "Thermometer":
+        """Fit on a FeatureStore's sequences; `logits_fn` = backbone.logits. Returns self.
+
+        device: where the network and hidden states live; default the device of `logits_fn`'s backbone (CPU if
+        unknown). The per-epoch mean loss / NLL / temperature go to `self.history`.
+        """
+        if getattr(store, "hidden_size", self.hidden_size) != self.hidden_size:
+            raise ATSError(f"Thermometer: built for hidden size {self.hidden_size}, the features have "
+                           f"{store.hidden_size}")
+        if device is None:
+            owner = getattr(logits_fn, "__self__", None)
+            device = getattr(owner, "device", torch.device("cpu"))
+        net = self.net.to(device).train()
+        decay = [p for p in net.parameters() if p.dim() >= 2]
+        no_decay = [p for p in net.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=self.lr)
+        self.history = []
+        bar = tqdm(total=self.epochs * math.ceil(len(store) / self.batch_size), desc="fit thermometer",
+                   disable=not progress)
+        for epoch in range(self.epochs):
+            totals = {"loss": 0.0, "nll": 0.0, "temperature": 0.0, "sequences": 0}
+            for batch in store.batches(self.batch_size, shuffle=True, seed=self.seed * 1000 + epoch):
+                loss, nll, temp, n = self.sequence_loss(batch.hidden.to(device), batch.labels.to(device), logits_fn)
+                bar.update(1)
+                if n == 0:
+                    continue
+                if not torch.isfinite(loss):
+                    raise ATSError(f"Thermometer: non-finite loss {loss.item()} at epoch {epoch}")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                for key, value in (("loss", loss.item()), ("nll", nll), ("temperature", temp)):
+                    totals[key] += value * n
+                totals["sequences"] += n
+            if totals["sequences"] == 0:
+                raise ATSError("Thermometer: no sequence with response tokens to fit on")
+            n = totals.pop("sequences")
+            self.history.append({"epoch": epoch, "sequences": n, **{k: v / n for k, v in totals.items()}})
+        bar.close()
+        net.eval()
+        self.fitted = True
+        return self
+
+    # --- persistence -------------------------------------------------------------------------------------------
+    def _check_fitted(self) -> None:
+        if not self.fitted:
+            raise ATSError("Thermometer: not fitted; call fit_sequences() or from_pretrained() first")
+
+    def check_backbone(self, backbone) -> None:
+        """Refuse a backbone whose hidden size differs from the one the network reads (evaluate() calls this)."""
+        if backbone.hidden_size != self.hidden_size:
+            raise ATSError(f"Thermometer expects hidden size {self.hidden_size}, backbone "
+                           f"{getattr(backbone, 'name', '?')} has {backbone.hidden_size}")
+
+    def to(self, device) -> "Thermometer":
+        self.net.to(device)
+        return self
+
+    def config(self) -> dict:
+        return {"hidden_size": self.hidden_size, "mlp_hidden": self.mlp_hidden, "epochs": self.epochs, "lr": self.lr,
+                "weight_decay": self.weight_decay, "batch_size": self.batch_size, "prior_alpha": self.prior_alpha,
+                "prior_beta": self.prior_beta, "prior_weight": self.prior_weight, "chunk_size": self.chunk_size,
+                "seed": self.seed, "fitted": self.fitted, "history": self.history}
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        return dict(self.net.state_dict())
+
+    def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
+        options = {k: config[k] for k in ("hidden_size", "mlp_hidden", "epochs", "lr", "weight_decay", "batch_size",
+                                          "prior_alpha", "prior_beta", "prior_weight", "chunk_size", "seed")
+                   if k in config}
+        if "hidden_size" not in options:
+            raise ATSError("thermometer config: missing field 'hidden_size'")
+        self.__init__(**options)
+        self.history = list(config.get("history", []))
+        try:
+            self.net.load_state_dict(tensors, strict=True)
+        except RuntimeError as err:
+            raise ATSError(f"thermometer weights do not match the config ({str(err).splitlines()[0]})") from None
+        self.net.eval()
+        self.fitted = bool(config.get("fitted", True))
