@@ -11,17 +11,6 @@ import torch
 
 from .errors import ATSError
 
-# Sizes of the end-to-end demo. "demo" finishes in about 20 minutes on 2 CPU cores.
-DEMO_SIZES = {
-    "tiny": dict(limit=60, max_length=256, epochs=1, task_limit={"mmlu": 1, "triviaqa": 20, "truthfulqa_mc1": 20},
-                 subjects=10),
-    "demo": dict(limit=300, max_length=320, epochs=2, task_limit={"mmlu": 3, "triviaqa": 150, "truthfulqa_mc1": 150},
-                 subjects=None),
-    "benchmark": dict(limit=1000, max_length=512, epochs=2,
-                      task_limit={"mmlu": 10, "triviaqa": 500, "truthfulqa_mc1": 817}, subjects=None),
-}
-
-
 def _device(name: str | None) -> str:
     if name:
         return name
@@ -48,6 +37,7 @@ def cmd_train(args) -> int:
     from .distributed import gathered_token_confidences, init_distributed
     from .pipeline import online_features, prepare_features, train_head
     from .calibrators.base import Uncalibrated
+    from .experiment import token_table
     from .metrics import summarize
     from .training import TrainingConfig
 
@@ -85,24 +75,28 @@ def cmd_train(args) -> int:
     if dist.is_main:
         print(f"\nToken-level calibration on the held-out split ({len(val_store)} sequences, "
               f"{len(results['ats'][0])} response tokens):")
-        print(_token_table({name: summarize(*value) for name, value in results.items()}))
+        print(token_table({name: summarize(*value) for name, value in results.items()}))
         print(f"\nhead saved to {out / 'head'}")
     return 0
 
 
-def _token_table(rows: dict[str, dict]) -> str:
-    lines = ["| method | Acc | ECE | Brier | NLL |", "|---|---|---|---|---|"]
-    for name, m in rows.items():
-        lines.append(f"| {name} | {m['accuracy']:.3f} | {m['ece']:.3f} | {m['brier']:.3f} | {m['nll']:.3f} |")
-    return "\n".join(lines)
-
-
-def _calibrators_from_args(args, backbone, out: Path) -> dict:
-    from .ats import ATSCalibrator
-    from .calibrators import CALIBRATORS, load_calibrator
-    from .calibrators.base import Uncalibrated
+def _calibrator_names(args) -> list[str]:
+    """Check every --calibrator before anything is loaded: a folder or a known name."""
+    from .calibrators import CALIBRATORS
 
     names = [c for item in (args.calibrator or ["none"]) for c in item.split(",") if c]
+    for name in names:
+        if not Path(name).is_dir() and name not in CALIBRATORS:
+            raise ATSError(f"--calibrator {name!r}: not a folder and not a known calibrator "
+                           f"({', '.join(sorted(CALIBRATORS))})")
+    return names
+
+
+def _calibrators_from_args(args, names: list[str], backbone, out: Path) -> dict:
+    from .ats import ATSCalibrator
+    from .calibrators import load_calibrator
+    from .calibrators.base import Uncalibrated
+
     calibrators: dict = {"uncalibrated": Uncalibrated()}
     to_fit = []
     for name in names:
@@ -112,13 +106,8 @@ def _calibrators_from_args(args, backbone, out: Path) -> dict:
                 calibrator.check_backbone(backbone)
                 calibrator.to(backbone.device)
             calibrators[Path(name).name if calibrator.name != "ats" else "ats"] = calibrator
-        elif name == "none":
-            continue
-        elif name in CALIBRATORS:
+        elif name != "none":
             to_fit.append(name)
-        else:
-            raise ATSError(f"--calibrator {name!r}: not a folder and not a known calibrator "
-                           f"({', '.join(sorted(CALIBRATORS))})")
     if to_fit:
         from .pipeline import fit_baselines, prepare_features
 
@@ -130,13 +119,14 @@ def _calibrators_from_args(args, backbone, out: Path) -> dict:
 
 def cmd_eval(args) -> int:
     from .evaluate import evaluate, format_table
+    from .tasks import build_task
 
     out = Path(args.out)
+    names = _calibrator_names(args)
+    tasks = [build_task(t, limit=args.task_limit) for t in args.tasks.split(",") if t]  # validated before loading
     backbone = _backbone(args)
-    calibrators = _calibrators_from_args(args, backbone, out)
-    tasks = [t for t in args.tasks.split(",") if t]
-    results = evaluate(backbone, calibrators, tasks, out, bootstrap=args.bootstrap, limit=args.task_limit,
-                       progress=not args.quiet)
+    calibrators = _calibrators_from_args(args, names, backbone, out)
+    results = evaluate(backbone, calibrators, tasks, out, bootstrap=args.bootstrap, progress=not args.quiet)
     print(format_table(results))
     print(f"\nresults: {out / 'results.json'}, {out / 'results.md'}, figures in {out / 'figures'}")
     return 0
@@ -162,47 +152,17 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     """Train ATS on the embedded chat model, fit every baseline on the same data, evaluate all on three tasks."""
     from .backbone import load_backbone
-    from .calibrators.base import Uncalibrated
-    from .evaluate import evaluate, format_table
-    from .metrics import summarize
-    from .pipeline import BASELINES, DataOptions, fit_baselines, prepare_features, train_head
+    from .experiment import SIZES, run_experiment
     from .sources import data_dir
-    from .tasks import build_task
-    from .token_eval import token_confidences
-    from .training import TrainingConfig
 
-    size = DEMO_SIZES[args.size]
-    out = Path(args.out)
     start = time.time()
-    progress = not args.quiet
     if data_dir() is None and Path("../shared/data").is_dir():
         os.environ["ATS_DATA_DIR"] = str(Path("../shared/data").resolve())
-    print(f"[1/5] loading {args.model}")
+    print(f"loading {args.model}")
     backbone = load_backbone(args.model, device=_device(None))
-    print(f"[2/5] features: Alpaca-GPT4, {size['limit']} examples, max length {size['max_length']}")
-    train_store, val_store = prepare_features(
-        backbone, out / "features", DataOptions(limit=size["limit"], max_length=size["max_length"]), progress=progress)
-    print(f"[3/5] training the transformer ATS head ({train_store.meta['response_tokens']} response tokens)")
-    ats = train_head(backbone, train_store, val_store, out / "ats-transformer",
-                     training=TrainingConfig(epochs=size["epochs"]), progress=progress)
-    print("[4/5] fitting the baselines on the same tokens")
-    calibrators = {"uncalibrated": Uncalibrated(), **fit_baselines(backbone, train_store, out / "baselines"),
-                   "ats": ats}
-    token = token_confidences(val_store, backbone, calibrators, progress=progress)
-    print("\nToken-level calibration on the held-out Alpaca-GPT4 split:")
-    print(_token_table({name: summarize(*value) for name, value in token.items()}))
-    print("\n[5/5] evaluating on MMLU, TriviaQA, TruthfulQA MC1")
-    subjects = None
-    if size["subjects"]:
-        subjects = ["abstract_algebra", "anatomy", "astronomy", "college_biology", "high_school_geography",
-                    "high_school_us_history", "marketing", "nutrition", "philosophy", "world_religions"]
-    tasks = [build_task("mmlu", limit=size["task_limit"]["mmlu"], subjects=subjects),
-             build_task("triviaqa", limit=size["task_limit"]["triviaqa"]),
-             build_task("truthfulqa_mc1", limit=size["task_limit"]["truthfulqa_mc1"])]
-    results = evaluate(backbone, calibrators, tasks, out / "eval", progress=progress)
-    print(format_table(results))
-    print(f"\nfigures: {out / 'eval' / 'figures'}; tables: {out / 'eval' / 'results.md'}; "
-          f"total {(time.time() - start) / 60:.1f} min")
+    run_experiment(backbone, args.out, SIZES[args.size], progress=not args.quiet)
+    out = Path(args.out) / "eval"
+    print(f"\nfigures: {out / 'figures'}; table: {out / 'results.md'}; total {(time.time() - start) / 60:.1f} min")
     return 0
 
 
@@ -218,4 +178,7 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "dem
 def run(args: argparse.Namespace) -> int:
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     return COMMANDS[args.command](args)

@@ -11,6 +11,7 @@ uninterrupted run with the same seed, because the data order depends only on (se
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -27,6 +28,7 @@ from transformers import get_cosine_schedule_with_warmup
 from .ats import ATSCalibrator
 from .backbone import Backbone
 from .data import IGNORE_INDEX
+from .distributed import SINGLE, Dist
 from .errors import ATSError
 from .features import FeatureStore
 from .io import atomic_dir, read_json
@@ -71,13 +73,18 @@ class TrainResult:
     epochs: list[dict] = field(default_factory=list)  # validation metrics after each epoch
 
 
-def _micro_batches(store: FeatureStore, config: TrainingConfig, epoch: int):
-    return store.batches(config.micro_batch_size, shuffle=True, seed=config.seed * 1000 + epoch)
+def _micro_batches(store: FeatureStore, config: TrainingConfig, epoch: int, *, rank: int = 0, world_size: int = 1,
+                   start: int = 0):
+    return store.batches(config.micro_batch_size, shuffle=True, seed=config.seed * 1000 + epoch, rank=rank,
+                         world_size=world_size, start=start)
+
+
+def _micro_per_epoch(store: FeatureStore, config: TrainingConfig) -> int:
+    return sum(math.ceil(s["sequences"] / config.micro_batch_size) for s in store.meta["shards"])
 
 
 def _steps_per_epoch(store: FeatureStore, config: TrainingConfig) -> int:
-    micro = sum(math.ceil(s["sequences"] / config.micro_batch_size) for s in store.meta["shards"])
-    return math.ceil(micro / config.accumulation)
+    return math.ceil(_micro_per_epoch(store, config) / config.accumulation)
 
 
 def _save_checkpoint(path: Path, calibrator: ATSCalibrator, optimizer, scheduler, state: dict) -> None:
@@ -128,14 +135,28 @@ def train_ats(
     resume: bool = False,
     progress: bool = True,
     on_step: Callable[[int], None] | None = None,
+    dist: Dist | None = None,
 ) -> TrainResult:
     """Train `calibrator.head` in place on `train_store`; returns the loss history and per-epoch validation ECE.
 
     on_step: called with the global optimizer step after each step (and its checkpoint), e.g. for logging.
+    train_store / val_store: a FeatureStore (cached features) or features.OnlineFeatures (backbone run per batch).
+    dist: the process's place in a multi-process job (distributed.init_distributed()); default: one process.
+        With W processes the global micro-batch sequence is dealt round-robin (micro-batch m goes to rank m % W),
+        each rank accumulates accumulation / W micro-batches per step and DDP averages the gradients: each step
+        applies the update of one process with the same batch_size (up to float rounding in the reduction). A
+        last partial step of an epoch (the micro-batch count not divisible by the accumulation) is applied the
+        same way as in one process (loss / accumulation per micro-batch), some ranks contributing zeros.
     """
     from .io import write_json
 
+    dist = dist or SINGLE
     config = config or TrainingConfig()
+    world, rank = dist.world_size, dist.rank
+    if config.accumulation % world:
+        raise ATSError(f"batch_size {config.batch_size} must be a multiple of micro_batch_size "
+                       f"{config.micro_batch_size} x {world} processes")
+    local_accumulation = config.accumulation // world
     train_store.check_backbone(backbone)
     calibrator.check_backbone(backbone)
     torch.manual_seed(config.seed)
@@ -146,6 +167,8 @@ def train_ats(
     no_decay = [p for n, p in head.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=config.lr)
+    micro_per_epoch = _micro_per_epoch(train_store, config)
+    full_steps, remainder = divmod(micro_per_epoch, config.accumulation)
     steps_per_epoch = _steps_per_epoch(train_store, config)
     total_steps = steps_per_epoch * config.epochs
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(config.warmup_ratio * total_steps), total_steps)
@@ -157,9 +180,17 @@ def train_ats(
         start_epoch, skip_steps = trainer["epoch"], trainer["step_in_epoch"]
         result.history, result.epochs = trainer.get("history", []), trainer.get("epochs", [])
         logger.info("resuming from %s (epoch %d, step %d)", ckpt, start_epoch, skip_steps)
+    if dist.distributed:  # only the head is data-parallel; the frozen backbone is never wrapped
+        model, optimizer = dist.accelerator.prepare(head, optimizer)
+        param = next(head.parameters())
+
+        def temperature(hidden, mask):
+            return model(hidden.to(param.device, param.dtype), mask)
+    else:
+        model, temperature = head, calibrator.temperature
 
     def checkpoint(epoch: int, step_in_epoch: int) -> None:
-        if out_dir is None:
+        if out_dir is None or not dist.is_main:  # only the main process writes
             return
         name = f"epoch{epoch}-step{step_in_epoch}"
         _save_checkpoint(out_dir / "checkpoints" / name, calibrator, optimizer, scheduler,
@@ -172,34 +203,44 @@ def train_ats(
 
     autocast = torch.autocast(backbone.device.type, dtype=torch.bfloat16, enabled=config.bf16)
     bar = tqdm(total=total_steps, initial=start_epoch * steps_per_epoch + skip_steps, desc="train ATS head",
-               disable=not progress)
+               disable=not progress or not dist.is_main)
     for epoch in range(start_epoch, config.epochs):
         head.train()
-        step_in_epoch, micro, running = 0, 0, []
+        step_in_epoch, running = skip_steps, []
         optimizer.zero_grad(set_to_none=True)
-        for batch in _micro_batches(train_store, config, epoch):
-            if step_in_epoch < skip_steps:  # resuming: replay the data order without training
-                micro += 1
-                if micro % config.accumulation == 0:
-                    step_in_epoch += 1
-                continue
-            hidden = batch.hidden.to(backbone.device)  # (b, T, H)
-            mask = batch.attention_mask.to(backbone.device)  # (b, T)
-            labels = batch.labels.to(backbone.device)  # (b, T)
-            with autocast:
-                tau = calibrator.temperature(hidden, mask)  # (b, T)
-            select = labels != IGNORE_INDEX
-            out = calibration_loss(hidden[select], calibrator.scale(tau.float())[select], labels[select],
-                                   backbone.logits, loss_type=c.loss_type, alpha=c.alpha, weighting=c.weighting,
-                                   chunk_size=config.chunk_size)
-            if not torch.isfinite(out.loss):
-                raise ATSError(f"non-finite loss {out.loss.item()} at epoch {epoch}, step {step_in_epoch}; the last "
-                               f"good checkpoint is kept in {out_dir}")
-            (out.loss / config.accumulation).backward()
+        # resuming: the first skip_steps steps' micro-batches are skipped without being read
+        batches = _micro_batches(train_store, config, epoch, rank=rank, world_size=world,
+                                 start=skip_steps * config.accumulation)
+        for local, batch in enumerate(batches, start=skip_steps * local_accumulation):
+            step = local // local_accumulation  # the optimizer step this micro-batch belongs to
+            # DDP all-reduces on the backward of each rank's last micro-batch of a full step; a last partial step
+            # is reduced by hand below (ranks may hold different numbers of its micro-batches)
+            # (its micro-batches bypass the DDP wrapper: every DDP forward/backward must be matched on all ranks)
+            ddp = dist.distributed and step < full_steps
+            sync = step < full_steps and local % local_accumulation == local_accumulation - 1
+            forward = temperature if ddp else calibrator.temperature
+            with (model.no_sync() if ddp and not sync else contextlib.nullcontext()):
+                hidden = batch.hidden.to(backbone.device)  # (b, T, H)
+                mask = batch.attention_mask.to(backbone.device)  # (b, T)
+                labels = batch.labels.to(backbone.device)  # (b, T)
+                with autocast:
+                    tau = forward(hidden, mask)  # (b, T)
+                select = labels != IGNORE_INDEX
+                out = calibration_loss(hidden[select], calibrator.scale(tau.float())[select], labels[select],
+                                       backbone.logits, loss_type=c.loss_type, alpha=c.alpha,
+                                       weighting=c.weighting, chunk_size=config.chunk_size)
+                if not dist.distributed and not torch.isfinite(out.loss):  # distributed: checked over all ranks
+                    raise ATSError(f"non-finite loss {out.loss.item()} at epoch {epoch}, step {step_in_epoch}; the "
+                                   f"last good checkpoint is kept in {out_dir}")
+                (out.loss / local_accumulation).backward()
             running.append(out.loss.item())
-            micro += 1
-            if micro % config.accumulation:
+            if not sync:
                 continue
+            total, count = dist.all_sum([sum(running), len(running)])
+            loss = total / count
+            if not math.isfinite(loss):
+                raise ATSError(f"non-finite loss {loss} at epoch {epoch}, step {step_in_epoch}; the last good "
+                               f"checkpoint is kept in {out_dir}")
             grad_norm = torch.nn.utils.clip_grad_norm_(head.parameters(), config.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 raise ATSError(f"non-finite gradient at epoch {epoch}, step {step_in_epoch}; the last good "
@@ -208,7 +249,6 @@ def train_ats(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step_in_epoch += 1
-            loss = sum(running) / len(running)
             running = []
             result.history.append({"epoch": epoch, "step": step_in_epoch, "loss": loss,
                                    "lr": scheduler.get_last_lr()[0]})
@@ -219,7 +259,8 @@ def train_ats(
                 checkpoint(epoch, step_in_epoch)
             if on_step is not None:
                 on_step(epoch * steps_per_epoch + step_in_epoch)
-        if running:  # a last partial accumulation: apply it
+        if remainder:  # a last partial accumulation: apply it (as one process would: each loss / accumulation)
+            dist.average_gradients(head.parameters())
             torch.nn.utils.clip_grad_norm_(head.parameters(), config.max_grad_norm)
             optimizer.step()
             scheduler.step()
@@ -227,14 +268,16 @@ def train_ats(
         skip_steps = 0
         head.eval()
         if val_store is not None:
+            from .distributed import gathered_token_confidences
             from .metrics import summarize
 
-            conf = token_confidences(val_store, backbone, {"ats": calibrator}, progress=False)["ats"]
+            conf = gathered_token_confidences(val_store, backbone, {"ats": calibrator}, dist, progress=False)["ats"]
             row = {"epoch": epoch, **summarize(*conf)}
             result.epochs.append(row)
             bar.set_postfix(loss=f"{result.history[-1]['loss']:.4f}" if result.history else "-",
                             val_ece=f"{row['ece']:.4f}")
         checkpoint(epoch + 1, 0)
+        dist.barrier()
     bar.close()
     head.eval()
     return result
