@@ -286,20 +286,20 @@ GOOD = {"question": "Which is a colour?", "choices": ["red", "seven", "dog"], "a
 
 
 @pytest.mark.parametrize("bad, message", [
-    ('{"question": "x", "choices": ["a", "b"], "answer": 0', "line 2: invalid JSON"),
-    ({"choices": ["a", "b"], "answer": 0}, "line 2: missing field 'question'"),
-    ({"question": "x", "answer": 0}, "line 2: missing field 'choices'"),
-    ({"question": "x", "choices": ["a", "b"]}, "line 2: missing field 'answer'"),
-    ({"question": 5, "choices": ["a", "b"], "answer": 0}, "line 2: field 'question'"),
-    ({"question": "x", "choices": "a,b", "answer": 0}, "line 2: field 'choices' must be a list of strings, got 'a,b'"),
-    ({"question": "x", "choices": ["a", 3], "answer": 0}, "line 2: field 'choices'"),
-    ({"question": "x", "choices": ["a", "b"], "answer": 2}, "line 2: field 'answer' is 2, out of range"),
-    ({"question": "x", "choices": ["a", "b"], "answer": -1}, "line 2: field 'answer' is -1"),
-    ({"question": "x", "choices": ["a", "b"], "answer": "0"}, "line 2: field 'answer' must be an integer"),
-    ({"question": "x", "choices": ["a", "b"], "answer": True}, "line 2: field 'answer'"),
-    ({"question": "x", "choices": ["a"], "answer": 0}, "line 2: field 'choices' needs at least 2"),
-    ({"question": "x", "choices": ["a", "b", "a"], "answer": 0}, "line 2: field 'choices' has a duplicate choice 'a'"),
-    ([1, 2], "line 2: expected a JSON object"),
+    ('{"question": "x", "choices": ["a", "b"], "answer": 0', ":2: invalid JSON"),
+    ({"choices": ["a", "b"], "answer": 0}, ":2: missing field 'question'"),
+    ({"question": "x", "answer": 0}, ":2: missing field 'choices'"),
+    ({"question": "x", "choices": ["a", "b"]}, ":2: missing field 'answer'"),
+    ({"question": 5, "choices": ["a", "b"], "answer": 0}, ":2: field 'question'"),
+    ({"question": "x", "choices": "a,b", "answer": 0}, ":2: field 'choices' must be a list of strings, got 'a,b'"),
+    ({"question": "x", "choices": ["a", 3], "answer": 0}, ":2: field 'choices'"),
+    ({"question": "x", "choices": ["a", "b"], "answer": 2}, ":2: field 'answer' is 2, out of range"),
+    ({"question": "x", "choices": ["a", "b"], "answer": -1}, ":2: field 'answer' is -1"),
+    ({"question": "x", "choices": ["a", "b"], "answer": "0"}, ":2: field 'answer' must be an integer"),
+    ({"question": "x", "choices": ["a", "b"], "answer": True}, ":2: field 'answer'"),
+    ({"question": "x", "choices": ["a"], "answer": 0}, ":2: field 'choices' needs at least 2"),
+    ({"question": "x", "choices": ["a", "b", "a"], "answer": 0}, ":2: field 'choices' has a duplicate choice 'a'"),
+    ([1, 2], ":2: expected a JSON object"),
 ])
 def test_mc_validation_errors(tmp_path, bad, message):
     path = write_jsonl(tmp_path / "set.jsonl", [GOOD, bad])

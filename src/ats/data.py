@@ -18,6 +18,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from .errors import ATSError
+from .io import read_jsonl
 from .sources import data_dir, local_file
 
 IGNORE_INDEX = -100
@@ -62,20 +63,12 @@ def read_instruction_file(path: str | Path) -> list[Instruction]:
     path = Path(path)
     if not path.is_file():
         raise ATSError(f"{path}: file not found")
-    text = path.read_text(encoding="utf-8")
     records: list[Instruction] = []
     if path.suffix == ".jsonl":
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ATSError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
-            records.append(_check_record(obj, f"{path}:{lineno}"))
+        records = [_check_record(obj, f"{path}:{lineno}") for lineno, obj in read_jsonl(path)]
     else:
         try:
-            data = json.loads(text)
+            data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
             raise ATSError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
         if not isinstance(data, list):

@@ -53,7 +53,20 @@ def read_json(path: str | Path):
     except FileNotFoundError:
         raise ATSError(f"{path}: file not found") from None
     except json.JSONDecodeError as err:
-        raise ATSError(f"{path}: line {err.lineno}: invalid JSON ({err.msg})") from None
+        raise ATSError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed object) for each non-blank line; invalid JSON raises ATSError naming file and line."""
+    path = Path(path)
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ATSError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..calibrators.base import Calibrator
+from .. import io
 from ..errors import ATSError
 
 
@@ -145,16 +146,8 @@ def letter_token_ids(tokenizer, n: int, context: str = "Answer:") -> list[int]:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ATSError(f"{path}: line {lineno}: invalid JSON ({err.msg})") from None
-    return rows
+    """All rows of a JSONL file (errors name the file and line)."""
+    return [row for _, row in io.read_jsonl(path)]
 
 
 def hub_dataset(path: str, config: str | None, split: str):

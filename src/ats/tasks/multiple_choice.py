@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..calibrators.base import Calibrator
 from ..errors import ATSError
+from ..io import read_jsonl
 from .base import (ChoiceItem, LetterItem, Task, TaskResult, encode, letter_token_ids, score_choices, score_letters,
                    seeded_subset)
 
@@ -43,40 +44,33 @@ def read_mc_file(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise ATSError(f"{path}: multiple-choice file not found")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}: line {lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ATSError(f"{where}: invalid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise ATSError(f"{where}: expected a JSON object with question, choices, answer; got {_short(row)}")
-            for key in ("question", "choices", "answer"):
-                if key not in row:
-                    raise ATSError(f"{where}: missing field '{key}'")
-            question, choices, answer = row["question"], row["choices"], row["answer"]
-            if not isinstance(question, str) or not question.strip():
-                raise ATSError(f"{where}: field 'question' must be a non-empty string, got {_short(question)}")
-            if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
-                raise ATSError(f"{where}: field 'choices' must be a list of strings, got {_short(choices)}")
-            if len(choices) < 2:
-                raise ATSError(f"{where}: field 'choices' needs at least 2 choices, got {len(choices)}")
-            if any(not c.strip() for c in choices):
-                raise ATSError(f"{where}: field 'choices' has an empty choice: {_short(choices)}")
-            seen = set()
-            for c in choices:
-                if c.strip() in seen:
-                    raise ATSError(f"{where}: field 'choices' has a duplicate choice {_short(c)}")
-                seen.add(c.strip())
-            if isinstance(answer, bool) or not isinstance(answer, int):
-                raise ATSError(f"{where}: field 'answer' must be an integer index, got {_short(answer)}")
-            if not 0 <= answer < len(choices):
-                raise ATSError(f"{where}: field 'answer' is {answer}, out of range for {len(choices)} choices "
-                               f"(0-{len(choices) - 1})")
-            rows.append({"question": question, "choices": choices, "answer": answer})
+    for lineno, row in read_jsonl(path):
+        where = f"{path}:{lineno}"
+        if not isinstance(row, dict):
+            raise ATSError(f"{where}: expected a JSON object with question, choices, answer; got {_short(row)}")
+        for key in ("question", "choices", "answer"):
+            if key not in row:
+                raise ATSError(f"{where}: missing field '{key}'")
+        question, choices, answer = row["question"], row["choices"], row["answer"]
+        if not isinstance(question, str) or not question.strip():
+            raise ATSError(f"{where}: field 'question' must be a non-empty string, got {_short(question)}")
+        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+            raise ATSError(f"{where}: field 'choices' must be a list of strings, got {_short(choices)}")
+        if len(choices) < 2:
+            raise ATSError(f"{where}: field 'choices' needs at least 2 choices, got {len(choices)}")
+        if any(not c.strip() for c in choices):
+            raise ATSError(f"{where}: field 'choices' has an empty choice: {_short(choices)}")
+        seen = set()
+        for c in choices:
+            if c.strip() in seen:
+                raise ATSError(f"{where}: field 'choices' has a duplicate choice {_short(c)}")
+            seen.add(c.strip())
+        if isinstance(answer, bool) or not isinstance(answer, int):
+            raise ATSError(f"{where}: field 'answer' must be an integer index, got {_short(answer)}")
+        if not 0 <= answer < len(choices):
+            raise ATSError(f"{where}: field 'answer' is {answer}, out of range for {len(choices)} choices "
+                           f"(0-{len(choices) - 1})")
+        rows.append({"question": question, "choices": choices, "answer": answer})
     if not rows:
         raise ATSError(f"{path}: empty multiple-choice file (no questions)")
     return rows
