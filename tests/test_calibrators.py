@@ -138,6 +138,9 @@ def test_scaling_binning_values():
     mapped = sb.calibrate_confidence(np.sort(conf))
     assert mapped == pytest.approx(np.repeat([g.mean() for g in groups], 300), abs=1e-12)
     assert torch.allclose(sb.calibrate(z), z / t)
+    # Reusing an already fitted temperature (as fit_baselines does) gives the same bins without refitting T.
+    reused = ScalingBinning(n_bins=5).fit(chunked(z, y), temperature=t)
+    assert reused.temperature == t and reused.values == pytest.approx(sb.values, abs=1e-9)
 
 
 # --- isotonic -------------------------------------------------------------------------------------------------------

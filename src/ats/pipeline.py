@@ -136,6 +136,8 @@ def fit_baselines(backbone: Backbone, train_store: FeatureStore, out_dir: str | 
         if hasattr(CALIBRATORS.get(name), "fit_sequences"):  # Thermometer: one temperature per prompt
             calibrator = build_calibrator(name, hidden_size=train_store.hidden_size).fit_sequences(
                 train_store, backbone.logits)
+        elif name == "scaling-binning" and "temperature" in fitted:  # same data: reuse T, save a full fit
+            calibrator = build_calibrator(name).fit(chunks, temperature=fitted["temperature"].temperature)
         else:
             calibrator = build_calibrator(name).fit(chunks)
         calibrator.save_pretrained(target)

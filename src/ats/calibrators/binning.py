@@ -99,8 +99,9 @@ class ScalingBinning(_Binning):
         super().__init__(n_bins=n_bins)
         self.temperature: float | None = None
 
-    def fit(self, chunks: LogitChunks) -> "ScalingBinning":
-        self.temperature = TemperatureScaling().fit(chunks).temperature
+    def fit(self, chunks: LogitChunks, *, temperature: float | None = None) -> "ScalingBinning":
+        """temperature: reuse an already fitted temperature (same data) instead of fitting it again."""
+        self.temperature = temperature if temperature is not None else TemperatureScaling().fit(chunks).temperature
         conf, _ = collect_top1(chunks, transform=lambda z: z / self.temperature)
         self.upper_edges, self.values = equal_mass_bins(conf, conf, self.n_bins)
         return self

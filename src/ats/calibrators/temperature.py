@@ -103,7 +103,7 @@ class TemperatureScaling(Calibrator):
 
     name = "temperature"
 
-    def __init__(self, *, max_passes: int = 20, tol: float = 1e-6) -> None:
+    def __init__(self, *, max_passes: int = 20, tol: float = 1e-4) -> None:
         self.max_passes = check_positive_int("max_passes", max_passes)
         self.tol = check_positive_float("tol", tol)
         self.temperature: float | None = None
