@@ -43,7 +43,7 @@ class ExperimentSize:
 SIZES = {
     "tiny": ExperimentSize(limit=60, max_length=256, epochs=1, mmlu_per_subject=1, mmlu_subjects=QUICK_SUBJECTS,
                            triviaqa=20, truthfulqa=20),
-    "demo": ExperimentSize(),
+    "demo": ExperimentSize(limit=200, max_length=256, mmlu_per_subject=2, triviaqa=120, truthfulqa=120),
     "benchmark": ExperimentSize(limit=1000, max_length=512, mmlu_per_subject=8, triviaqa=400, truthfulqa=400),
 }
 
