@@ -68,3 +68,44 @@ def test_features_of_another_backbone_are_refused(tiny_backbone, examples, tmp_p
     other = make_tiny_backbone(tokenizer, seed=1)
     with pytest.raises(ATSError, match="revision"):
         store.check_backbone(other)
+
+
+KILLED_EXTRACTION = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from conftest import make_tiny_backbone
+from ats.backbone import load_backbone
+from ats.data import load_instructions, tokenize_instructions
+import ats.features as features
+
+tokenizer = load_backbone("smollm2-135m-instruct").tokenizer
+backbone = make_tiny_backbone(tokenizer)
+examples = tokenize_instructions(tokenizer, load_instructions("alpaca_gpt4", limit=12, seed=0), max_length=96)[0]
+real_write_json = features.write_json
+def write_json_then_die(path, obj):  # SIGKILL right after the second shard is finished
+    real_write_json(path, obj)
+    if Path(path).name == "shard-00001.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+features.write_json = write_json_then_die
+features.extract_features(backbone, examples, {out!r}, shard_sequences=5, progress=False)
+"""
+
+
+def test_sigkilled_extraction_resumes_without_recomputing(tiny_backbone, examples, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "f"
+    script = KILLED_EXTRACTION.format(tests=os.path.dirname(__file__), out=str(out))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    finished = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.safetensors")}
+    assert sorted(finished) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert not (out / "meta.json").exists() and not list(out.glob(".*tmp"))  # nothing half-written
+    store = extract_features(tiny_backbone, examples, out, shard_sequences=5, progress=False)
+    assert all((out / name).stat().st_mtime_ns == mtime for name, mtime in finished.items())
+    assert sorted(i for k in range(store.n_shards) for i in store.load_shard(k)["example_index"].tolist()) == \
+        list(range(len(examples)))
