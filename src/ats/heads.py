@@ -197,32 +197,49 @@ class RMSNorm(nn.Module):
 class HeadCache:
     """Keys and values of the transformer head's attention for the positions seen so far; extended in place.
 
-    keys, values: (B, n_heads, T_past, head_dim), keys already rotated (RoPE), or None before the first call.
+    keys, values: (B, n_heads, T_past, head_dim), keys already rotated (RoPE), or None before the first call. They
+    are views of buffers whose capacity doubles when full, so a decoding step appends without copying the past.
     """
 
     def __init__(self) -> None:
-        self.keys: Tensor | None = None
-        self.values: Tensor | None = None
+        self._k: Tensor | None = None  # (B, n_heads, capacity, d)
+        self._v: Tensor | None = None
+        self._length = 0
+
+    @property
+    def keys(self) -> Tensor | None:
+        return None if self._k is None else self._k[:, :, : self._length]
+
+    @property
+    def values(self) -> Tensor | None:
+        return None if self._v is None else self._v[:, :, : self._length]
 
     @property
     def length(self) -> int:
         """Number of cached positions (T_past)."""
-        return 0 if self.keys is None else self.keys.shape[2]
+        return self._length
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append the new positions' k, v (B, n_heads, T_new, d); return all of them (B, n_heads, T_past+T_new, d)."""
-        if self.keys is None:
-            self.keys, self.values = k, v
-        else:
-            self.keys = torch.cat([self.keys, k], dim=2)
-            self.values = torch.cat([self.values, v], dim=2)
+        new_length = self._length + k.shape[2]
+        if self._k is None or new_length > self._k.shape[2]:
+            capacity = max(new_length, 2 * (0 if self._k is None else self._k.shape[2]), 64)
+            k_buf = k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3])
+            v_buf = v.new_empty(v.shape[0], v.shape[1], capacity, v.shape[3])
+            if self._k is not None:
+                k_buf[:, :, : self._length] = self.keys
+                v_buf[:, :, : self._length] = self.values
+            self._k, self._v = k_buf, v_buf
+        self._k[:, :, self._length: new_length] = k
+        self._v[:, :, self._length: new_length] = v
+        self._length = new_length
         return self.keys, self.values
 
     def select(self, index: Tensor) -> None:
         """Keep (or reorder) batch rows, e.g. after sequences finish or for beam search."""
-        if self.keys is not None:
-            self.keys = self.keys.index_select(0, index)
-            self.values = self.values.index_select(0, index)
+        if self._k is not None:
+            self._k = self._k.index_select(0, index)
+            self._v = self._v.index_select(0, index)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
