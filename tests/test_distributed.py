@@ -7,7 +7,6 @@ Tolerance: 1e-5 absolute on every head weight. The two runs differ only in the o
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -60,14 +59,12 @@ WORKER = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
-    launcher = shutil.which("torchrun")
-    if launcher is None:
-        pytest.skip("torchrun not installed")
     root = tmp_path_factory.mktemp("dist")
     script = root / "worker.py"
     script.write_text(WORKER.format(tests=os.path.dirname(__file__), root=str(root), options=OPTIONS, config=CONFIG))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([launcher, "--standalone", "--nproc_per_node", "2", str(script)],
+    launcher = [sys.executable, "-m", "torch.distributed.run"]  # torchrun, without relying on PATH
+    proc = subprocess.run([*launcher, "--standalone", "--nproc_per_node", "2", str(script)],
                           capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return root
