@@ -240,9 +240,9 @@ def run_ablations(backbone, train_store, val_store, out_dir: str | Path, *, task
         path = out_dir / f"{ablation}.md"
         with atomic_file(path) as f:
             f.write(f"## Ablation: {ablation}\n\n{table}\n")
-        files.append(str(path))
+        files.append(path.name)
     if "alpha" in plan:
-        files += [str(p) for p in alpha_figure([(label, run.name) for label, run in plan["alpha"]], results,
+        files += [p.name for p in alpha_figure([(label, run.name) for label, run in plan["alpha"]], results,
                                                out_dir / "ece_vs_alpha")]
     summary = {
         "settings": {"epochs": epochs, "training": dataclasses.asdict(training), "n_bins": n_bins, "seed": seed,
@@ -253,7 +253,7 @@ def run_ablations(backbone, train_store, val_store, out_dir: str | Path, *, task
         "runs": run_info,
         "ablations": {a: [{"row": label, "run": run.name} for label, run in rows] for a, rows in plan.items()},
         "results": results,
-        "files": files,
+        "files": files,  # relative to out_dir
     }
     summary = _jsonable(summary)
     write_json(out_dir / "ablations.json", summary)
