@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .errors import ATSError
+from .numerics import logsumexp, softmax_
 
 LOSS_TYPES = ("selective", "none", "full")
 WEIGHTINGS = ("token", "reference")
@@ -85,8 +86,8 @@ class _ChunkedCE(torch.autograd.Function):
                 raise ATSError(f"labels: id {bad} is outside the vocabulary [0, {V}) (pass response tokens only)")
             s = scale[sl].to(z.dtype)[:, None]  # (n, 1)
             q = z * s  # (n, V)
-            lse = torch.logsumexp(q, dim=-1)  # (n,)
-            p = q.sub_(lse[:, None]).exp_()  # (n, V) softmax(q), in place of q
+            lse = logsumexp(q, dim=-1)  # (n,)
+            p = softmax_(q, lse)  # (n, V) softmax(q), in place of q
             ez = p.mul_(z).sum(-1)  # (n,) E_p[z]
             z_y = z.gather(1, y[:, None]).squeeze(1)  # (n,)
             z_mean = z.mean(-1)  # (n,)

@@ -1,0 +1,73 @@
+"""Vocabulary-sized exponentials without subnormal numbers.
+
+`exp(x)` for x below about -87.3 is a float32 subnormal, and x86 CPUs compute subnormal results through a
+microcode assist, about 50x slower than a normal `exp` (measured here: `exp` of (8, 49152) values takes 4.1 ms when
+13% of the results are subnormal, 0.07 ms when none are). A confident next-token distribution puts most of the
+vocabulary more than 87 nats below its top token, so a plain `torch.logsumexp` or softmax over the vocabulary can cost
+more than the calibration head itself during generation and dominates the loss on CPU.
+
+Clamping the shifted exponent at `exp_floor` (-87 for float32, -700 for float64) keeps every result normal
+(e^-87 = 1.6e-38; the smallest normal float32 is 1.2e-38). Each clamped term adds at most 1.6e-38 to a sum that
+contains the top term 1, so even 262k clamped terms change it by less than 5e-33, far below float32 resolution
+(6e-8): the results equal the unclamped ones to the last bit (tests compare them with `torch.logsumexp`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["chosen_log_probs", "exp_floor", "logsumexp", "softmax_"]
+
+
+def exp_floor(dtype: torch.dtype) -> float:
+    """A low exponent whose `exp` is still a normal number: -700 for float64, -87 for float32 and narrower types."""
+    return -700.0 if dtype == torch.float64 else -87.0
+
+
+def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
+    """`torch.logsumexp(x, dim)` for finite x (logits), with every exponent >= `exp_floor` (see the module doc).
+
+    The clamp costs one more pass over x, so it runs only when some row spans more than the floor; off the CPU
+    (GPUs compute subnormals at full speed) this is `torch.logsumexp`."""
+    if x.device.type != "cpu":
+        return torch.logsumexp(x, dim)
+    top = x.amax(dim, keepdim=True)  # (amax and amin are each ~10x faster than torch.aminmax on CPU)
+    low = x.amin(dim, keepdim=True)
+    shifted = x - top
+    floor = exp_floor(x.dtype)
+    if bool(((low - top) < floor).any()):
+        shifted.clamp_(min=floor)
+    return (shifted.exp_().sum(dim, keepdim=True).log_() + top).squeeze(dim)
+
+
+def softmax_(x: Tensor, lse: Tensor) -> Tensor:
+    """softmax of finite x (n, V) in place, given its log-normaliser `lse` (n,): exp(x - lse) with the floor
+    (applied only where needed and only on the CPU, as in `logsumexp`)."""
+    x = x.sub_(lse[:, None])
+    if x.device.type == "cpu":
+        floor = exp_floor(x.dtype)
+        if bool((x.amin(-1) < floor).any()):
+            x.clamp_(min=floor)
+    return x.exp_()
+
+
+def chosen_log_probs(z: Tensor, scale: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """log softmax(z)[token] and log softmax(z * scale)[token] for logits z (..., V), scale (...) > 0 and token ids
+    (...): the uncalibrated and calibrated log-probabilities of chosen tokens, from one shared shift.
+
+    Since scale > 0, max(z * scale) = scale * max(z), so one max over z shifts both: z - top and scale * (z - top)
+    are exponentiated in one (2, ..., V) buffer (floored as in `logsumexp` when a row spans more than the floor).
+    """
+    top = z.amax(-1, keepdim=True)  # (..., 1)
+    shifted = torch.empty((2, *z.shape), dtype=z.dtype, device=z.device)  # (2, ..., V)
+    torch.sub(z, top, out=shifted[0])
+    torch.mul(shifted[0], scale[..., None], out=shifted[1])
+    if z.device.type == "cpu":
+        spread = z.amin(-1) - top[..., 0]  # (...) <= 0
+        floor = exp_floor(z.dtype)
+        if bool((torch.minimum(spread, spread * scale) < floor).any()):
+            shifted.clamp_(min=floor)
+    lse = shifted.exp_().sum(-1).log_()  # (2, ...) log-normalisers of the shifted rows
+    chosen = (z.gather(-1, tokens[..., None])[..., 0] - top[..., 0])  # (...) z[token] - top
+    return chosen - lse[0], chosen * scale - lse[1]
