@@ -117,6 +117,30 @@ def test_cached_decoding_equals_full_forward_with_left_padding(prefix):
     assert full[1, 3:].abs().min() > 0
 
 
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("chunks", [(4, 3, 1, 1, 2), (1, 2, 3, 5), (11,)])
+def test_cached_chunks_equal_full_forward(padded, chunks):
+    """Any split of a sequence into cached calls (a prompt, then several positions at a time or one) gives the
+    full forward pass's tau: causality inside a chunk, RoPE positions and padding keys carried by the cache."""
+    head = transformer(7)
+    T = sum(chunks)
+    hidden = torch.randn(3, T, H)
+    mask = torch.ones(3, T, dtype=torch.long)
+    if padded:
+        mask[1, :2] = 0  # left padding
+        mask[2, 6:] = 0  # right padding (padding queries get tau 0 and are never seen)
+    with torch.no_grad():
+        full = head(hidden, mask)
+        cache, steps, start = HeadCache(), [], 0
+        for n in chunks:
+            steps.append(head(hidden[:, start: start + n], mask[:, : start + n], cache=cache))
+            start += n
+    assert cache.has_padding == padded
+    assert torch.equal(cache.positions, mask.sum(1))  # real tokens seen per row = RoPE position of the next
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5)
+    assert torch.equal(full[mask == 0], torch.zeros(int((mask == 0).sum())))
+
+
 def test_cache_mask_shape_is_checked_and_other_heads_accept_cache():
     head = transformer()
     cache = HeadCache()

@@ -181,7 +181,7 @@ class MLPHead(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Llama RMSNorm, computed in float32."""
+    """Llama RMSNorm: x / sqrt(mean(x^2) + eps) * weight."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -189,22 +189,30 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
+        xf = x if x.dtype == torch.float32 else x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * (xf if xf.dtype == x.dtype else xf.to(x.dtype))
 
 
 class HeadCache:
-    """Keys and values of the transformer head's attention for the positions seen so far; extended in place.
+    """What the transformer head keeps between decoding steps; extended in place, one cache per head and sequence
+    batch (one `generate` call).
 
-    keys, values: (B, n_heads, T_past, head_dim), keys already rotated (RoPE), or None before the first call. They
-    are views of buffers whose capacity doubles when full, so a decoding step appends without copying the past.
+    keys, values: (B, n_heads, T_past, head_dim), keys already rotated (RoPE); real: (B, T_past) bool, which cached
+    positions are tokens rather than padding; positions: (B,) the RoPE position of each row's next real token. The
+    tensors are views of buffers whose capacity doubles when full, so a decoding step appends without copying the
+    past. `weights` holds the head's fused projection matrices, packed on the first cached call (a cache belongs to
+    one head and the weights it had then).
     """
 
     def __init__(self) -> None:
         self._k: Tensor | None = None  # (B, n_heads, capacity, d)
         self._v: Tensor | None = None
+        self._real: Tensor | None = None  # (B, capacity) bool
         self._length = 0
+        self.positions: Tensor | None = None  # (B,) long
+        self.has_padding = False  # any cached position is padding: attention then needs a mask
+        self.weights: tuple[Tensor, Tensor] | None = None  # (3H, H) q|k|v and (2I, H) gate|up, see TransformerHead
 
     @property
     def keys(self) -> Tensor | None:
@@ -215,31 +223,59 @@ class HeadCache:
         return None if self._v is None else self._v[:, :, : self._length]
 
     @property
+    def real(self) -> Tensor | None:
+        return None if self._real is None else self._real[:, : self._length]
+
+    @property
     def length(self) -> int:
         """Number of cached positions (T_past)."""
         return self._length
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append the new positions' k, v (B, n_heads, T_new, d); return all of them (B, n_heads, T_past+T_new, d)."""
-        new_length = self._length + k.shape[2]
+    def update(self, k: Tensor, v: Tensor, real: Tensor, all_real: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Append the new positions' k, v (B, n_heads, T_new, d) and real-token mask (B, T_new) (`all_real`: whether
+        it is all True, if the caller knows); return all of them: keys, values (B, n_heads, T_past+T_new, d) and
+        real (B, T_past+T_new)."""
+        start, new_length = self._length, self._length + k.shape[2]
         if self._k is None or new_length > self._k.shape[2]:
             capacity = max(new_length, 2 * (0 if self._k is None else self._k.shape[2]), 64)
-            k_buf = k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3])
-            v_buf = v.new_empty(v.shape[0], v.shape[1], capacity, v.shape[3])
-            if self._k is not None:
-                k_buf[:, :, : self._length] = self.keys
-                v_buf[:, :, : self._length] = self.values
-            self._k, self._v = k_buf, v_buf
-        self._k[:, :, self._length: new_length] = k
-        self._v[:, :, self._length: new_length] = v
+            self._k, self._v = _grown(self._k, k, capacity, 2, start), _grown(self._v, v, capacity, 2, start)
+            self._real = _grown(self._real, real, capacity, 1, start)
+        self._k[:, :, start:new_length] = k
+        self._v[:, :, start:new_length] = v
+        self._real[:, start:new_length] = real
         self._length = new_length
-        return self.keys, self.values
+        self.has_padding = self.has_padding or not (bool(real.all()) if all_real is None else all_real)
+        return self.keys, self.values, self.real
 
     def select(self, index: Tensor) -> None:
         """Keep (or reorder) batch rows, e.g. after sequences finish or for beam search."""
         if self._k is not None:
-            self._k = self._k.index_select(0, index)
-            self._v = self._v.index_select(0, index)
+            self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
+            self._real = self._real.index_select(0, index)
+            self.has_padding = not bool(self.real.all())
+        if self.positions is not None:
+            self.positions = self.positions.index_select(0, index)
+
+
+def _grown(buffer: Tensor | None, like: Tensor, capacity: int, dim: int, length: int) -> Tensor:
+    """A new buffer shaped like `like` with `capacity` along `dim`, holding the first `length` entries of `buffer`."""
+    shape = list(like.shape)
+    shape[dim] = capacity
+    grown = like.new_empty(shape)
+    if buffer is not None and length:
+        grown.narrow(dim, 0, length).copy_(buffer.narrow(dim, 0, length))
+    return grown
+
+
+def _allowed(real: Tensor, past: int) -> Tensor:
+    """Attention mask (B, 1, T, T_past+T) bool from the keys' real-token mask `real` (B, T_past+T): query i
+    (absolute past+i) sees key j if j <= past+i and key j is real; always itself, so that padding query rows are never
+    fully masked (no NaN); real queries never see padding keys."""
+    total = real.shape[1]
+    q_idx = torch.arange(past, total, device=real.device)[:, None]  # (T, 1)
+    k_idx = torch.arange(total, device=real.device)[None, :]  # (1, T_past+T)
+    allowed = (k_idx <= q_idx) & real[:, None, :]  # (B, T, T_past+T)
+    return (allowed | (k_idx == q_idx))[:, None]  # (B, 1, T, T_past+T)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -259,24 +295,25 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, hidden_size, bias=False)
         self.o_proj = nn.Linear(hidden_size, hidden_size, bias=False)
         inv_freq = 1.0 / (rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (d/2,) derived, not saved
+        # (d,) each frequency twice, for the rotate-half layout; derived, not saved
+        self.register_buffer("inv_freq", torch.cat((inv_freq, inv_freq)), persistent=False)
 
     def rope(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        """Rotate x (B, nh, T, d) by the angles of `position_ids` (B, T), in float32."""
-        freqs = position_ids[:, None, :, None].float() * self.inv_freq.float()  # (B, 1, T, d/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, 1, T, d)
-        xf = x.float()
-        return (xf * emb.cos() + _rotate_half(xf) * emb.sin()).to(x.dtype)
+        """Rotate x (B, ..., T, d) by the angles of `position_ids` (B, T), in float32."""
+        B, T = position_ids.shape
+        angles = (position_ids[..., None] * self.inv_freq.float())  # (B, T, d) float32
+        angles = angles.view(B, *[1] * (x.dim() - 3), T, x.shape[-1])  # (B, 1.., T, d)
+        xf = x if x.dtype == torch.float32 else x.float()
+        out = xf * angles.cos() + _rotate_half(xf) * angles.sin()
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
-    def forward(self, x: Tensor, position_ids: Tensor, allowed: Tensor, cache: HeadCache | None = None) -> Tensor:
-        """x (B, T, H); position_ids (B, T); allowed (B, 1, T, T_past+T) bool, True where a query may see a key."""
+    def forward(self, x: Tensor, position_ids: Tensor, allowed: Tensor) -> Tensor:
+        """x (B, T, H); position_ids (B, T); allowed (B, 1, T, T) bool, True where a query may see a key."""
         B, T, H = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, d)
         k = self.k_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, d)
         v = self.v_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, d)
         q, k = self.rope(q, position_ids), self.rope(k, position_ids)
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, nh, T_past+T, d)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, nh, T, d)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H))  # (B, T, H)
 
@@ -297,8 +334,11 @@ class SwiGLU(nn.Module):
 class TransformerHead(nn.Module):
     """One Llama decoder layer over the hidden states, then RMSNorm + Linear H -> 1 (the paper's ATS head).
 
-    With a `cache`, `hidden` holds only the new positions (B, T_new, H) and `attention_mask` covers past + new
-    positions (B, T_past + T_new); the cache is extended in place. Without a cache, `hidden` is the whole sequence.
+    Without a cache, `hidden` is the whole sequence (training, evaluation). With a `cache` (generation), `hidden`
+    holds only the new positions (B, T_new, H) and `attention_mask` covers past + new positions (B, T_past + T_new);
+    the cache keeps its own copy of the past, is extended in place, and the step runs a leaner path with the same
+    numbers (q/k/v and gate/up fused into one matrix product each, RoPE positions and key mask kept in the cache,
+    no mask at all when nothing is padding): a decoding step is about a hundred fewer small operations.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, rope_theta: float = 10000.0):
@@ -317,23 +357,61 @@ class TransformerHead(nn.Module):
     def forward(self, hidden: Tensor, attention_mask: Tensor | None = None, cache: HeadCache | None = None) -> Tensor:
         B, T, _ = hidden.shape
         past = cache.length if cache is not None else 0
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
+            raise ATSError(f"attention_mask: expected shape {(B, past + T)} (past {past} + new {T}), "
+                           f"got {tuple(attention_mask.shape)}")
+        if cache is not None:
+            return self._forward_cached(hidden, None if attention_mask is None else attention_mask[:, past:], cache)
         if attention_mask is None:
-            mask = torch.ones(B, past + T, dtype=torch.bool, device=hidden.device)
+            mask = torch.ones(B, T, dtype=torch.bool, device=hidden.device)
         else:
-            if tuple(attention_mask.shape) != (B, past + T):
-                raise ATSError(f"attention_mask: expected shape {(B, past + T)} (past {past} + new {T}), "
-                               f"got {tuple(attention_mask.shape)}")
-            mask = attention_mask.to(hidden.device).bool()  # (B, T_past+T)
-        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # (B, T)
-
-        # query i (absolute past+i) sees key j if j <= past+i and key j is real; always itself, so that padding query
-        # rows are never fully masked (no NaN); real queries never see padding keys.
-        q_idx = torch.arange(past, past + T, device=hidden.device)[:, None]  # (T, 1)
-        k_idx = torch.arange(past + T, device=hidden.device)[None, :]  # (1, T_past+T)
-        allowed = (k_idx <= q_idx) & mask[:, None, :]  # (B, T, T_past+T)
-        allowed = (allowed | (k_idx == q_idx))[:, None]  # (B, 1, T, T_past+T)
-
+            mask = attention_mask.to(hidden.device).bool()  # (B, T)
+        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
         x = hidden.to(self.proj.weight.dtype)  # (B, T, H)
-        x = x + self.attn(self.input_norm(x), position_ids, allowed, cache)
+        x = x + self.attn(self.input_norm(x), position_ids, _allowed(mask, 0))
         x = x + self.mlp(self.post_attn_norm(x))
         return _finish(self.proj(self.final_norm(x)), mask)  # (B, T)
+
+    @torch.no_grad()
+    def _forward_cached(self, hidden: Tensor, real: Tensor | None, cache: HeadCache) -> Tensor:
+        """The same layer as `forward` for new positions `hidden` (B, T, H) with real-token mask `real` (B, T)
+        (None: all real), attending over the cache. Inference only (no gradients). Every operation counts here:
+        a decoding step of a small head is bound by per-operation overhead, not arithmetic."""
+        B, T, H = hidden.shape
+        attn, nh, d = self.attn, self.attn.n_heads, self.attn.head_dim
+        if cache.weights is None:
+            cache.weights = (torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),  # (3H, H)
+                             torch.cat([self.mlp.gate_proj.weight, self.mlp.up_proj.weight]))  # (2I, H)
+        if cache.positions is None:
+            cache.positions = torch.zeros(B, dtype=torch.long, device=hidden.device)
+        if real is None:
+            real = torch.ones(B, T, dtype=torch.bool, device=hidden.device)
+            all_real = True
+        else:
+            real = real.to(hidden.device, torch.bool)
+            all_real = bool(real.all())
+        past = cache.positions[:, None]  # (B, 1) real tokens seen so far
+        if all_real and T == 1:  # a decoding step: the next position of every row
+            position_ids, cache.positions = past, cache.positions + 1  # (B, 1)
+        else:  # as cumsum(mask) - 1 over the whole sequence
+            counted = real.long().cumsum(-1)  # (B, T)
+            position_ids, cache.positions = (past + counted - 1).clamp(min=0), past[:, 0] + counted[:, -1]
+
+        x = hidden if hidden.dtype == self.proj.weight.dtype else hidden.to(self.proj.weight.dtype)  # (B, T, H)
+        qkv = F.linear(self.input_norm(x), cache.weights[0]).view(B, T, 3, nh, d)
+        q, k = attn.rope(qkv[:, :, :2].permute(0, 2, 3, 1, 4), position_ids).unbind(1)  # 2 x (B, nh, T, d)
+        start = cache.length
+        keys, values, seen = cache.update(k, qkv[:, :, 2].transpose(1, 2), real, all_real)  # (B, nh, S, d), (B, S)
+        causal = False
+        if T == 1:  # one query and no future keys: only padding keys need masking
+            allowed = None if not cache.has_padding else seen[:, None, None] if all_real else _allowed(seen, start)
+        elif start == 0 and not cache.has_padding:  # a prompt without padding: plain causal attention
+            allowed, causal = None, True
+        else:
+            allowed = _allowed(seen, start)  # (B, 1, T, S)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, is_causal=causal)  # (B, nh, T, d)
+        x = x + attn.o_proj(y.transpose(1, 2).reshape(B, T, H))
+        gate, up = F.linear(self.post_attn_norm(x), cache.weights[1]).chunk(2, dim=-1)  # 2 x (B, T, I)
+        x = x + self.mlp.down_proj(F.silu(gate) * up)
+        tau = self.proj(self.final_norm(x))  # (B, T, 1)
+        return tau.squeeze(-1).float() if all_real else _finish(tau, real)  # (B, T)
