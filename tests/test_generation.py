@@ -75,10 +75,14 @@ def test_greedy_text_equals_plain_generate(tiny_backbone, calibrator):
     assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in outs)
 
 
-@pytest.mark.parametrize("head_type", ["transformer", "linear", "mlp"])
-def test_per_token_values_match_full_forward(tiny_backbone, head_type):
+@pytest.mark.parametrize("head_type,flush_every", [("transformer", None), ("transformer", 1), ("transformer", 3),
+                                                   ("linear", None), ("mlp", 4)])
+def test_per_token_values_match_full_forward(tiny_backbone, head_type, flush_every):
+    """Whatever the number of steps whose probabilities are computed together (None: by size, here all 10)."""
     calibrator = calibrator_for(tiny_backbone, head_type, seed=3)
-    out = generate_calibrated(tiny_backbone, calibrator, PROMPTS[1], max_new_tokens=10, do_sample=True)[0]
+    out = generate_calibrated(tiny_backbone, calibrator, PROMPTS[1], max_new_tokens=10, do_sample=True,
+                              flush_every=flush_every)[0]
+    assert len(out.confidences) == len(out.uncalibrated) == len(out.taus) == len(out.token_ids) == 10
     tau, conf, raw = reference(tiny_backbone, calibrator, PROMPTS[1], out)
     # the transformer head decoded with its KV cache gives the same tau as a full pass over the final sequence
     torch.testing.assert_close(torch.tensor(out.taus), tau, atol=1e-5, rtol=0)
