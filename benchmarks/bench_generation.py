@@ -75,14 +75,15 @@ def randomised_calibrator(backbone, head_type: str, seed: int = 0) -> ATSCalibra
 
 
 class ProcessorTimer:
-    """Accumulates the time spent in `CalibrationProcessor.__call__` (head + scaling + log-normalisers): the
-    calibration's own cost, measured inside the run and so far less sensitive to machine load than a difference of
-    two end-to-end timings."""
+    """Accumulates the time spent in `CalibrationProcessor.__call__` (head + scaling + token probabilities) and in
+    its `finish` (the token probabilities still pending when `generate` returns): the calibration's own cost,
+    measured inside the run and so far less sensitive to machine load than a difference of two end-to-end timings."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.calls = 0
         self._call = generation.CalibrationProcessor.__call__
+        self._finish = generation.CalibrationProcessor.finish
         timer = self
 
         def timed(processor, input_ids, scores):
@@ -92,7 +93,13 @@ class ProcessorTimer:
             timer.calls += 1
             return out
 
+        def timed_finish(processor, new_tokens):
+            t0 = time.perf_counter()
+            timer._finish(processor, new_tokens)
+            timer.seconds += time.perf_counter() - t0
+
         generation.CalibrationProcessor.__call__ = timed
+        generation.CalibrationProcessor.finish = timed_finish
 
     def take(self) -> tuple[float, int]:
         seconds, calls, self.seconds, self.calls = self.seconds, self.calls, 0.0, 0
@@ -246,8 +253,7 @@ def format_markdown(result: dict, table: str) -> str:
         f"lengths (padded/min/max) {result['prompt_lengths']}. Times are end to end (prompts in, texts out). "
         f"Overhead = median calibrated time / median plain time; paired overhead = median over repeats of "
         f"(calibrated / plain of the same repeat). Processor ms/step = time inside `CalibrationProcessor` (head, "
-        f"scaling, "
-        f"log-normalisers) per decoding step, prefill included; in-run overhead = calibrated time / (calibrated time - "
+        f"scaling, token probabilities; its `finish` included) per decoding step, prefill included; in-run overhead = calibrated time / (calibrated time - "
         f"processor time) within the same run, which is robust to machine load. "
         f"Total benchmark time {result['wall_seconds']:.0f} s.",
         "",
