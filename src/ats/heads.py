@@ -202,7 +202,8 @@ class HeadCache:
     positions are tokens rather than padding; positions: (B,) the RoPE position of each row's next real token. The
     tensors are views of buffers whose capacity doubles when full, so a decoding step appends without copying the
     past. `weights` holds the head's fused projection matrices, packed on the first cached call (a cache belongs to
-    one head and the weights it had then).
+    one head and the weights it had then): a copy of (3H + 2I) x H values for the cache's lifetime, 11 MB at
+    SmolLM2's size and 0.56 GB in float32 for a Llama-2-7B-sized head (half in bfloat16).
     """
 
     def __init__(self) -> None:
