@@ -220,3 +220,22 @@ def test_smollm2_identity_head_and_eos(smollm2):
     torch.testing.assert_close(torch.tensor(again.confidences), conf, atol=1e-4, rtol=1e-3)
     if again.finish_reason == "eos":
         assert again.token_ids[-1] == smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_cli_generate_streams_the_api_text_and_confidence(smollm2, tmp_path, capsys, monkeypatch):
+    """`ats generate --model M --calibrator DIR "prompt"`: streams the same text as the API (uncoloured under
+    NO_COLOR) and prints the sequence confidence."""
+    from ats.cli import main
+
+    calibrator = calibrator_for(smollm2, "transformer", seed=1)
+    calibrator.save_pretrained(tmp_path / "cal")
+    prompt = "What is 2 + 2? Answer with one number."
+    expected = generate_calibrated(smollm2, calibrator, prompt, max_new_tokens=8)[0]
+    monkeypatch.setenv("NO_COLOR", "1")
+    capsys.readouterr()
+    assert main(["generate", "--model", "smollm2-135m-instruct", "--calibrator", str(tmp_path / "cal"),
+                 "--max-new-tokens", "8", *prompt.split()]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(expected.text)
+    assert f"sequence confidence: mean {expected.mean_confidence:.3f}" in printed
+    assert f"(uncalibrated mean {expected.mean_uncalibrated:.3f})" in printed
