@@ -62,15 +62,17 @@ def main(argv=None) -> int:
         os.environ["ATS_DATA_DIR"] = str(shared)  # offline: read the local copies
     import torch
 
-    from ats.ablate import run_ablations, run_alignment
-    from ats.backbone import load_backbone
-    from ats.pipeline import DataOptions, prepare_features
-    from ats.training import TrainingConfig
+    from ats.model.backbone import load_backbone
+    from ats.training.config import TrainingConfig
+    from ats.training.data import DataConfig
+    from ats.workflows.ablate import run_ablations
+    from ats.workflows.alignment import run_alignment
+    from ats.workflows.pipeline import prepare_features
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     progress = not args.quiet
-    data = DataOptions(source=args.data, limit=args.limit, max_length=args.max_length,
+    data = DataConfig(source=args.data, limit=args.limit, max_length=args.max_length,
                        val_fraction=args.val_fraction, seed=args.seed)
     training = TrainingConfig(lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
                               micro_batch_size=args.micro_batch_size, seed=args.seed, chunk_size=args.chunk_size)
@@ -84,8 +86,8 @@ def main(argv=None) -> int:
 
     if args.alignment:
         models = [m.strip() for m in args.alignment_models.split(",") if m.strip()]
-        summary = run_alignment(models, out / "alignment", tasks=tasks, task_limit=task_limit, epochs=args.epochs,
-                                data_options=data, training=training, device=device, seed=args.seed,
+        summary = run_alignment(models, out / "alignment", tasks=tasks, task_limit=task_limit,
+                                data=data, training=training, device=device, seed=args.seed,
                                 progress=progress, mmlu_options=mmlu_options)
         print("\n" + summary["table"])
         print(f"\n{out / 'alignment' / 'alignment.md'}; total {(time.time() - start) / 60:.1f} min")
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
     print(f"[ablations] {args.model}: {len(train_store)} train / {len(val_store)} val sequences, "
           f"{train_store.meta['response_tokens']} training response tokens")
     summary = run_ablations(backbone, train_store, val_store, out, tasks=tasks, task_limit=task_limit,
-                            epochs=args.epochs, ablations=args.ablations, training=training, seed=args.seed,
+                            ablations=args.ablations, training=training, seed=args.seed,
                             progress=progress, mmlu_options=mmlu_options)
     for ablation, table in summary["tables"].items():
         print(f"\n## Ablation: {ablation}\n\n{table}")

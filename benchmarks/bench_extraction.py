@@ -24,11 +24,12 @@ from pathlib import Path
 
 import torch
 
-from ats.ats import ATSCalibrator
-from ats.backbone import load_backbone
-from ats.data import load_instructions, tokenize_instructions
-from ats.features import _token_batches, extract_features, pad_batch, shard_plan
-from ats.training import TrainingConfig, train_ats
+from ats.calibrators.ats import ATSCalibrator
+from ats.model.backbone import load_backbone
+from ats.training.config import TrainingConfig
+from ats.training.data import load_instructions, tokenize_instructions
+from ats.training.features import _token_batches, extract_features, pad_batch, shard_plan
+from ats.training.trainer import train_ats
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from ats.ats import ATSCalibrator
-from ats.backbone import load_backbone
-from ats import generation
+from ats.calibrators.ats import ATSCalibrator
 from ats.generation import encode_prompts, generate_calibrated
+from ats.generation import processor as generation
+from ats.model.backbone import load_backbone
 
 PROMPTS = [
     "Explain how a refrigerator works.",

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from ats.backbone import load_backbone
-from ats.evaluate import format_table
-from ats.experiment import SIZES, run_experiment, size_record, token_table
+from ats.evaluation.report import format_table, token_table
 from ats.io import atomic_file, write_json
+from ats.model.backbone import load_backbone
+from ats.workflows.experiment import SIZES, run_experiment, size_record
 
 # Llama-2-7b-chat, ECE, from the paper (Table 1).
 PAPER_ECE = {

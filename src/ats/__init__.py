@@ -2,29 +2,37 @@
 
 A small head reads a frozen LM's hidden states and predicts a temperature per token; calibrated logits are
 `q = z * exp(tau)`, so the argmax (and accuracy) never changes and only confidence moves.
+
+Layers, each importing only the ones below it: model -> calibrators -> training -> evaluation -> generation ->
+workflows -> cli (see docs/architecture.md).
 """
 
 from importlib import import_module
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # public name -> module that defines it (imported lazily: `import ats` stays fast and light)
 _EXPORTS = {
-    "ATSCalibrator": "ats.ats",
-    "ATSConfig": "ats.ats",
-    "CalibratedModel": "ats.ats",
     "ATSError": "ats.errors",
-    "Backbone": "ats.backbone",
-    "load_backbone": "ats.backbone",
-    "HeadConfig": "ats.heads",
-    "TrainingConfig": "ats.training",
-    "train_ats": "ats.training",
-    "FeatureStore": "ats.features",
-    "extract_features": "ats.features",
-    "load_instructions": "ats.data",
+    "Backbone": "ats.model.backbone",
+    "load_backbone": "ats.model.backbone",
+    "HeadConfig": "ats.model.heads",
+    "ATSCalibrator": "ats.calibrators.ats",
+    "ATSConfig": "ats.calibrators.ats",
+    "CalibratedModel": "ats.calibrators.ats",
+    "Calibrator": "ats.calibrators.base",
     "build_calibrator": "ats.calibrators",
     "load_calibrator": "ats.calibrators",
-    "evaluate": "ats.evaluate",
+    "DataConfig": "ats.training.data",
+    "load_instructions": "ats.training.data",
+    "TrainingConfig": "ats.training.config",
+    "train_ats": "ats.training.trainer",
+    "FeatureStore": "ats.training.features",
+    "extract_features": "ats.training.features",
+    "evaluate": "ats.evaluation.evaluate",
+    "summarize": "ats.evaluation.metrics",
+    "paired_differences": "ats.evaluation.metrics",
+    "generate_calibrated": "ats.generation.api",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -32,3 +32,16 @@ def local_file(relative: str) -> Path | None:
     if not path.exists():
         raise ATSError(f"{path}: not found under ATS_DATA_DIR={root}")
     return path
+
+
+def hub_dataset(path: str, config: str | None, split: str):
+    """A split of a Hub data set (online users; with ATS_DATA_DIR set the local files are used instead)."""
+    try:
+        import datasets
+    except ImportError as err:  # pragma: no cover - datasets is a dependency
+        raise ATSError("loading from the Hub needs the `datasets` package: pip install datasets") from err
+    try:
+        return datasets.load_dataset(path, config, split=split)
+    except Exception as err:
+        raise ATSError(f"could not load {path} ({config}, {split}) from the Hugging Face Hub: {err}; "
+                       f"set ATS_DATA_DIR to a folder with local copies") from None

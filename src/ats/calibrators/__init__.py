@@ -1,62 +1,106 @@
-"""Registry of calibrators: build one by name, or load a saved one by the "type" in its calibrator_config.json."""
+"""The calibrator registry: every method, ATS included, under a name; classes are imported only when used.
+
+    build_calibrator("temperature")                    # a fresh, unfitted calibrator
+    calibrator_for("selective-temperature", source)    # sized for a FitSource (then .fit_source(source))
+    load_calibrator("runs/smol/head")                  # any saved calibrator, by the "type" in its config
+
+A name maps to a class and preset options: `selective-temperature` and `selective-linear` are ATS with a constant
+(one global temperature) or linear head, trained exactly like the ATS head they are compared with.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from importlib import import_module
 from pathlib import Path
 
 from ..errors import ATSError
-from ..io import read_json
-from .base import CONFIG_NAME, Calibrator, LogitChunks, Uncalibrated
-from .binning import HistogramBinning, ScalingBinning
-from .isotonic import IsotonicCalibration
-from .temperature import TemperatureScaling
-from .thermometer import Thermometer
-from .vector import VectorScaling
-
-CALIBRATORS: dict[str, type[Calibrator]] = {
-    cls.name: cls
-    for cls in (Uncalibrated, TemperatureScaling, VectorScaling, ScalingBinning, HistogramBinning, IsotonicCalibration,
-                Thermometer)
-}
+from .base import CONFIG_NAME, Calibrator, FitSource, LogitChunks, Uncalibrated, read_config
 
 
-def _known() -> str:
-    return ", ".join([*CALIBRATORS, "ats"])
+@dataclass(frozen=True)
+class Entry:
+    target: str  # "module:Class", relative to this package
+    preset: dict = field(default_factory=dict)  # options every instance of this name gets
+    help: str = ""
+
+    def load(self) -> type[Calibrator]:
+        module, _, cls = self.target.partition(":")
+        return getattr(import_module(module, __name__), cls)
+
+
+REGISTRY: dict[str, Entry] = {}
+
+
+def register(name: str, target: str, *, help: str = "", **preset) -> None:
+    """Register a calibrator class ("module:Class") under `name`, with preset constructor options."""
+    REGISTRY[name] = Entry(target, preset, help)
+
+
+register("none", ".base:Uncalibrated", help="the backbone as it is")
+register("temperature", ".temperature:TemperatureScaling", help="one temperature, NLL (Guo et al. 2017)")
+register("vector", ".vector:VectorScaling", help="per-class scale and bias, NLL")
+register("scaling-binning", ".binning:ScalingBinning", help="temperature, then equal-mass bins (Kumar et al. 2019)")
+register("histogram", ".binning:HistogramBinning", help="equal-mass bins of the confidence -> accuracy")
+register("isotonic", ".isotonic:IsotonicCalibration", help="monotone map of the confidence -> accuracy")
+register("thermometer", ".thermometer:Thermometer", help="one temperature per prompt (Shen et al. 2024)")
+register("ats", ".ats:ATSCalibrator", help="adaptive temperature scaling (the run's head and loss)")
+register("selective-temperature", ".ats:ATSCalibrator", head_type="constant", method="selective-temperature",
+         help="control: ONE temperature trained with ATS's loss, data and schedule")
+register("selective-linear", ".ats:ATSCalibrator", head_type="linear", method="selective-linear",
+         help="control: a linear per-token head trained with ATS's loss, data and schedule")
+
+
+def names() -> list[str]:
+    """Every registered name."""
+    return list(REGISTRY)
+
+
+def entry(name: str) -> Entry:
+    if name not in REGISTRY:
+        raise ATSError(f"calibrator: unknown name {name!r}; known: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def calibrator_class(name: str) -> type[Calibrator]:
+    return entry(name).load()
 
 
 def build_calibrator(name: str, **options) -> Calibrator:
     """A fresh (unfitted) calibrator; `options` are its keyword-only constructor arguments."""
-    if name == "ats":
-        from ..ats import ATSCalibrator  # lazy: ats.py pulls in the heads and the backbone
-
-        cls = ATSCalibrator
-    elif name in CALIBRATORS:
-        cls = CALIBRATORS[name]
-    else:
-        raise ATSError(f"calibrator: unknown name {name!r}; known: {_known()}")
+    item = entry(name)
     try:
-        return cls(**options)
+        return item.load()(**{**item.preset, **options})
     except TypeError as err:  # an unknown or positional option
         raise ATSError(f"calibrator {name!r}: bad options {sorted(options)} ({err})") from None
 
 
-def load_calibrator(directory: str | Path) -> Calibrator:
-    """Load any saved calibrator, dispatching on the "type" field of its calibrator_config.json."""
+def calibrator_for(name: str, source: FitSource, **options) -> Calibrator:
+    """A fresh calibrator of `name` sized for the data of `source` (fit it with `.fit_source(source)`)."""
+    item = entry(name)
+    try:
+        return item.load().for_source(source, **{**item.preset, **options})
+    except TypeError as err:
+        raise ATSError(f"calibrator {name!r}: bad options {sorted(options)} ({err})") from None
+
+
+def load_calibrator(directory: str | Path, backbone=None) -> Calibrator:
+    """Load any saved calibrator, dispatching on the "type" field of its calibrator_config.json; with `backbone`,
+    check that it matches."""
     directory = Path(directory)
-    config = read_json(directory / CONFIG_NAME)
-    if not isinstance(config, dict):
-        raise ATSError(f"{directory / CONFIG_NAME}: expected a JSON object, got {type(config).__name__}")
-    kind = config.get("type")
-    if kind == "ats":
-        from ..ats import ATSCalibrator
-
-        return ATSCalibrator.from_pretrained(directory)
-    if kind not in CALIBRATORS:
-        raise ATSError(f"{directory / CONFIG_NAME}: field 'type' is {kind!r}; known: {_known()}")
-    return CALIBRATORS[kind].from_pretrained(directory)
+    kind = read_config(directory).get("type")
+    if kind not in REGISTRY or REGISTRY[kind].preset:
+        raise ATSError(f"{directory / CONFIG_NAME}: field 'type' is {kind!r}; known: "
+                       f"{', '.join(n for n, e in REGISTRY.items() if not e.preset)}")
+    return REGISTRY[kind].load().from_pretrained(directory, backbone=backbone)
 
 
-__all__ = [
-    "CALIBRATORS", "Calibrator", "HistogramBinning", "IsotonicCalibration", "LogitChunks", "ScalingBinning",
-    "TemperatureScaling", "Uncalibrated", "VectorScaling", "build_calibrator", "load_calibrator",
-]
+def __getattr__(name: str):  # the classes, imported on first use: `from ats.calibrators import TemperatureScaling`
+    for item in REGISTRY.values():
+        if item.target.endswith(":" + name):
+            return item.load()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CONFIG_NAME", "Calibrator", "Entry", "FitSource", "LogitChunks", "REGISTRY", "Uncalibrated",
+           "build_calibrator", "calibrator_class", "calibrator_for", "entry", "load_calibrator", "names", "register"]

@@ -1,16 +1,24 @@
 """One interface for every post-hoc calibrator, ATS included.
 
-A calibrator maps a backbone's logits to calibrated logits (scaling methods), and optionally maps a top-1 confidence
-to a calibrated confidence (binning methods, applied after the logits map). All calibrators are fitted on the same
-token-level data ATS trains on: the response tokens of the instruction data, given as chunks of (logits, labels).
+A calibrator maps a backbone's logits to calibrated logits (scaling methods) and may map a top-1 confidence to a
+calibrated confidence (binning methods, applied after the logits map). Every calibrator is fitted on the same data
+ATS trains on, given as a `FitSource` (the response tokens of the instruction data, as logit chunks or as whole
+sequences of hidden states), and applied with `apply` / `map_confidence`, which every evaluation uses.
+
+    cal = build_calibrator("temperature").fit_source(source)     # or .fit(chunks) for token-level methods
+    q = cal.apply(z, hidden, attention_mask=mask, index=index)  # (B, K, V) calibrated logits
+    conf = cal.map_confidence(top1)                             # binning methods map the confidence too
+    cal.save_pretrained(dir); load_calibrator(dir)              # JSON + safetensors, never pickle
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from abc import ABC, abstractmethod
+from abc import ABC
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, ClassVar, Iterator
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -28,21 +36,51 @@ WEIGHTS_NAME = "model.safetensors"
 LogitChunks = Callable[[], Iterator[tuple[Tensor, Tensor]]]
 
 
+class FitSource(Protocol):
+    """What a calibrator is fitted on; the training layer provides it (`ats.training.fitting.FeatureSource`).
+
+    logit_chunks: token-level (logits, labels) chunks of the response tokens;
+    store / logits_fn: the sequences of hidden states and the output layer, for methods that read hidden states;
+    backbone / hidden_size: what the calibrator is sized for;
+    train_head(calibrator): train an ATS-family head with the run's training config (loss, data, steps, schedule).
+    """
+
+    logit_chunks: LogitChunks
+    store: object
+    logits_fn: Callable[[Tensor], Tensor]
+    backbone: object
+    hidden_size: int
+
+    def train_head(self, calibrator: "Calibrator") -> None: ...
+
+
 class Calibrator(ABC):
-    """Base class: `fit` on token-level logits, `calibrate` logits, `calibrate_confidence` for binning methods."""
+    """Base class: fit, apply (logits, then the confidence map), move, check against a backbone, save and load."""
 
-    name: ClassVar[str]
-    needs_hidden: ClassVar[bool] = False  # True for ATS: it reads the backbone's hidden states
-    maps_confidence: ClassVar[bool] = False  # True for binning methods
+    name: ClassVar[str]  # the registry name; also the "type" saved in calibrator_config.json
+    needs_hidden: ClassVar[bool] = False  # reads the backbone's hidden states (ATS, Thermometer)
+    maps_confidence: ClassVar[bool] = False  # maps the top-1 confidence (binning methods)
+    trains_head: ClassVar[bool] = False  # trained by the ATS trainer with the run's TrainingConfig (ATS, controls)
 
-    @abstractmethod
+    # --- fitting ----------------------------------------------------------------------------------------------------
+    @classmethod
+    def for_source(cls, source: FitSource, **options) -> "Calibrator":
+        """A fresh calibrator sized for the data in `source` (most need nothing from it)."""
+        return cls(**options)
+
+    def fit_source(self, source: FitSource) -> "Calibrator":
+        """Fit on `source`; token-level methods use its logit chunks. Returns self."""
+        return self.fit(source.logit_chunks)
+
     def fit(self, chunks: LogitChunks) -> "Calibrator":
         """Fit on token-level (logits, labels) chunks; returns self."""
+        raise ATSError(f"calibrator {self.name!r} is not fitted on logit chunks; use fit_source()")
 
+    # --- applying ---------------------------------------------------------------------------------------------------
     def calibrate(
         self,
         logits: Tensor,  # (B, K, V) or (N, V)
-        hidden: Tensor | None = None,  # (B, T, H): the whole sequence, needed by ATS only
+        hidden: Tensor | None = None,  # (B, T, H): the whole sequence, read by needs_hidden methods only
         *,
         attention_mask: Tensor | None = None,  # (B, T)
         index: Tensor | None = None,  # (B, K) positions of `logits` in `hidden`; None: K == T
@@ -54,7 +92,54 @@ class Calibrator(ABC):
         """Map a top-1 confidence in [0, 1] to a calibrated one. Identity unless overridden."""
         return confidence
 
-    # --- persistence: JSON config + safetensors, never pickle -------------------------------------------------
+    def apply(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
+              index: Tensor | None = None) -> Tensor:
+        """Calibrated logits (same shape) in float32; `hidden` is passed on only to methods that read it."""
+        if self.needs_hidden:
+            q = self.calibrate(logits, hidden, attention_mask=attention_mask, index=index)
+        else:
+            q = self.calibrate(logits)
+        if tuple(q.shape) != tuple(logits.shape):
+            raise ATSError(f"calibrator {type(self).__name__} returned logits of shape {tuple(q.shape)}, "
+                           f"expected {tuple(logits.shape)}")
+        return q.float()
+
+    def map_confidence(self, confidence: Tensor | np.ndarray) -> np.ndarray:
+        """A top-1 confidence from calibrated logits, through the binning map when there is one; float64 in [0, 1]."""
+        conf = _numpy(confidence)
+        if self.maps_confidence:
+            conf = _numpy(self.calibrate_confidence(conf)).reshape(np.shape(confidence))
+        return np.clip(conf, 0.0, 1.0)
+
+    def top1(self, logits: Tensor, hidden: Tensor | None = None, **where) -> tuple[np.ndarray, Tensor]:
+        """(calibrated top-1 confidence (...,) float64, argmax of the calibrated logits (...,)) at `logits`'
+        positions (vector scaling can move the argmax, so the prediction is per calibrator)."""
+        conf, pred = top1_confidence(self.apply(logits, hidden, **where))
+        return self.map_confidence(conf), pred
+
+    # --- placement and checks ---------------------------------------------------------------------------------------
+    def to(self, device) -> "Calibrator":
+        """Move any tensors to `device`; returns self."""
+        return self
+
+    def check_backbone(self, backbone) -> None:
+        """Refuse a backbone this calibrator was not fitted for (sizes, identity). Nothing to check by default."""
+
+    @property
+    def label(self) -> str:
+        """The method's name in tables and results."""
+        return self.name
+
+    def digest(self) -> str:
+        """A hash of everything the calibrator is (type, config, fitted tensors): results computed with it are
+        reused only for the same digest."""
+        h = hashlib.sha256(json.dumps({"type": self.name, **self.config()}, sort_keys=True, default=str).encode())
+        for key, tensor in sorted(self.state_tensors().items()):
+            h.update(key.encode())
+            h.update(tensor.detach().cpu().double().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    # --- persistence: JSON config + safetensors, never pickle -------------------------------------------------------
     def config(self) -> dict:
         """JSON-serialisable settings and fitted scalars (tensors go to `state_tensors`)."""
         return {}
@@ -66,6 +151,7 @@ class Calibrator(ABC):
         """Restore from what `config` and `state_tensors` wrote."""
 
     def save_pretrained(self, directory: str | Path) -> None:
+        """Write `calibrator_config.json` (with "type") and, if there are tensors, `model.safetensors`, atomically."""
         with atomic_dir(directory) as tmp:
             (tmp / CONFIG_NAME).write_text(json.dumps({"type": self.name, **self.config()}, indent=2, sort_keys=True))
             tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_tensors().items()}
@@ -73,20 +159,46 @@ class Calibrator(ABC):
                 save_file(tensors, str(tmp / WEIGHTS_NAME))
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> "Calibrator":
+    def from_pretrained(cls, directory: str | Path, backbone=None) -> "Calibrator":
+        """Load a saved calibrator of this type; with `backbone`, check that it matches."""
         directory = Path(directory)
-        config = read_json(directory / CONFIG_NAME)
+        config = read_config(directory)
         if config.get("type") != cls.name:
             raise ATSError(f"{directory / CONFIG_NAME}: field 'type' is {config.get('type')!r}, expected {cls.name!r}")
-        tensors = {}
-        if (directory / WEIGHTS_NAME).exists():
-            try:
-                tensors = load_file(str(directory / WEIGHTS_NAME))
-            except Exception as err:  # safetensors raises its own error types for corrupt files
-                raise ATSError(f"{directory / WEIGHTS_NAME}: corrupt or truncated safetensors file ({err})") from None
+        tensors = read_tensors(directory) if (directory / WEIGHTS_NAME).exists() else {}
         obj = cls.__new__(cls)
         obj.load_state({k: v for k, v in config.items() if k != "type"}, tensors)
+        if backbone is not None:
+            obj.check_backbone(backbone)
         return obj
+
+
+def read_config(directory: Path) -> dict:
+    """A calibrator folder's config; a folder without one gets a hint at where heads are saved."""
+    path = directory / CONFIG_NAME
+    if directory.is_dir() and not path.exists() and (directory / "head" / CONFIG_NAME).exists():
+        raise ATSError(f"{directory}: a run folder, not a calibrator; the head is in {directory / 'head'}")
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ATSError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def read_tensors(directory: Path) -> dict[str, Tensor]:
+    """The tensors of `model.safetensors`, with one-line errors for a missing or corrupt file."""
+    path = directory / WEIGHTS_NAME
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise ATSError(f"{path}: file not found") from None
+    except Exception as err:  # safetensors raises its own error types for corrupt files
+        raise ATSError(f"{path}: corrupt or truncated safetensors file ({err})") from None
+
+
+def _numpy(x) -> np.ndarray:
+    if isinstance(x, Tensor):
+        return x.detach().double().cpu().numpy()
+    return np.asarray(x, dtype=np.float64)
 
 
 class Uncalibrated(Calibrator):
@@ -94,11 +206,15 @@ class Uncalibrated(Calibrator):
 
     name = "none"
 
-    def __init__(self) -> None:
-        pass
-
     def fit(self, chunks: LogitChunks) -> "Uncalibrated":
         return self
+
+    def fit_source(self, source: FitSource) -> "Uncalibrated":
+        return self
+
+    @property
+    def label(self) -> str:
+        return "uncalibrated"
 
 
 def top1_confidence(logits: Tensor) -> tuple[Tensor, Tensor]:

@@ -14,9 +14,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..checks import check_positive_float, check_positive_int
 from ..errors import ATSError
+from ._fitting import collect_top1, vector_pair
 from .base import Calibrator, LogitChunks
-from .temperature import TemperatureScaling, check_positive_float, check_positive_int, collect_top1
+from .temperature import TemperatureScaling
 
 
 def equal_mass_bins(confidence: np.ndarray, target: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
@@ -45,17 +47,6 @@ def apply_bins(confidence, upper: np.ndarray, values: np.ndarray):
     conf = np.asarray(confidence, dtype=np.float64)
     idx = np.minimum(np.searchsorted(upper, conf, side="left"), upper.size - 1)
     return values[idx]
-
-
-def _load_bins(tensors: dict[str, Tensor]) -> tuple[np.ndarray, np.ndarray]:
-    for key in ("upper_edges", "values"):
-        if key not in tensors:
-            raise ATSError(f"model.safetensors: tensor {key!r} missing")
-    upper, values = tensors["upper_edges"].double().numpy(), tensors["values"].double().numpy()
-    if upper.ndim != 1 or upper.shape != values.shape or upper.size == 0:
-        raise ATSError(f"model.safetensors: tensors 'upper_edges' {upper.shape} and 'values' {values.shape} "
-                       "must be equal-length non-empty vectors")
-    return upper, values
 
 
 class _Binning(Calibrator):
@@ -87,7 +78,7 @@ class _Binning(Calibrator):
 
     def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
         self.n_bins = check_positive_int("n_bins", config.get("n_bins", 15))
-        self.upper_edges, self.values = _load_bins(tensors)
+        self.upper_edges, self.values = vector_pair(tensors, "upper_edges", "values")
 
 
 class ScalingBinning(_Binning):

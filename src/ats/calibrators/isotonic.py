@@ -12,8 +12,8 @@ from sklearn.isotonic import IsotonicRegression
 from torch import Tensor
 
 from ..errors import ATSError
+from ._fitting import collect_top1, vector_pair
 from .base import Calibrator, LogitChunks
-from .temperature import collect_top1
 
 
 class IsotonicCalibration(Calibrator):
@@ -61,11 +61,4 @@ class IsotonicCalibration(Calibrator):
                 "y_thresholds": torch.from_numpy(self.y_thresholds.copy())}
 
     def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
-        for key in ("x_thresholds", "y_thresholds"):
-            if key not in tensors:
-                raise ATSError(f"model.safetensors: tensor {key!r} missing")
-        x, y = tensors["x_thresholds"].double().numpy(), tensors["y_thresholds"].double().numpy()
-        if x.ndim != 1 or x.shape != y.shape or x.size == 0:
-            raise ATSError(f"model.safetensors: tensors 'x_thresholds' {x.shape} and 'y_thresholds' {y.shape} "
-                           "must be equal-length non-empty vectors")
-        self.x_thresholds, self.y_thresholds = x, y
+        self.x_thresholds, self.y_thresholds = vector_pair(tensors, "x_thresholds", "y_thresholds")

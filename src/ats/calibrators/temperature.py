@@ -3,61 +3,21 @@
 The fit never holds all logits: it runs exact Newton steps on s = 1/T, one pass over the chunks per step. Per token
 the loss is logsumexp(s z) - s z_y, so dL/ds = E_p[z] - z_y and d2L/ds2 = Var_p[z] >= 0 (p = softmax(s z)); the loss
 is convex in s, and a bracket [lo, hi] on the root of dL/ds guards every step (bisection when Newton leaves it).
-
-Also home of the chunk helpers the other token-level baselines share (`iter_chunks`, `collect_top1`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from ..checks import check_positive_float, check_positive_int
 from ..errors import ATSError
-from .base import Calibrator, LogitChunks, top1_confidence
+from ._fitting import iter_chunks
+from .base import Calibrator, LogitChunks
 
-IGNORE_INDEX = -100
 S_MIN, S_MAX = 1e-2, 1e2  # 1/T stays in [0.01, 100]: T in [0.01, 100]
-
-
-def iter_chunks(chunks: LogitChunks) -> Iterator[tuple[Tensor, Tensor]]:
-    """One pass over validated chunks: logits (N, V) floating, labels (N,) in [0, V); -100 labels are dropped."""
-    try:
-        iterator = chunks()
-    except TypeError:
-        raise ATSError(f"chunks: expected a callable returning an iterator, got {type(chunks).__name__}") from None
-    for logits, labels in iterator:
-        if logits.dim() != 2 or not logits.dtype.is_floating_point:
-            raise ATSError(f"chunks: logits must be floating (N, V), got {logits.dtype} {tuple(logits.shape)}")
-        if labels.shape != logits.shape[:1]:
-            raise ATSError(f"chunks: labels shape {tuple(labels.shape)} does not match logits {tuple(logits.shape)}")
-        keep = labels != IGNORE_INDEX
-        if not bool(keep.all()):
-            logits, labels = logits[keep], labels[keep]
-        if labels.numel() == 0:
-            continue
-        bad = (labels < 0) | (labels >= logits.shape[1])
-        if bool(bad.any()):
-            raise ATSError(f"chunks: label {int(labels[bad][0])} outside the vocabulary [0, {logits.shape[1]})")
-        yield logits, labels.long()
-
-
-def collect_top1(chunks: LogitChunks, transform: Callable[[Tensor], Tensor] | None = None
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Top-1 confidence (N,) float64 and correctness (N,) float64 of every fitting token, after `transform`."""
-    confs, corrects = [], []
-    for logits, labels in iter_chunks(chunks):
-        if transform is not None:
-            logits = transform(logits)
-        conf, pred = top1_confidence(logits)
-        confs.append(conf.double().clamp(0.0, 1.0).cpu().numpy())
-        corrects.append((pred == labels).double().cpu().numpy())
-    if not confs:
-        raise ATSError("chunks: no fitting tokens (every chunk was empty)")
-    return np.concatenate(confs), np.concatenate(corrects)
 
 
 def _work_dtype(logits: Tensor) -> Tensor:
@@ -83,19 +43,6 @@ def nll_derivatives(chunks: LogitChunks, s: float) -> tuple[float, float, float,
     if n == 0:
         raise ATSError("chunks: no fitting tokens (every chunk was empty)")
     return loss / n, grad / n, hess / n, n
-
-
-def check_positive_int(field: str, value) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ATSError(f"{field}: expected a positive integer, got {value!r}")
-    return int(value)
-
-
-def check_positive_float(field: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(value) or value <= 0:
-        raise ATSError(f"{field}: expected a positive finite number, got {value!r}")
-    return float(value)
 
 
 class TemperatureScaling(Calibrator):

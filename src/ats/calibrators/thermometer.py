@@ -41,11 +41,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..checks import check_nonnegative_float, check_number, check_positive_float, check_positive_int
 from ..errors import ATSError
-from .base import Calibrator, LogitChunks
-from .temperature import S_MAX, S_MIN, check_positive_float, check_positive_int
+from ..model.backbone import IGNORE_INDEX
+from ..model.scaled_ce import scaled_cross_entropy
+from .base import Calibrator, FitSource, LogitChunks
+from .temperature import S_MAX, S_MIN
 
-IGNORE_INDEX = -100
 SOFTPLUS_ONE = math.log(math.e - 1.0)  # softplus(SOFTPLUS_ONE) == 1: the network starts at T = 1
 
 
@@ -92,19 +94,13 @@ class Thermometer(Calibrator):
         self.mlp_hidden = check_positive_int("mlp_hidden", mlp_hidden)
         self.epochs = check_positive_int("epochs", epochs)
         self.lr = check_positive_float("lr", lr)
-        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
-            raise ATSError(f"weight_decay: expected a number >= 0, got {weight_decay!r}")
-        self.weight_decay = float(weight_decay)
+        self.weight_decay = check_nonnegative_float("weight_decay", weight_decay)
         self.batch_size = check_positive_int("batch_size", batch_size)
         self.prior_alpha = check_positive_float("prior_alpha", prior_alpha)
         self.prior_beta = check_positive_float("prior_beta", prior_beta)
-        if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) or prior_weight < 0:
-            raise ATSError(f"prior_weight: expected a number >= 0, got {prior_weight!r}")
-        self.prior_weight = float(prior_weight)
+        self.prior_weight = check_nonnegative_float("prior_weight", prior_weight)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ATSError(f"seed: expected an integer, got {seed!r}")
-        self.seed = seed
+        self.seed = check_number("seed", seed, integer=True)
         self.fitted = False
         self.history: list[dict] = []
         with torch.random.fork_rng(devices=[]):
@@ -158,6 +154,13 @@ class Thermometer(Calibrator):
         s = s.to(logits.device, logits.dtype)
         return logits * (s[:, None] if logits.dim() == 2 else s[:, None, None])
 
+    @classmethod
+    def for_source(cls, source: FitSource, **options) -> "Thermometer":
+        return cls(**{"hidden_size": source.hidden_size, **options})
+
+    def fit_source(self, source: FitSource) -> "Thermometer":
+        return self.fit_sequences(source.store, source.logits_fn)
+
     def fit(self, chunks: LogitChunks) -> "Thermometer":
         raise ATSError("Thermometer predicts a temperature per prompt and trains on whole sequences: use "
                        "fit_sequences(feature_store, backbone.logits)")
@@ -177,9 +180,7 @@ class Thermometer(Calibrator):
         select = labels != IGNORE_INDEX  # (B, T)
         row = torch.arange(B, device=hidden.device)[:, None].expand_as(labels)[select]  # (N,) sequence of each token
         scale = s.to(hidden.device)[row]  # (N,) every token of a sequence shares its scale
-        from ..losses import chunked_cross_entropy
-
-        ce_y, _, _ = chunked_cross_entropy(hidden[select], scale, labels[select], logits_fn, self.chunk_size)
+        ce_y = scaled_cross_entropy(hidden[select], scale, labels[select], logits_fn, self.chunk_size).ce_label
         counts = select.sum(dim=1).to(ce_y.dtype)  # (B,)
         per_seq = torch.zeros(B, dtype=ce_y.dtype, device=ce_y.device).index_add(0, row, ce_y) / counts
         temperature = 1.0 / s

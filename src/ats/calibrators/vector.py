@@ -12,15 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import check_nonnegative_float, check_positive_float, check_positive_int
 from ..errors import ATSError
+from ._fitting import iter_chunks
 from .base import Calibrator, LogitChunks
-from .temperature import check_positive_float, check_positive_int, iter_chunks
-
-
-def _check_nonnegative(field: str, value) -> float:
-    if value == 0 and not isinstance(value, bool):
-        return 0.0
-    return check_positive_float(field, value)
 
 
 class VectorScaling(Calibrator):
@@ -32,7 +27,7 @@ class VectorScaling(Calibrator):
                  seed: int = 0) -> None:
         self.epochs = check_positive_int("epochs", epochs)
         self.lr = check_positive_float("lr", lr)
-        self.weight_decay = _check_nonnegative("weight_decay", weight_decay)
+        self.weight_decay = check_nonnegative_float("weight_decay", weight_decay)
         self.batch_size = check_positive_int("batch_size", batch_size)
         self.seed = int(seed)
         self.scale: Tensor | None = None  # (V,) a
@@ -93,7 +88,7 @@ class VectorScaling(Calibrator):
     def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
         self.epochs = check_positive_int("epochs", config.get("epochs", 5))
         self.lr = check_positive_float("lr", config.get("lr", 1e-2))
-        self.weight_decay = _check_nonnegative("weight_decay", config.get("weight_decay", 1e-4))
+        self.weight_decay = check_nonnegative_float("weight_decay", config.get("weight_decay", 1e-4))
         self.batch_size = check_positive_int("batch_size", config.get("batch_size", 512))
         self.seed = int(config.get("seed", 0))
         vocab = check_positive_int("vocab_size", config.get("vocab_size"))

@@ -1,0 +1,61 @@
+"""What the token-level fitters share: one validated pass over logit chunks, and the top-1 confidences of a pass."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+from torch import Tensor
+
+from ..errors import ATSError
+from ..model.backbone import IGNORE_INDEX
+from .base import LogitChunks, top1_confidence
+
+
+def iter_chunks(chunks: LogitChunks) -> Iterator[tuple[Tensor, Tensor]]:
+    """One pass over validated chunks: logits (N, V) floating, labels (N,) in [0, V); -100 labels are dropped."""
+    try:
+        iterator = chunks()
+    except TypeError:
+        raise ATSError(f"chunks: expected a callable returning an iterator, got {type(chunks).__name__}") from None
+    for logits, labels in iterator:
+        if logits.dim() != 2 or not logits.dtype.is_floating_point:
+            raise ATSError(f"chunks: logits must be floating (N, V), got {logits.dtype} {tuple(logits.shape)}")
+        if labels.shape != logits.shape[:1]:
+            raise ATSError(f"chunks: labels shape {tuple(labels.shape)} does not match logits {tuple(logits.shape)}")
+        keep = labels != IGNORE_INDEX
+        if not bool(keep.all()):
+            logits, labels = logits[keep], labels[keep]
+        if labels.numel() == 0:
+            continue
+        bad = (labels < 0) | (labels >= logits.shape[1])
+        if bool(bad.any()):
+            raise ATSError(f"chunks: label {int(labels[bad][0])} outside the vocabulary [0, {logits.shape[1]})")
+        yield logits, labels.long()
+
+
+def collect_top1(chunks: LogitChunks, transform: Callable[[Tensor], Tensor] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Top-1 confidence (N,) float64 and correctness (N,) float64 of every fitting token, after `transform`."""
+    confs, corrects = [], []
+    for logits, labels in iter_chunks(chunks):
+        if transform is not None:
+            logits = transform(logits)
+        conf, pred = top1_confidence(logits)
+        confs.append(conf.double().clamp(0.0, 1.0).cpu().numpy())
+        corrects.append((pred == labels).double().cpu().numpy())
+    if not confs:
+        raise ATSError("chunks: no fitting tokens (every chunk was empty)")
+    return np.concatenate(confs), np.concatenate(corrects)
+
+
+def vector_pair(tensors: dict[str, Tensor], first: str, second: str) -> tuple[np.ndarray, np.ndarray]:
+    """Two saved equal-length, non-empty float64 vectors (bin edges and values, isotonic thresholds)."""
+    for key in (first, second):
+        if key not in tensors:
+            raise ATSError(f"model.safetensors: tensor {key!r} missing")
+    a, b = tensors[first].double().numpy(), tensors[second].double().numpy()
+    if a.ndim != 1 or a.shape != b.shape or a.size == 0:
+        raise ATSError(f"model.safetensors: tensors {first!r} {a.shape} and {second!r} {b.shape} "
+                       "must be equal-length non-empty vectors")
+    return a, b

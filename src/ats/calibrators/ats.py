@@ -1,0 +1,200 @@
+"""The ATS calibrator: a small head reads the frozen backbone's hidden states and rescales its logits per token.
+
+    tau = head(h)                      # (B, T)   log-temperature per token
+    s   = exp(tau).clamp(max_scale)    # (B, T)   s > 0, so argmax is unchanged and accuracy is untouched
+    q   = z * s[..., None]             # (B, T, V)
+
+Saved like a peft adapter: a folder with `calibrator_config.json` (head type and sizes, clamp, the base model and its
+revision, hidden size, vocabulary size, library version, and the training settings for the record) and
+`model.safetensors` (the head's weights). Loading checks the head against the backbone and refuses a mismatch.
+
+The same class carries the controls: a `constant` head is one global temperature trained with ATS's own loss, data
+and schedule (`selective-temperature` in the registry), a `linear` head the shallow per-token variant
+(`selective-linear`); `method` records which of them a saved folder holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from .. import __version__
+from ..config import ConfigMixin, option
+from ..errors import ATSError
+from ..io import atomic_dir
+from ..model.backbone import Backbone
+from ..model.heads import HeadConfig, build_head
+from .base import CONFIG_NAME, WEIGHTS_NAME, Calibrator, FitSource, read_config, read_tensors
+
+LEGACY_TRAINING_KEYS = ("loss_type", "alpha", "weighting")  # lived here before 0.2; now in the training record
+
+
+@dataclass
+class ATSConfig(ConfigMixin):
+    """Everything needed to rebuild an ATS calibrator and to check it against a backbone."""
+
+    head: HeadConfig = option(HeadConfig, "the head's type and sizes", cli=False)
+    max_scale: float = option(10.0, "clamp on exp(tau), the factor applied to the logits (the reference code's 10)",
+                              low=0, low_open=True)
+    base_model: str = option("unknown", "backbone name", cli=False)
+    revision: str = option("unknown", "backbone revision", cli=False)
+    hidden_size: int = option(0, "backbone hidden size", cli=False, low=0)
+    vocab_size: int = option(0, "backbone vocabulary size", cli=False, low=0)
+    library_version: str = option(__version__, "ats version that made it", cli=False)
+    method: str = option("ats", "method name in tables (ats, selective-temperature, selective-linear)", cli=False)
+    training: dict = option(dict, "the training settings, for the record", cli=False)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "head": self.head.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "config", **_) -> "ATSConfig":
+        """Also reads heads saved before 0.2, whose loss settings sat beside the head (moved into `training`)."""
+        if not isinstance(data, dict):
+            raise ATSError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        if "head" not in data:
+            raise ATSError(f"{where}: missing field 'head'")
+        data = dict(data)
+        legacy = {k: data.pop(k) for k in LEGACY_TRAINING_KEYS if k in data}
+        if legacy:
+            data["training"] = {**legacy, **dict(data.get("training") or {})}
+        data["head"] = HeadConfig.from_dict(data["head"], where=f"{where}: head")
+        return super().from_dict(data, where)
+
+
+class ATSCalibrator(Calibrator):
+    """Adaptive Temperature Scaling: per-token temperatures predicted from the backbone's hidden states."""
+
+    name = "ats"
+    needs_hidden = True
+    trains_head = True
+
+    def __init__(self, config: ATSConfig) -> None:
+        self.config_ = config
+        self.head: nn.Module = build_head(config.head)
+
+    @classmethod
+    def for_backbone(cls, backbone: Backbone, *, head_type: str = "transformer", seed: int = 0,
+                     **options) -> "ATSCalibrator":
+        """A fresh (identity) calibrator sized for `backbone`, initialised from `seed` (the global RNG is left
+        untouched); options go to ATSConfig / HeadConfig."""
+        head_fields = {f.name for f in dataclasses.fields(HeadConfig)}
+        head_options = {k: v for k, v in options.items() if k in head_fields}
+        config_options = {k: v for k, v in options.items() if k not in head_fields}
+        head = HeadConfig(head_type=head_type, hidden_size=backbone.hidden_size, **head_options)
+        config = ATSConfig(head=head, hidden_size=backbone.hidden_size, vocab_size=backbone.vocab_size,
+                           base_model=backbone.name, revision=backbone.revision, **config_options)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return cls(config)
+
+    @classmethod
+    def for_source(cls, source: FitSource, **options) -> "ATSCalibrator":
+        return cls.for_backbone(source.backbone, **options)
+
+    def fit_source(self, source: FitSource) -> "ATSCalibrator":
+        """Train the head with the source's training settings (ATS trains on whole sequences of hidden states)."""
+        source.train_head(self)
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.config_.method
+
+    # --- the method --------------------------------------------------------------------------------------------
+    def temperature(self, hidden: Tensor, attention_mask: Tensor | None = None, cache=None) -> Tensor:
+        """tau (B, T) from hidden states (B, T, H)."""
+        param = next(self.head.parameters())
+        return self.head(hidden.to(param.device, param.dtype), attention_mask, cache=cache)
+
+    def scale(self, tau: Tensor) -> Tensor:
+        """s = exp(tau), clamped to max_scale: the factor applied to the logits."""
+        return torch.exp(tau).clamp(max=self.config_.max_scale)
+
+    def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
+                  index: Tensor | None = None) -> Tensor:
+        """Calibrated logits q = z * s at the positions of `logits` (B, K, V) (K == T when `index` is None)."""
+        if hidden is None:
+            raise ATSError("ATS needs the backbone's hidden states: pass hidden=(B, T, H)")
+        squeeze = logits.dim() == 2  # (N, V) with hidden (N, H): one position per row
+        if squeeze:
+            logits, hidden = logits[:, None], hidden[:, None]
+        with torch.no_grad():
+            s = self.scale(self.temperature(hidden, attention_mask))  # (B, T)
+        if index is not None:
+            s = s.gather(1, index.to(s.device))  # (B, K)
+        q = logits * s.to(logits.device, logits.dtype).unsqueeze(-1)
+        return q[:, 0] if squeeze else q
+
+    # --- checks and persistence --------------------------------------------------------------------------------
+    def check_backbone(self, backbone: Backbone) -> None:
+        """Refuse a head trained for another backbone (hidden size, vocabulary, base model, revision)."""
+        c = self.config_
+        if c.hidden_size != backbone.hidden_size:
+            raise ATSError(f"calibrator expects hidden size {c.hidden_size}, backbone {backbone.name} has "
+                           f"{backbone.hidden_size}")
+        if c.vocab_size != backbone.vocab_size:
+            raise ATSError(f"calibrator expects vocabulary size {c.vocab_size}, backbone {backbone.name} has "
+                           f"{backbone.vocab_size}")
+        if c.base_model != backbone.name:
+            raise ATSError(f"calibrator was trained for base model {c.base_model!r}, not {backbone.name!r}")
+        if c.revision != backbone.revision:
+            raise ATSError(f"calibrator was trained on {c.base_model} revision {c.revision!r}, the backbone is "
+                           f"revision {backbone.revision!r}")
+
+    def to(self, device) -> "ATSCalibrator":
+        self.head.to(device)
+        return self
+
+    def config(self) -> dict:
+        return self.config_.to_dict()
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        return dict(self.head.state_dict())
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        with atomic_dir(directory) as tmp:
+            (tmp / CONFIG_NAME).write_text(json.dumps({"type": self.name, **self.config()}, indent=2, sort_keys=True))
+            state = {k: v.detach().to("cpu").contiguous() for k, v in self.head.state_dict().items()}
+            # one metadata key: safetensors writes its metadata map in a per-process random order, so two keys would
+            # make the same weights give different file bytes in different processes
+            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, backbone: Backbone | None = None) -> "ATSCalibrator":
+        """Load a saved head; with `backbone`, check that it matches."""
+        directory = Path(directory)
+        data = read_config(directory)
+        if data.pop("type", None) != cls.name:
+            raise ATSError(f"{directory / CONFIG_NAME}: field 'type' must be 'ats'")
+        calibrator = cls(ATSConfig.from_dict(data, where=str(directory / CONFIG_NAME)))
+        state = read_tensors(directory)
+        try:
+            calibrator.head.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            first = str(err).splitlines()[0]
+            raise ATSError(f"{directory / WEIGHTS_NAME}: weights do not match the config ({first})") from None
+        calibrator.head.eval()
+        if backbone is not None:
+            calibrator.check_backbone(backbone)
+        return calibrator
+
+
+class CalibratedModel(nn.Module):
+    """A backbone + ATS head returning calibrated logits from a forward pass: `model(input_ids) -> q (B, T, V)`."""
+
+    def __init__(self, backbone: Backbone, calibrator: ATSCalibrator) -> None:
+        super().__init__()
+        calibrator.check_backbone(backbone)
+        self.backbone, self.calibrator = backbone, calibrator
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        hidden, _ = self.backbone.forward(input_ids, attention_mask)  # (B, T, H)
+        return self.calibrator.calibrate(self.backbone.logits(hidden), hidden, attention_mask=attention_mask)

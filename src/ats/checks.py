@@ -1,0 +1,66 @@
+"""Validators shared by every layer: each returns the clean value or raises one-line `ATSError` naming the field.
+
+`check_number` is the one rule behind them all: a real number (never a bool), finite, within an optional range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from .errors import ATSError
+
+_INTS = (int, np.integer)
+_NUMBERS = (int, float, np.integer, np.floating)
+
+
+def check_number(field: str, value, *, integer: bool = False, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False, what: str | None = None) -> float | int:
+    """`value` as int (integer=True) or float, within [low, high] (open ends with low_open / high_open).
+
+    what: the expectation the error states (e.g. "a positive integer"); default: derived from the range.
+    """
+    kinds = _INTS if integer else _NUMBERS
+    if isinstance(value, bool) or not isinstance(value, kinds) or (not integer and not math.isfinite(value)):
+        raise ATSError(f"{field}: expected {what or ('an integer' if integer else 'a finite number')}, "
+                       f"got {value!r}")
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if below or above:
+        if high is None:
+            span = f"{'an integer' if integer else 'a number'} {'>' if low_open else '>='} {low}"
+        elif low is None:
+            span = f"{'an integer' if integer else 'a number'} {'<' if high_open else '<='} {high}"
+        else:
+            span = f"a value in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ATSError(f"{field}: expected {what or span}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def check_positive_int(field: str, value) -> int:
+    """An integer >= 1."""
+    return check_number(field, value, integer=True, low=1, what="a positive integer")
+
+
+def check_nonnegative_int(field: str, value) -> int:
+    """An integer >= 0."""
+    return check_number(field, value, integer=True, low=0, what="a non-negative integer")
+
+
+def check_positive_float(field: str, value) -> float:
+    """A finite number > 0."""
+    return check_number(field, value, low=0, low_open=True, what="a positive finite number")
+
+
+def check_nonnegative_float(field: str, value) -> float:
+    """A finite number >= 0."""
+    return check_number(field, value, low=0, what="a finite number >= 0")
+
+
+def check_choice(field: str, value, choices: Sequence) -> object:
+    """One of `choices`."""
+    if value not in choices:
+        raise ATSError(f"{field}: unknown value {value!r}; known: {', '.join(map(str, choices))}")
+    return value

@@ -1,0 +1,5 @@
+"""The `ats` command line (see `ats.cli.main`)."""
+
+from .main import build_parser, main
+
+__all__ = ["build_parser", "main"]

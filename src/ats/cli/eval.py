@@ -1,0 +1,69 @@
+"""`ats eval`: evaluate calibrators (saved folders, or baselines and controls fitted on --data) on tasks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..calibrators import REGISTRY
+from ..calibrators.base import Uncalibrated
+from ..errors import ATSError
+from ..evaluation.evaluate import evaluate, format_paired
+from ..evaluation.report import format_table
+from ..evaluation.tasks import KNOWN_SPECS, build_task
+from ..workflows.pipeline import fit_calibrators, prepare_features
+from . import options
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate calibrators on MMLU / TriviaQA / TruthfulQA / your own MC sets")
+    options.add_model(p)
+    options.add_data(p)
+    options.add_training(p, exclude=("save_every",))
+    p.add_argument("--calibrator", action="append", default=None,
+                   help="a saved calibrator folder, or a name to fit on --data: " + ", ".join(REGISTRY)
+                        + " (repeatable or comma-separated; ATS-family names train with the head options)")
+    p.add_argument("--tasks", default="mmlu,triviaqa,truthfulqa_mc1", help="comma-separated: " + ", ".join(KNOWN_SPECS))
+    p.add_argument("--task-limit", type=int, default=None, help="examples per task (MMLU: per subject)")
+    p.add_argument("--bootstrap", type=int, default=0,
+                   help="bootstrap resamples for confidence intervals and paired differences (e.g. 1000)")
+    p.add_argument("--reference", action="append", default=None,
+                   help="method(s) compared with every other by paired differences (default: ats)")
+    options.add_overwrite(p)
+    p.add_argument("--out", required=True)
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    out = Path(args.out)
+    names = options.split_names(args.calibrator, "none")
+    options.check_model(args.model)
+    options.check_calibrators(names)
+    tasks = [build_task(t, limit=args.task_limit) for t in options.split_names([args.tasks], "")]  # files read here
+    if args.bootstrap < 0:
+        raise ATSError(f"--bootstrap: expected a non-negative integer, got {args.bootstrap}")
+    to_fit = [n for n in names if not Path(n).is_dir() and n != "none"]
+    data = options.data_config(args) if to_fit else None
+    training = options.training_config(args) if to_fit else None
+
+    backbone = options.backbone_from_args(args)
+    calibrators: dict = {"uncalibrated": Uncalibrated()}
+    for name in names:
+        if Path(name).is_dir():
+            calibrator = options.load_calibrator_folder(name, backbone)
+            label = calibrator.label if calibrator.label not in calibrators else Path(name).name
+            calibrators[label] = calibrator
+    if to_fit:
+        train_store, val_store = prepare_features(backbone, args.features or out / "features", data,
+                                                  overwrite=args.overwrite, progress=not args.quiet)
+        calibrators.update(fit_calibrators(backbone, train_store, out / "calibrators", tuple(to_fit),
+                                           val_store=val_store, training=training, overwrite=args.overwrite,
+                                           progress=not args.quiet))
+    results = evaluate(backbone, calibrators, tasks, out, bootstrap=args.bootstrap,
+                       references=tuple(args.reference or ["ats"]), overwrite=args.overwrite,
+                       progress=not args.quiet)
+    print(format_table(results))
+    paired = format_paired(results)
+    if paired:
+        print("\n" + paired)
+    print(f"\nresults: {out / 'results.json'}, {out / 'results.md'}, figures in {out / 'figures'}")
+    return 0

@@ -1,0 +1,51 @@
+"""`ats generate`: generate with calibrated per-token confidence, streamed and coloured by confidence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..calibrators.ats import ATSCalibrator
+from ..calibrators.base import read_config
+from ..checks import check_number, check_positive_int
+from ..generation import generate_calibrated, print_stream
+from . import options
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate with calibrated per-token confidence")
+    options.add_model(p)
+    p.add_argument("--calibrator", required=True, help="a saved ATS head folder (e.g. runs/smol/head)")
+    p.add_argument("prompt", nargs="+")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--do-sample", action="store_true")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--no-chat-template", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    options.check_model(args.model)
+    read_config(Path(args.calibrator))  # a missing or wrong folder fails before the model loads
+    check_positive_int("--max-new-tokens", args.max_new_tokens)
+    check_number("--temperature", args.temperature, low=0, low_open=True)
+    if args.top_k is not None:
+        check_positive_int("--top-k", args.top_k)
+    if args.top_p is not None:
+        check_number("--top-p", args.top_p, low=0, high=1, low_open=True)
+    backbone = options.backbone_from_args(args)
+    calibrator = ATSCalibrator.from_pretrained(args.calibrator, backbone=backbone).to(backbone.device)
+    torch.manual_seed(args.seed)
+    outputs = generate_calibrated(backbone, calibrator, [" ".join(args.prompt)], max_new_tokens=args.max_new_tokens,
+                                  do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, stop_strings=args.stop,
+                                  chat_template=not args.no_chat_template, stream=print_stream)
+    for out in outputs:
+        print(f"\nsequence confidence: mean {out.mean_confidence:.3f}, product {out.product_confidence:.3g} "
+              f"(uncalibrated mean {out.mean_uncalibrated:.3f})")
+    return 0

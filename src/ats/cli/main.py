@@ -1,0 +1,77 @@
+"""`ats` command line: thin argument parsing over the library, one module per command.
+
+    ats train    --model M --data alpaca_gpt4 --head transformer --loss selective --alpha 0.5 --out DIR
+    ats eval     --model M --calibrator DIR|temperature|... --tasks mmlu,triviaqa,truthfulqa_mc1 --out DIR
+    ats generate --model M --calibrator DIR "prompt"
+    ats ablate   --out DIR
+    ats demo     --out DIR         (the README's main job)
+
+    accelerate launch --num_processes N -m ats train ...   (or torchrun --nproc_per_node N -m ats train ...):
+    extraction and head training on N processes (docs/scaling.md)
+
+Every user error prints one line `ats: error: ...` and exits with status 2; nothing half-written is left behind.
+Progress goes to stderr (`-q` silences it); results go to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ..errors import ATSError
+from . import ablate, demo, eval, generate, train
+
+COMMANDS = (train, eval, generate, ablate, demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ats", description="Adaptive Temperature Scaling for causal LMs")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or progress messages")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a message is logged (so redirection after start-up is followed)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def _configure_output(quiet: bool) -> None:
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("[ats] %(message)s"))
+    library = logging.getLogger("ats")
+    library.handlers[:] = [handler]
+    library.setLevel(logging.WARNING if quiet else logging.INFO)
+    if quiet:
+        os.environ["TQDM_DISABLE"] = "1"
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_output(args.quiet)
+    try:
+        return args.run(args)
+    except ATSError as err:
+        print(f"ats: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a full disk, a read-only folder, an unreadable file
+        where = f"{err.filename}: " if getattr(err, "filename", None) else ""
+        print(f"ats: error: {where}{err.strerror or err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ats: interrupted; finished work is kept, run the same command again to continue", file=sys.stderr)
+        return 130

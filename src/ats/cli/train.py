@@ -1,0 +1,79 @@
+"""`ats train`: extract features (or run the backbone online) and train an ATS head; on N processes when launched
+with `accelerate launch` / `torchrun` (docs/scaling.md)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..calibrators.ats import ATSConfig
+from ..calibrators.base import Uncalibrated
+from ..evaluation.metrics import summarize
+from ..evaluation.report import token_table
+from ..evaluation.token_eval import gathered_token_confidences
+from ..model.backbone import load_backbone
+from ..model.heads import HeadConfig
+from ..training.distributed import init_distributed
+from ..workflows.pipeline import online_features, prepare_features, train_head
+from . import options
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="extract features and train an ATS head",
+                       description="Extract the backbone's hidden states on instruction data and train a calibration "
+                                   "head. The head is saved in OUT/head (config + safetensors + fingerprint).")
+    options.add_model(p)
+    options.add_data(p)
+    options.add_training(p)
+    p.add_argument("--resume", action="store_true", help="continue the interrupted training in OUT (same options)")
+    p.add_argument("--online", action="store_true",
+                   help="no feature cache: run the backbone inside the training loop (large models)")
+    options.add_overwrite(p)
+    p.add_argument("--out", required=True, help="run folder: features in OUT/features, the head in OUT/head")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    # every option is checked before the backbone loads
+    options.check_model(args.model)
+    data = options.data_config(args)
+    training = options.training_config(args)
+    head = HeadConfig.from_args(args)
+    max_scale = ATSConfig.from_args(args).max_scale
+    out = Path(args.out)
+
+    dist = init_distributed()
+    if dist.distributed:
+        if args.device:
+            logger.warning("--device %s ignored: each of the %d processes uses its own device (%s here)",
+                           args.device, dist.world_size, dist.device)
+        # the frozen backbone is moved to each process's device and never wrapped
+        backbone = load_backbone(args.model, dtype=args.dtype, device=dist.device,
+                                 trust_remote_code=args.trust_remote_code)
+    else:
+        backbone = options.backbone_from_args(args)
+    progress = not args.quiet and dist.is_main
+    if args.online:
+        train_store, val_store = online_features(backbone, data)
+    else:
+        train_store, val_store = prepare_features(backbone, args.features or out / "features", data,
+                                                  overwrite=args.overwrite, progress=progress, dist=dist)
+    calibrator = train_head(backbone, train_store, val_store, out / "head", head_type=head.head_type,
+                            max_scale=max_scale, training=training, overwrite=args.overwrite, resume=args.resume,
+                            progress=progress, dist=dist)
+    calibrator = options.load_calibrator_folder(out / "head", backbone)  # reload: what users will load
+    results = gathered_token_confidences(val_store, backbone, {"uncalibrated": Uncalibrated(), "ats": calibrator},
+                                         dist, progress=progress)
+    if dist.is_main:
+        rows = {name: summarize(*value) for name, value in results.items()}
+        print(f"Token-level calibration on the held-out split ({len(val_store)} sequences, "
+              f"{len(results['ats'][0])} response tokens):")
+        print(token_table(rows))
+        moved = abs(rows["ats"]["mean_confidence"] - rows["uncalibrated"]["mean_confidence"])
+        if moved < 0.005:
+            print(f"warning: the head barely moved (mean confidence changed by {moved:.4f}); with "
+                  f"{training.epochs} epoch(s) at lr {training.lr:g} it may be undertrained: see --lr, --epochs")
+        print(f"\nhead saved to {out / 'head'}")
+    return 0

@@ -1,0 +1,177 @@
+"""Run tasks x calibrators and write the results: per-example files, results.json, results.md, reliability diagrams.
+
+    out_dir/tasks/<task>.json     per-example confidence / correct of every method, with the task's settings, the
+                                  backbone and each calibrator's digest (what the results were computed with)
+    out_dir/results.json          task -> method -> metrics (accuracy, mean confidence, ECE, adaptive ECE, Brier, NLL,
+                                  AUROC, bootstrap intervals) and, per reference method R, `paired[R]`: R minus this
+                                  method with a paired bootstrap 95% interval
+    out_dir/results.md            the table (with the paired differences as columns)
+    out_dir/figures/<task>.png/.pdf   reliability diagrams, methods side by side
+
+Each task runs the backbone once per example and applies every calibrator to that same forward. A finished task file
+is reused only for the same task settings, backbone and calibrator digests; results computed with anything else are
+refused (or replaced with `overwrite=True`), never silently returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from ..calibrators.base import Calibrator
+from ..errors import ATSError
+from ..fingerprint import refusal
+from ..io import atomic_file, read_json, write_json
+from .metrics import paired_differences, summarize
+from .plots import reliability_figure
+from .report import TASK_LABELS, cell, format_table, jsonable, markdown_table, methods_of
+from .tasks import Task, TaskResult, build_task
+
+logger = logging.getLogger(__name__)
+
+
+def _settings(task: Task, backbone) -> dict:
+    """What the stored results of `task` depend on besides the calibrators."""
+    return jsonable({"task": task.describe(), "backbone": {"name": str(getattr(backbone, "name", "?")),
+                                                           "revision": str(getattr(backbone, "revision", "?"))}})
+
+
+def _load_finished(path: Path, settings: dict, digests: dict[str, str], *, overwrite: bool
+                   ) -> dict[str, TaskResult] | None:
+    """The stored per-example results in `path` if they hold every method with the same settings and digests.
+
+    None: run the task (file missing, a method missing, or `overwrite` of a mismatch). Raises on a mismatch.
+    """
+    if not path.is_file():
+        return None
+    data = read_json(path)
+    stored = {"task": data.get("task"), "backbone": data.get("backbone")}
+    if stored != settings:
+        if overwrite:
+            return None
+        raise refusal(path, "task results", stored, settings)
+    methods = data.get("methods", {})
+    for method, dig in digests.items():
+        old = methods.get(method, {}).get("digest")
+        if method in methods and old != dig:
+            if overwrite:
+                return None
+            raise refusal(path, f"task results of method {method!r}", {"calibrator_digest": old},
+                          {"calibrator_digest": dig})
+    if not all(m in methods for m in digests):
+        return None
+    logger.info("reusing task results from %s (same options)", path)
+    return {m: TaskResult.from_dict(methods[m], where=str(path)) for m in digests}
+
+
+def _save(path: Path, settings: dict, digests: dict[str, str], results: dict[str, TaskResult],
+          seconds: float) -> None:
+    write_json(path, {**settings, "seconds": round(seconds, 3), "n": len(next(iter(results.values()))),
+                      "methods": {m: {"digest": digests[m], **jsonable(r.to_dict())} for m, r in results.items()}})
+
+
+def run_tasks(backbone, calibrators: dict[str, Calibrator], tasks: list[str | Task], out_dir: str | Path, *,
+              seed: int = 0, limit: int | None = None, overwrite: bool = False, progress: bool = True
+              ) -> dict[str, dict[str, TaskResult]]:
+    """Per-example results, task name -> method -> TaskResult, reusing finished task files under out_dir/tasks."""
+    if not calibrators:
+        raise ATSError("evaluate: no calibrators given")
+    out_dir = Path(out_dir)
+    built = [build_task(t, limit=limit, seed=seed) if isinstance(t, str) else t for t in tasks]
+    names = [t.name for t in built]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ATSError(f"evaluate: task name(s) {', '.join(dupes)} given more than once")
+    for calibrator in calibrators.values():
+        calibrator.check_backbone(backbone)
+    digests = {m: c.digest() for m, c in calibrators.items()}
+    out: dict[str, dict[str, TaskResult]] = {}
+    for task in built:
+        path = out_dir / "tasks" / f"{task.name}.json"
+        settings = _settings(task, backbone)
+        results = _load_finished(path, settings, digests, overwrite=overwrite)
+        if results is None:
+            start = time.time()
+            results = task.run(backbone, calibrators, progress=progress)
+            missing = [m for m in calibrators if m not in results]
+            if missing:
+                raise ATSError(f"task {task.name} returned no results for {', '.join(missing)}")
+            results = {m: results[m] for m in calibrators}
+            _save(path, settings, digests, results, time.time() - start)
+        out[task.name] = results
+    return out
+
+
+def summarize_task(by_method: dict[str, TaskResult], *, references: tuple[str, ...] = ("ats",), n_bins: int = 15,
+                   bootstrap: int = 0, seed: int = 0) -> dict:
+    """method -> metrics of one task; with bootstrap > 0 also intervals and, for each reference method present,
+    `paired[reference]` = reference minus this method (ECE, Brier, AUROC, mean confidence) on the same examples."""
+    out = {}
+    for method, r in by_method.items():
+        if len(r) == 0:
+            raise ATSError(f"no examples were evaluated for {method}")
+        out[method] = summarize(r.confidence, r.correct, n_bins=n_bins, bootstrap=bootstrap, seed=seed)
+    if bootstrap:
+        for ref in (r for r in references if r in by_method):
+            a = by_method[ref]
+            for method, r in by_method.items():
+                if method != ref:
+                    out[method].setdefault("paired", {})[ref] = paired_differences(
+                        (a.confidence, a.correct), (r.confidence, r.correct), n_bins=n_bins, bootstrap=bootstrap,
+                        seed=seed)
+    return out
+
+
+def evaluate(backbone, calibrators: dict[str, Calibrator], tasks: list[str | Task], out_dir: str | Path, *,
+             n_bins: int = 15, bootstrap: int = 0, seed: int = 0, limit: int | None = None,
+             references: tuple[str, ...] = ("ats",), overwrite: bool = False, progress: bool = True) -> dict:
+    """Evaluate every calibrator on every task; returns task -> method -> metrics (also written to out_dir)."""
+    out_dir = Path(out_dir)
+    per_example = run_tasks(backbone, calibrators, tasks, out_dir, seed=seed, limit=limit, overwrite=overwrite,
+                            progress=progress)
+    results = {}
+    for task_name, by_method in per_example.items():
+        try:
+            results[task_name] = summarize_task(by_method, references=references, n_bins=n_bins,
+                                                bootstrap=bootstrap, seed=seed)
+        except ATSError as err:
+            raise ATSError(f"task {task_name}: {err}") from None
+        reliability_figure({m: (r.confidence, r.correct) for m, r in by_method.items()},
+                           out_dir / "figures" / task_name, title=TASK_LABELS.get(task_name, task_name),
+                           n_bins=n_bins)
+    results = jsonable(results)
+    write_json(out_dir / "results.json", results)
+    with atomic_file(out_dir / "results.md") as f:
+        f.write(format_table(results) + "\n")
+        paired = format_paired(results)
+        if paired:
+            f.write("\n" + paired + "\n")
+    return results
+
+
+def format_paired(results: dict, keys: tuple[tuple[str, str], ...] = (("ECE", "ece"), ("Brier", "brier"),
+                                                                       ("AUROC", "auroc"))) -> str:
+    """Markdown: for each reference R, rows = other methods, columns = task x (R - method) with 95% intervals; a
+    difference whose interval excludes 0 is marked with *. Empty when there are no paired differences."""
+    references = list(dict.fromkeys(ref for by_method in results.values() for m in by_method.values()
+                                    for ref in m.get("paired", {})))
+    blocks = []
+    for ref in references:
+        tasks = [t for t in results if ref in results[t]]
+        header = ["method"] + [f"{TASK_LABELS.get(t, t)} {label} ({ref} - method)" for t in tasks for label, _ in keys]
+        rows = []
+        for method in methods_of({t: results[t] for t in tasks}):
+            if method == ref:
+                continue
+            cells = [method]
+            for t in tasks:
+                pair = results[t].get(method, {}).get("paired", {}).get(ref, {})
+                for _, key in keys:
+                    d = pair.get(key)
+                    cells.append("-" if d is None else cell({"v": d["diff"], "v_ci": d["ci"]}, "v")
+                                 + (" *" if d.get("excludes_zero") else ""))
+            rows.append(cells)
+        blocks.append(f"Paired differences, {ref} minus each method (95% paired bootstrap; * = interval excludes 0):"
+                      f"\n\n{markdown_table(header, rows)}")
+    return "\n\n".join(blocks)

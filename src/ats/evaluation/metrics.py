@@ -1,0 +1,209 @@
+"""Calibration metrics on top-1 confidence vs correctness: ECE, adaptive ECE, Brier, NLL, accuracy, AUROC.
+
+Every metric takes `confidence` (N,) in [0, 1] and `correct` (N,) in {0, 1} (numpy arrays, lists or torch tensors)
+and returns a plain float. `reliability_bins` computes what a reliability diagram draws (plots.py only draws it),
+and `summarize` bundles every metric with optional seeded percentile-bootstrap intervals.
+
+ECE bins are equal-width: [0, 1/B), [1/B, 2/B), ..., [(B-1)/B, 1]. The top bin includes confidence 1.0; the paper's
+reference code uses half-open bins throughout and silently drops tokens with confidence exactly 1.0 (a bug we fix).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from sklearn.metrics import roc_auc_score
+
+from ..errors import ATSError
+
+_EPS = 1e-12  # NLL clipping: a confident wrong answer costs -log(1e-12) ~ 27.6 nats instead of inf
+
+METRIC_KEYS = ("accuracy", "mean_confidence", "ece", "adaptive_ece", "brier", "nll", "auroc")
+PAIRED_KEYS = ("ece", "brier", "auroc", "mean_confidence")  # what `paired_differences` compares by default
+
+
+def _to_numpy(x, field: str) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch tensor, without importing torch here
+        x = x.detach().cpu().float().numpy() if x.dtype.is_floating_point else x.detach().cpu().numpy()
+    try:
+        arr = np.asarray(x, dtype=np.float64).reshape(-1)  # (N,)
+    except (TypeError, ValueError):
+        raise ATSError(f"{field}: expected an array of numbers, got {type(x).__name__}") from None
+    return arr
+
+
+def _check(confidence, correct) -> tuple[np.ndarray, np.ndarray]:
+    """Validated float64 arrays (N,), (N,)."""
+    conf = _to_numpy(confidence, "confidence")
+    corr = _to_numpy(correct, "correct")
+    if conf.size == 0:
+        raise ATSError("confidence: empty; need at least one example")
+    if conf.shape != corr.shape:
+        raise ATSError(f"correct: length {corr.size} does not match confidence length {conf.size}")
+    bad = ~((conf >= 0.0) & (conf <= 1.0))  # also catches nan
+    if bad.any():
+        raise ATSError(f"confidence: value {conf[bad][0]!r} outside [0, 1]")
+    bad = ~((corr == 0.0) | (corr == 1.0))
+    if bad.any():
+        raise ATSError(f"correct: value {corr[bad][0]!r} is not 0/1 (or False/True)")
+    return conf, corr
+
+
+def _check_bins(n_bins: int) -> None:
+    if not isinstance(n_bins, (int, np.integer)) or isinstance(n_bins, bool) or n_bins < 1:
+        raise ATSError(f"n_bins: expected a positive integer, got {n_bins!r}")
+
+
+def bin_index(confidence: np.ndarray, n_bins: int) -> np.ndarray:
+    """Equal-width bin of each confidence: bin k is [k/B, (k+1)/B), the last bin also holds 1.0.  (N,) int."""
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    return np.clip(np.searchsorted(edges, confidence, side="right") - 1, 0, n_bins - 1)
+
+
+@dataclass
+class ReliabilityStats:
+    """Per-bin statistics of a reliability diagram (equal-width bins); empty bins hold nan."""
+
+    edges: np.ndarray  # (n_bins + 1,)
+    counts: np.ndarray  # (n_bins,) int
+    mean_confidence: np.ndarray  # (n_bins,)
+    accuracy: np.ndarray  # (n_bins,)
+    ece: float
+    n: int
+
+
+def reliability_bins(confidence, correct, *, n_bins: int = 15) -> ReliabilityStats:
+    """Counts, mean confidence and accuracy per equal-width bin, and the ECE they give."""
+    _check_bins(n_bins)
+    conf, corr = _check(confidence, correct)
+    idx = bin_index(conf, n_bins)
+    counts = np.bincount(idx, minlength=n_bins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_conf = np.bincount(idx, weights=conf, minlength=n_bins) / counts  # nan where empty
+        acc = np.bincount(idx, weights=corr, minlength=n_bins) / counts
+    full = counts > 0
+    ece_value = float(np.sum(counts[full] * np.abs(acc[full] - mean_conf[full])) / conf.size)
+    return ReliabilityStats(np.linspace(0.0, 1.0, n_bins + 1), counts, mean_conf, acc, ece_value, int(conf.size))
+
+
+def ece(confidence, correct, *, n_bins: int = 15) -> float:
+    """Expected calibration error: sum_b |B_b|/N * |acc_b - conf_b| over equal-width bins (top bin holds 1.0)."""
+    return reliability_bins(confidence, correct, n_bins=n_bins).ece
+
+
+def adaptive_ece(confidence, correct, *, n_bins: int = 15) -> float:
+    """ECE over equal-mass bins: examples sorted by confidence, split into n_bins groups whose sizes differ by <= 1."""
+    _check_bins(n_bins)
+    conf, corr = _check(confidence, correct)
+    order = np.argsort(conf, kind="stable")
+    total = 0.0
+    for group in np.array_split(order, n_bins):
+        if group.size:
+            total += group.size * abs(corr[group].mean() - conf[group].mean())
+    return float(total / conf.size)
+
+
+def brier_score(confidence, correct) -> float:
+    """Mean squared error of the top-1 confidence as a forecast of correctness."""
+    conf, corr = _check(confidence, correct)
+    return float(np.mean((conf - corr) ** 2))
+
+
+def nll(confidence, correct) -> float:
+    """Binary negative log-likelihood of correctness under the confidence (clipped to [1e-12, 1 - 1e-12])."""
+    conf, corr = _check(confidence, correct)
+    p = np.clip(conf, _EPS, 1.0 - _EPS)
+    return float(-np.mean(corr * np.log(p) + (1.0 - corr) * np.log1p(-p)))
+
+
+def accuracy(correct) -> float:
+    """Fraction of correct examples."""
+    corr = _to_numpy(correct, "correct")
+    if corr.size == 0:
+        raise ATSError("correct: empty; need at least one example")
+    _check(np.zeros_like(corr), corr)
+    return float(corr.mean())
+
+
+def auroc(confidence, correct) -> float:
+    """Area under the ROC curve of confidence separating correct from wrong; nan if only one class is present."""
+    conf, corr = _check(confidence, correct)
+    if corr.min() == corr.max():
+        return math.nan
+    return float(roc_auc_score(corr, conf))
+
+
+_METRICS = {
+    "accuracy": lambda conf, corr, n_bins: float(corr.mean()),
+    "mean_confidence": lambda conf, corr, n_bins: float(conf.mean()),
+    "ece": lambda conf, corr, n_bins: ece(conf, corr, n_bins=n_bins),
+    "adaptive_ece": lambda conf, corr, n_bins: adaptive_ece(conf, corr, n_bins=n_bins),
+    "brier": lambda conf, corr, n_bins: brier_score(conf, corr),
+    "nll": lambda conf, corr, n_bins: nll(conf, corr),
+    "auroc": lambda conf, corr, n_bins: auroc(conf, corr),
+}
+
+
+def _all_metrics(conf: np.ndarray, corr: np.ndarray, n_bins: int, keys=METRIC_KEYS) -> dict[str, float]:
+    return {key: _METRICS[key](conf, corr, n_bins) for key in keys}
+
+
+def summarize(confidence, correct, *, n_bins: int = 15, bootstrap: int = 0, seed: int = 0) -> dict:
+    """All metrics as a JSON-ready dict; with bootstrap > 0 also `<key>_ci: [lo, hi]` (95% percentile, seeded)."""
+    _check_bins(n_bins)
+    if not isinstance(bootstrap, (int, np.integer)) or isinstance(bootstrap, bool) or bootstrap < 0:
+        raise ATSError(f"bootstrap: expected a non-negative integer, got {bootstrap!r}")
+    conf, corr = _check(confidence, correct)
+    out: dict = {"n": int(conf.size), **_all_metrics(conf, corr, n_bins)}
+    if bootstrap > 0:
+        rng = np.random.default_rng(seed)
+        draws = {key: np.empty(bootstrap) for key in METRIC_KEYS}
+        for i in range(bootstrap):
+            idx = rng.integers(0, conf.size, size=conf.size)  # resample examples with replacement
+            for key, value in _all_metrics(conf[idx], corr[idx], n_bins).items():
+                draws[key][i] = value
+        for key in METRIC_KEYS:
+            values = draws[key][~np.isnan(draws[key])]
+            out[f"{key}_ci"] = (
+                [float(v) for v in np.percentile(values, [2.5, 97.5])] if values.size else [math.nan, math.nan]
+            )
+    return out
+
+
+def paired_differences(a: tuple, b: tuple, *, n_bins: int = 15, bootstrap: int = 1000, seed: int = 0,
+                       keys: tuple[str, ...] = PAIRED_KEYS) -> dict:
+    """Metric(a) - metric(b) on the same examples, with a paired percentile-bootstrap 95% interval.
+
+    a, b: (confidence (N,), correct (N,)) of two methods on the SAME N examples (correctness may differ when a
+    method changes predictions). Each resample draws one set of example indices and scores both methods on it, so
+    the interval reflects the difference, not the two methods' separate noise. Returns
+    key -> {"diff": float, "ci": [lo, hi], "excludes_zero": bool}.
+    """
+    _check_bins(n_bins)
+    conf_a, corr_a = _check(*a)
+    conf_b, corr_b = _check(*b)
+    if conf_a.size != conf_b.size:
+        raise ATSError(f"paired_differences: {conf_a.size} vs {conf_b.size} examples; pairs need the same examples")
+    if isinstance(bootstrap, bool) or not isinstance(bootstrap, (int, np.integer)) or bootstrap < 1:
+        raise ATSError(f"bootstrap: expected a positive integer, got {bootstrap!r}")
+    unknown = [k for k in keys if k not in _METRICS]
+    if unknown:
+        raise ATSError(f"paired_differences: unknown metric {unknown[0]!r}; known: {', '.join(_METRICS)}")
+    point_a, point_b = _all_metrics(conf_a, corr_a, n_bins, keys), _all_metrics(conf_b, corr_b, n_bins, keys)
+    rng = np.random.default_rng(seed)
+    draws = {key: np.empty(bootstrap) for key in keys}
+    for i in range(bootstrap):
+        idx = rng.integers(0, conf_a.size, size=conf_a.size)
+        ma = _all_metrics(conf_a[idx], corr_a[idx], n_bins, keys)
+        mb = _all_metrics(conf_b[idx], corr_b[idx], n_bins, keys)
+        for key in keys:
+            draws[key][i] = ma[key] - mb[key]
+    out = {}
+    for key in keys:
+        values = draws[key][~np.isnan(draws[key])]
+        lo, hi = (float(v) for v in np.percentile(values, [2.5, 97.5])) if values.size else (math.nan, math.nan)
+        out[key] = {"diff": float(point_a[key] - point_b[key]), "ci": [lo, hi],
+                    "excludes_zero": bool(values.size and (lo > 0 or hi < 0))}
+    return out

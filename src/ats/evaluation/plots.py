@@ -1,0 +1,119 @@
+"""Reliability diagrams (matplotlib, Agg): per-bin accuracy against the diagonal, the gap shaded, counts below.
+
+The statistics come from `metrics.reliability_bins`; this file only draws them. Figures are built on a bare
+`matplotlib.figure.Figure` (no pyplot global state) and written atomically as PNG (dpi 200) and PDF (TrueType fonts,
+as publication venues require).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: never open a window
+
+import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from ..errors import ATSError  # noqa: E402
+from .metrics import ReliabilityStats, reliability_bins  # noqa: E402
+
+STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsize": 7.5,
+          "pdf.fonttype": 42, "ps.fonttype": 42}
+_BAR = "#3b6ea8"
+_GAP = "#d62728"
+
+
+def plot_reliability(ax, stats: ReliabilityStats, *, title: str = "", count_ax=None) -> None:
+    """Draw accuracy bars per confidence bin, the diagonal, the gap to mean confidence (red hatched) and the ECE."""
+    left = stats.edges[:-1]  # (B,)
+    width = np.diff(stats.edges)  # (B,)
+    full = stats.counts > 0
+    ax.bar(left[full], stats.accuracy[full], width=width[full], align="edge", color=_BAR, edgecolor="black",
+           linewidth=0.5, label="Accuracy")
+    lo = np.minimum(stats.accuracy[full], stats.mean_confidence[full])
+    gap = np.abs(stats.accuracy[full] - stats.mean_confidence[full])
+    ax.bar(left[full], gap, bottom=lo, width=width[full], align="edge", color=_GAP, alpha=0.3, edgecolor=_GAP,
+           hatch="//", linewidth=0.5, label="Gap")
+    ax.plot([0, 1], [0, 1], linestyle="--", color="gray", linewidth=1.0, label="Perfect")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("Accuracy")
+    if title:
+        ax.set_title(title)
+    ax.text(0.97, 0.04, f"ECE = {100 * stats.ece:.2f}%\nN = {stats.n:,}", transform=ax.transAxes, ha="right",
+            va="bottom", bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "0.6", "alpha": 0.9})
+    ax.legend(handles=[Patch(facecolor=_BAR, edgecolor="black", label="Accuracy"),
+                       Patch(facecolor=_GAP, alpha=0.3, edgecolor=_GAP, hatch="//", label="Gap"),
+                       matplotlib.lines.Line2D([], [], color="gray", linestyle="--", label="Perfect")],
+              loc="upper left", frameon=False)
+    if count_ax is None:
+        ax.set_xlabel("Confidence")
+        return
+    full_counts = stats.counts[full]
+    count_ax.bar(left[full], full_counts, width=width[full], align="edge", color="0.55", edgecolor="black",
+                 linewidth=0.5)
+    count_ax.set_xlim(0, 1)
+    count_ax.set_yscale("log")  # token counts span orders of magnitude across bins (most mass near 1.0)
+    count_ax.set_ylim(0.7, max(10.0, 2.0 * float(full_counts.max())))
+    count_ax.set_xlabel("Confidence")
+    count_ax.set_ylabel("Count")
+
+
+def make_reliability_figure(results: dict[str, tuple[np.ndarray, np.ndarray]], *, title: str = "",
+                            n_bins: int = 15) -> Figure:
+    """One column per method: reliability panel on top, count histogram below (2 * len(results) axes)."""
+    if not results:
+        raise ATSError("results: empty; need at least one method's (confidence, correct)")
+    stats = {name: reliability_bins(conf, corr, n_bins=n_bins) for name, (conf, corr) in results.items()}
+    ncols = len(stats)
+    with matplotlib.rc_context(STYLE):
+        fig = Figure(figsize=(2.6 * ncols + 0.4, 3.9), layout="constrained")
+        axes = fig.subplots(2, ncols, sharex=True, sharey="row", squeeze=False,
+                            gridspec_kw={"height_ratios": [3, 1]})  # (2, ncols)
+        for col, (name, st) in enumerate(stats.items()):
+            plot_reliability(axes[0, col], st, title=name, count_ax=axes[1, col])
+            if col:
+                axes[0, col].set_ylabel("")
+                axes[1, col].set_ylabel("")
+            axes[0, col].set_xlabel("")
+        if title:
+            fig.suptitle(title)
+    return fig
+
+
+def save_figure(fig: Figure, path_stem: str | Path) -> list[Path]:
+    """Write `<stem>.png` (dpi 200) and `<stem>.pdf` atomically, in the house style; returns both paths.
+
+    Both are rendered to temporaries first, then swapped in: a failure leaves neither a partial nor a stray file.
+    """
+    stem = Path(path_stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".pdf")]
+    temps: list[str] = []
+    try:
+        for path in paths:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            temps.append(tmp)
+            with os.fdopen(fd, "wb") as f, matplotlib.rc_context(STYLE):
+                fig.savefig(f, format=path.suffix[1:], dpi=200)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, path in zip(temps, paths):
+            os.replace(tmp, path)
+    finally:
+        for tmp in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return paths
+
+
+def reliability_figure(results: dict[str, tuple[np.ndarray, np.ndarray]], path_stem: str | Path, *,
+                       title: str = "", n_bins: int = 15) -> list[Path]:
+    """Reliability diagrams of every method side by side, written as `<stem>.png` and `<stem>.pdf`."""
+    return save_figure(make_reliability_figure(results, title=title, n_bins=n_bins), path_stem)

@@ -1,0 +1,67 @@
+"""Results as people read them: JSON-safe values and markdown tables (one writer for every table in the project)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+TABLE_METRICS = (("Acc", "accuracy"), ("ECE", "ece"), ("Brier", "brier"))
+TASK_LABELS = {"mmlu": "MMLU", "triviaqa": "TriviaQA", "truthfulqa_mc1": "TruthfulQA MC1",
+               "truthfulqa_gen": "TruthfulQA (gen)", "val_tokens": "val (token)"}
+
+
+def jsonable(value):
+    """JSON-safe copy: NaN / inf -> None (strict JSON), tuples -> lists, numpy scalars -> Python numbers."""
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # numpy / torch scalars
+        try:
+            value = value.item()
+        except (TypeError, ValueError):
+            return value
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, text_columns: int = 1) -> str:
+    """A markdown table; the first `text_columns` columns are left-aligned, the rest right-aligned (numbers)."""
+    align = ["---"] * text_columns + ["---:"] * (len(header) - text_columns)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def cell(metrics: dict | None, key: str, *, ci: bool = True) -> str:
+    """A metric with 3 decimals ("-" when absent or not finite), with its 95% interval when present."""
+    value = None if metrics is None else metrics.get(key)
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    text = f"{value:.3f}"
+    interval = metrics.get(f"{key}_ci") if ci else None
+    if isinstance(interval, (list, tuple)) and len(interval) == 2 and all(isinstance(v, (int, float))
+                                                                          for v in interval):
+        text += f" [{interval[0]:.3f}, {interval[1]:.3f}]"
+    return text
+
+
+def methods_of(results: dict) -> list[str]:
+    """Every method of a task -> method -> metrics dict, in first-seen order."""
+    return list(dict.fromkeys(m for by_method in results.values() for m in by_method))
+
+
+def format_table(results: dict, metrics=TABLE_METRICS) -> str:
+    """Rows = methods, columns = task x metric, 3 decimals (with 95% intervals when present)."""
+    tasks = list(results)
+    header = ["method"] + [f"{TASK_LABELS.get(t, t)} {label}" for t in tasks for label, _ in metrics]
+    rows = [[m] + [cell(results[t].get(m, {}), key) for t in tasks for _, key in metrics] for m in methods_of(results)]
+    return markdown_table(header, rows)
+
+
+def token_table(rows: dict[str, dict]) -> str:
+    """Token-level calibration: method | Acc | ECE | Brier | NLL | mean confidence."""
+    body = [[name] + [cell(m, key, ci=False) for key in ("accuracy", "ece", "brier", "nll", "mean_confidence")]
+            for name, m in rows.items()]
+    return markdown_table(["method", "Acc", "ECE", "Brier", "NLL", "mean conf"], body)

@@ -1,0 +1,115 @@
+"""Any multiple-choice set from a JSONL file: `mc:PATH` (letters, the default), `mc:PATH:letters`,
+`mc:PATH:likelihood`.
+
+Each line: {"question": str, "choices": [str, ...], "answer": int (0-based index of the right choice)}.
+
+- letters: zero-shot, the MMLU layout without header: "{question}\\nA. ..\\nB. ..\\nAnswer:"; confidence = softmax over
+  the letter tokens " A", " B", ... (as many as there are choices) of the calibrated logits at the answer position.
+- likelihood: "Q: {question}\\nA:" followed by each " {choice}", scored by its summed log-likelihood under the
+  calibrated logits (as TruthfulQA MC1, without the primer); softmax over the choices.
+
+Prompts are raw completions (no chat template), as for MMLU. Every malformed line is one ATSError naming the file, the
+line number, the field and the bad value.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from ...calibrators.base import Calibrator
+from ...errors import ATSError
+from ...io import read_jsonl
+from .base import Task, TaskResult, seeded_subset
+from .scoring import ChoiceItem, LetterItem, encode, letter_token_ids, score_choices, score_letters
+
+logger = logging.getLogger(__name__)
+
+MODES = ("letters", "likelihood")
+
+
+def letter_prompt(question: str, choices: list[str]) -> str:
+    """"{question}\\nA. {c0}\\nB. {c1}...\\nAnswer:" (the MMLU layout)."""
+    lines = [question] + [f"{chr(ord('A') + i)}. {c}" for i, c in enumerate(choices)]
+    return "\n".join(lines) + "\nAnswer:"
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def read_mc_file(path: str | Path) -> list[dict]:
+    """Read and validate a multiple-choice JSONL file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ATSError(f"{path}: multiple-choice file not found")
+    rows = []
+    for lineno, row in read_jsonl(path):
+        where = f"{path}:{lineno}"
+        if not isinstance(row, dict):
+            raise ATSError(f"{where}: expected a JSON object with question, choices, answer; got {_short(row)}")
+        for key in ("question", "choices", "answer"):
+            if key not in row:
+                raise ATSError(f"{where}: missing field '{key}'")
+        question, choices, answer = row["question"], row["choices"], row["answer"]
+        if not isinstance(question, str) or not question.strip():
+            raise ATSError(f"{where}: field 'question' must be a non-empty string, got {_short(question)}")
+        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+            raise ATSError(f"{where}: field 'choices' must be a list of strings, got {_short(choices)}")
+        if len(choices) < 2:
+            raise ATSError(f"{where}: field 'choices' needs at least 2 choices, got {len(choices)}")
+        if any(not c.strip() for c in choices):
+            raise ATSError(f"{where}: field 'choices' has an empty choice: {_short(choices)}")
+        duplicates = sorted({c for c in choices if [x.strip() for x in choices].count(c.strip()) > 1})
+        if duplicates:  # real benchmark files have such rows (MMLU dev); scoring them is still well defined
+            logger.warning("%s: field 'choices' repeats %s; scored as given", where, _short(duplicates[0]))
+        if isinstance(answer, bool) or not isinstance(answer, int):
+            raise ATSError(f"{where}: field 'answer' must be an integer index, got {_short(answer)}")
+        if not 0 <= answer < len(choices):
+            raise ATSError(f"{where}: field 'answer' is {answer}, out of range for {len(choices)} choices "
+                           f"(0-{len(choices) - 1})")
+        rows.append({"question": question, "choices": choices, "answer": answer})
+    if not rows:
+        raise ATSError(f"{path}: empty multiple-choice file (no questions)")
+    return rows
+
+
+def safe_stem(path: str | Path) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(path).stem).strip("._") or "file"
+
+
+class MultipleChoiceTask(Task):
+    """A JSONL multiple-choice set scored by letters (zero-shot) or by choice likelihood."""
+
+    def __init__(self, path: str | Path, mode: str = "letters", *, limit: int | None = None, seed: int = 0,
+                 batch_size: int = 8) -> None:
+        if mode not in MODES:
+            raise ATSError(f"mc task: unknown scoring {mode!r}; expected one of {', '.join(MODES)}")
+        self.path = Path(path)
+        self.mode = mode
+        self.limit = limit
+        self.seed = seed
+        self.batch_size = batch_size
+        self.rows = read_mc_file(self.path)  # validate early, before any backbone work
+        self.name = f"mc_{safe_stem(self.path)}" + ("" if mode == "letters" else f"_{mode}")
+
+    def describe(self) -> dict:
+        return {"name": self.name, "path": str(self.path), "mode": self.mode, "limit": self.limit, "seed": self.seed}
+
+    def selected(self) -> list[dict]:
+        return [self.rows[i] for i in seeded_subset(len(self.rows), self.limit, self.seed, salt=self.name)]
+
+    def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
+        tok = backbone.tokenizer
+        rows = self.selected()
+        if self.mode == "letters":
+            items = [LetterItem(ids=encode(tok, letter_prompt(r["question"], r["choices"]), special=True),
+                                letters=letter_token_ids(tok, len(r["choices"])), answer=r["answer"]) for r in rows]
+            return score_letters(backbone, calibrators, items, batch_size=self.batch_size, progress=progress,
+                                 desc=self.name)
+        items = [ChoiceItem(context=encode(tok, f"Q: {r['question']}\nA:", special=True),
+                            choices=[encode(tok, " " + c, special=False) for c in r["choices"]], answer=r["answer"])
+                 for r in rows]
+        return score_choices(backbone, calibrators, items, progress=progress, desc=self.name)

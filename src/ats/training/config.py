@@ -1,0 +1,49 @@
+"""How a calibration head is trained: the loss and the optimisation, in one validated config.
+
+The defaults, the checks and the `ats train` options all come from the fields below (see `ats.config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ConfigMixin, option
+from ..errors import ATSError
+from .losses import LOSS_TYPES, WEIGHTINGS
+
+
+@dataclass
+class TrainingConfig(ConfigMixin):
+    """The loss (type, smoothing weight, weighting) and the optimiser (AdamW, cosine schedule with warmup).
+
+    Optimiser defaults follow the paper for the transformer head: lr 5e-5, effective batch 8 sequences, 2 epochs.
+    """
+
+    loss_type: str = option("selective", "training loss: selective (the paper's), none (plain NLL), full (label "
+                            "smoothing on every token), top-label (log loss of the top-1 confidence)",
+                            choices=LOSS_TYPES, flag="--loss")
+    alpha: float = option(0.5, "smoothing weight of the selective / full losses", low=0.0, high=1.0)
+    weighting: str = option("token", "selective loss: mean over tokens, or the reference code's group weighting "
+                            "(-100 positions counted as it counts them)", choices=WEIGHTINGS)
+    lr: float = option(5e-5, "peak learning rate (AdamW)", low=0, low_open=True)
+    epochs: int = option(2, "passes over the training split", low=1)
+    batch_size: int = option(8, "sequences per optimizer step (effective batch)", low=1)
+    micro_batch_size: int = option(4, "sequences per forward pass; batch_size must be a multiple", low=1)
+    warmup_ratio: float = option(0.05, "fraction of steps with linear warmup", low=0.0, high=1.0)
+    weight_decay: float = option(0.0, "AdamW weight decay (matrices only)", low=0.0)
+    max_grad_norm: float = option(1.0, "gradient clipping norm", low=0, low_open=True)
+    seed: int = option(0, "seed of the head's initialisation and the data order")
+    bf16: bool = option(False, "bf16 autocast for the head (GPU); the loss is always float32")
+    chunk_size: int = option(1024, "tokens per logits chunk in the loss", low=1)
+    save_every: int = option(0, "checkpoint every N optimizer steps (0: once per epoch)", low=0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.batch_size % self.micro_batch_size:
+            raise ATSError(f"batch_size {self.batch_size} must be a multiple of micro_batch_size "
+                           f"{self.micro_batch_size}")
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.batch_size // self.micro_batch_size

@@ -1,0 +1,364 @@
+"""Cached backbone features: hidden states extracted once, so many heads and all baselines train from one pass.
+
+Layout of a feature folder:
+
+    meta.json                  backbone identity, dtype, sizes, the list of shards with their sha256
+    shard-00000.safetensors    hidden (N_tok, H) fp16/bf16, input_ids (N_tok,), labels (N_tok,), offsets (S+1,),
+                               example_index (S,)  -- S sequences packed end to end, no padding stored
+    shard-00000.json           the shard's sha256 and sizes, written after the shard (marks it finished)
+
+Sequences are sorted by length and assigned to shards deterministically, so an interrupted extraction resumes by
+skipping finished shards. Shards are read one at a time (memory stays flat as the data grows) and their checksum is
+verified on first read. Logits are never stored: `(N, V)` for a whole data set would not fit; they are recomputed
+from `h` in chunks (`z = backbone.logits(h)`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ..errors import ATSError
+from ..io import atomic_file, read_json, write_json
+from ..model.backbone import IGNORE_INDEX, Backbone
+from .data import TokenizedExample
+
+META_NAME = "meta.json"
+FORMAT_VERSION = 1
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _token_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group indices (already sorted by length, longest first) so that B * T_max <= batch_tokens."""
+    batches, current, t_max = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and max(t_max, n) * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, t_max = [], 0
+        current.append(i)
+        t_max = max(t_max, n)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def shard_plan(examples: list[TokenizedExample], shard_sequences: int) -> list[list[int]]:
+    """Deterministic assignment of example indices to shards: longest first, `shard_sequences` per shard."""
+    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i].input_ids), i))
+    return [order[k:k + shard_sequences] for k in range(0, len(order), shard_sequences)]
+
+
+def micro_batch_plan(shard_sizes: list[int], batch_size: int, *, shuffle: bool = False, seed: int = 0,
+                     shard_ids: list[int] | None = None) -> list[tuple[int, list[int]]]:
+    """The seeded global order of micro-batches as (shard, rows in the shard), computed from the sizes alone.
+
+    Shards are visited in a seeded order, and the rows of each shard in a seeded order, cut into `batch_size` pieces
+    (the last piece of a shard may be smaller). Shards hold sequences of similar length (they are cut from the
+    length-sorted data), so a micro-batch wastes little padding. Cached and online features use the same plan.
+    """
+    rng = random.Random(seed)
+    shard_ids = list(range(len(shard_sizes))) if shard_ids is None else list(shard_ids)
+    if shuffle:
+        rng.shuffle(shard_ids)
+    plan = []
+    for k in shard_ids:
+        order = list(range(shard_sizes[k]))
+        if shuffle:
+            rng.shuffle(order)
+        plan.extend((k, order[i:i + batch_size]) for i in range(0, len(order), batch_size))
+    return plan
+
+
+def pad_batch(ids: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-padded input_ids (B, T_max) and attention mask (B, T_max)."""
+    t_max = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), t_max), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), t_max), dtype=torch.long)
+    for row, x in enumerate(ids):
+        input_ids[row, : len(x)] = torch.tensor(x)
+        mask[row, : len(x)] = 1
+    return input_ids, mask
+
+
+@torch.no_grad()
+def extract_features(
+    backbone: Backbone,
+    examples: list[TokenizedExample],
+    out_dir: str | Path,
+    *,
+    batch_tokens: int = 8192,
+    shard_sequences: int = 256,
+    dtype: str = "float16",
+    shards: list[int] | None = None,
+    progress: bool = True,
+    extra_meta: dict | None = None,
+) -> "FeatureStore":
+    """Run the backbone over `examples` once and write hidden states + labels as shards.
+
+    shards: which shard indices this process writes (distributed extraction); default all. Finished shards (their
+    `.json` marker present and the checksum matching) are skipped, so a killed extraction resumes where it stopped.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype)
+    if store_dtype is None:
+        raise ATSError(f"feature dtype must be float16, bfloat16 or float32, got {dtype!r}")
+    plan = shard_plan(examples, shard_sequences)
+    todo = range(len(plan)) if shards is None else shards
+    pad_id = backbone.tokenizer.pad_token_id or 0
+    total = sum(len(examples[i].input_ids) for k in todo for i in plan[k])
+    bar = tqdm(total=total, unit="tok", desc="extract features", disable=not progress)
+    for k in todo:
+        shard_path = out_dir / f"shard-{k:05d}.safetensors"
+        marker = out_dir / f"shard-{k:05d}.json"
+        indices = plan[k]
+        n_tok = sum(len(examples[i].input_ids) for i in indices)
+        if marker.exists() and shard_path.exists() and read_json(marker).get("sha256") == _sha256(shard_path):
+            bar.update(n_tok)
+            continue
+        pieces: dict[int, Tensor] = {}
+        for batch in _token_batches([len(examples[i].input_ids) for i in indices], batch_tokens):
+            ids = [examples[indices[j]].input_ids for j in batch]
+            input_ids, mask = pad_batch(ids, pad_id)
+            hidden, _ = backbone.forward(input_ids.to(backbone.device), mask.to(backbone.device))  # (B, T, H)
+            for row, j in enumerate(batch):
+                pieces[j] = hidden[row, : len(ids[row])].to("cpu", store_dtype)
+            bar.update(int(mask.sum()))
+        lengths = torch.tensor([len(examples[i].input_ids) for i in indices])
+        tensors = {
+            "hidden": torch.cat([pieces[j] for j in range(len(indices))]).contiguous(),
+            "input_ids": torch.tensor([t for i in indices for t in examples[i].input_ids], dtype=torch.long),
+            "labels": torch.tensor([t for i in indices for t in examples[i].labels], dtype=torch.long),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+            "example_index": torch.tensor(indices, dtype=torch.long),
+        }
+        with atomic_file(shard_path, "wb") as f:
+            f.write(_serialize(tensors))
+        write_json(marker, {"sha256": _sha256(shard_path), "sequences": len(indices), "tokens": n_tok,
+                            "response_tokens": int((tensors["labels"] != IGNORE_INDEX).sum())})
+    bar.close()
+    if shards is None:
+        write_meta(out_dir, backbone, n_shards=len(plan), dtype=dtype, extra=extra_meta)
+        return FeatureStore(out_dir)
+    return None  # type: ignore[return-value]  # distributed: the main process writes meta once all ranks finish
+
+
+def _serialize(tensors: dict[str, Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors)
+
+
+def write_meta(out_dir: Path, backbone: Backbone, *, n_shards: int, dtype: str, extra: dict | None = None) -> None:
+    """Write meta.json from the finished shard markers (fails if a shard is missing)."""
+    shards = []
+    for k in range(n_shards):
+        marker = out_dir / f"shard-{k:05d}.json"
+        if not marker.exists():
+            raise ATSError(f"{out_dir}: shard {k} is missing; run the extraction again to finish it")
+        shards.append({"file": f"shard-{k:05d}.safetensors", **read_json(marker)})
+    write_json(out_dir / META_NAME, {
+        "format_version": FORMAT_VERSION, "dtype": dtype, **backbone.describe(), "shards": shards,
+        "sequences": sum(s["sequences"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
+        "response_tokens": sum(s["response_tokens"] for s in shards), **(extra or {}),
+    })
+
+
+@dataclass
+class SequenceBatch:
+    hidden: Tensor  # (B, T, H) float32, right-padded with zeros
+    attention_mask: Tensor  # (B, T) 1 on real tokens
+    labels: Tensor  # (B, T) next-token ids on response positions, IGNORE_INDEX elsewhere
+
+
+class FeatureStore:
+    """Read access to an extracted feature folder; streams one shard at a time."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.meta = read_json(self.directory / META_NAME)
+        if self.meta.get("format_version") != FORMAT_VERSION:
+            raise ATSError(f"{self.directory / META_NAME}: unsupported format_version "
+                           f"{self.meta.get('format_version')!r}")
+        self._verified: set[int] = set()
+
+    def __len__(self) -> int:
+        return int(self.meta["sequences"])
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.meta["shards"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.meta["hidden_size"])
+
+    def check_backbone(self, backbone: Backbone) -> None:
+        """Refuse features extracted from another backbone."""
+        for key, value in backbone.describe().items():
+            if self.meta.get(key) != value:
+                raise ATSError(f"{self.directory}: features were extracted with {key}={self.meta.get(key)!r}, "
+                               f"but the backbone has {key}={value!r}")
+
+    def load_shard(self, k: int) -> dict[str, Tensor]:
+        """One shard's tensors (memory-mapped by safetensors), its checksum verified on first read."""
+        entry = self.meta["shards"][k]
+        path = self.directory / Path(entry["file"]).name  # a config can never point outside its folder
+        if k not in self._verified:
+            if not path.exists():
+                raise ATSError(f"{path}: shard file missing")
+            if _sha256(path) != entry["sha256"]:
+                raise ATSError(f"{path}: checksum mismatch (corrupt or truncated shard); delete it and re-extract")
+            self._verified.add(k)
+        return load_file(str(path))
+
+    def sequences(self, shard_ids: list[int] | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+        """(hidden (T, H), labels (T,)) per sequence, shard by shard."""
+        for k in range(self.n_shards) if shard_ids is None else shard_ids:
+            shard = self.load_shard(k)
+            offsets = shard["offsets"].tolist()
+            for a, b in zip(offsets[:-1], offsets[1:]):
+                yield shard["hidden"][a:b], shard["labels"][a:b]
+
+    def batches(self, batch_size: int, *, shuffle: bool = False, seed: int = 0,
+                shard_ids: list[int] | None = None, rank: int = 0, world_size: int = 1,
+                start: int = 0) -> Iterator[SequenceBatch]:
+        """Right-padded batches of whole sequences; with shuffle, shard order and sequence order are seeded.
+
+        Distributed training: the global sequence of micro-batches (see `micro_batch_plan`) is dealt round-robin,
+        this process gets those with index % world_size == rank; `start` skips the first global micro-batches
+        without reading them (resuming). A shard is read only if one of this process's micro-batches is in it.
+        """
+        plan = micro_batch_plan([s["sequences"] for s in self.meta["shards"]], batch_size, shuffle=shuffle,
+                                seed=seed, shard_ids=shard_ids)
+        loaded_k, shard = None, None
+        for m, (k, rows) in enumerate(plan):
+            if m < start or m % world_size != rank:
+                continue
+            if k != loaded_k:
+                shard, loaded_k = self.load_shard(k), k
+                offsets = shard["offsets"].tolist()
+            yield collate([(shard["hidden"][offsets[i]:offsets[i + 1]], shard["labels"][offsets[i]:offsets[i + 1]])
+                           for i in rows])
+
+    def response_tokens(self, chunk_tokens: int = 4096) -> Iterator[tuple[Tensor, Tensor]]:
+        """(hidden (n, H) float32, labels (n,)) chunks over response tokens only."""
+        for k in range(self.n_shards):
+            shard = self.load_shard(k)
+            keep = shard["labels"] != IGNORE_INDEX
+            hidden, labels = shard["hidden"][keep], shard["labels"][keep]
+            for start in range(0, len(labels), chunk_tokens):
+                yield hidden[start:start + chunk_tokens].float(), labels[start:start + chunk_tokens]
+
+    def logit_chunks(self, logits_fn: Callable[[Tensor], Tensor], chunk_tokens: int = 2048):
+        """A re-iterable source of (logits (n, V) float32, labels (n,)) for fitting token-level calibrators."""
+
+        def chunks() -> Iterator[tuple[Tensor, Tensor]]:
+            for hidden, labels in self.response_tokens(chunk_tokens):
+                with torch.no_grad():  # closed before the yield: grad mode is global, the consumer may train
+                    logits = logits_fn(hidden).float()
+                yield logits, labels
+
+        return chunks
+
+
+def collate(seqs: list[tuple[Tensor, Tensor]]) -> SequenceBatch:
+    """Right-pad (hidden (T_i, H), labels (T_i,)) sequences into one batch."""
+    t_max = max(h.shape[0] for h, _ in seqs)
+    width = seqs[0][0].shape[1]
+    hidden = torch.zeros(len(seqs), t_max, width)
+    mask = torch.zeros(len(seqs), t_max, dtype=torch.long)
+    labels = torch.full((len(seqs), t_max), IGNORE_INDEX, dtype=torch.long)
+    for row, (h, y) in enumerate(seqs):
+        hidden[row, : len(y)] = h.float()
+        mask[row, : len(y)] = 1
+        labels[row, : len(y)] = y
+    return SequenceBatch(hidden=hidden, attention_mask=mask, labels=labels)
+
+
+class OnlineFeatures:
+    """Features computed on the fly (large backbones): the same interface as FeatureStore, nothing cached.
+
+    The tokenized examples are cut into the same length-sorted shards as an extraction would write (`shard_plan`),
+    and micro-batches follow the same seeded plan, so a head trained online sees exactly the batches it would see
+    from a cache. Each micro-batch runs the frozen backbone (no grad) on its padded token ids; hidden states live
+    only for that micro-batch, so memory does not grow with the data set (only the token ids are held).
+    """
+
+    def __init__(self, backbone: Backbone, examples: list[TokenizedExample], *, shard_sequences: int = 256,
+                 batch_tokens: int = 8192, extra_meta: dict | None = None) -> None:
+        self.backbone = backbone
+        self.examples = examples
+        self.batch_tokens = batch_tokens
+        self.plan = shard_plan(examples, shard_sequences)
+        shards = []
+        for indices in self.plan:
+            shards.append({"sequences": len(indices), "tokens": sum(len(examples[i].input_ids) for i in indices),
+                           "response_tokens": sum(sum(y != IGNORE_INDEX for y in examples[i].labels)
+                                                  for i in indices)})
+        self.meta = {"online": True, **backbone.describe(), "shards": shards,
+                     "sequences": len(examples), "tokens": sum(s["tokens"] for s in shards),
+                     "response_tokens": sum(s["response_tokens"] for s in shards), **(extra_meta or {})}
+        self.directory = None
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.plan)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.backbone.hidden_size
+
+    def check_backbone(self, backbone: Backbone) -> None:
+        if backbone.describe() != self.backbone.describe():
+            raise ATSError("online features: the training backbone differs from the one computing the features")
+
+    @torch.no_grad()
+    def _forward(self, indices: list[int]) -> SequenceBatch:
+        ids = [self.examples[i].input_ids for i in indices]
+        input_ids, mask = pad_batch(ids, self.backbone.tokenizer.pad_token_id or 0)
+        labels = torch.full(mask.shape, IGNORE_INDEX, dtype=torch.long)
+        for row, i in enumerate(indices):
+            labels[row, : len(ids[row])] = torch.tensor(self.examples[i].labels)
+        device = self.backbone.device
+        hidden, _ = self.backbone.forward(input_ids.to(device), mask.to(device))  # (B, T, H)
+        hidden = hidden.float() * mask.to(device)[..., None]  # zeros on padding, as a cached batch
+        return SequenceBatch(hidden=hidden, attention_mask=mask, labels=labels)
+
+    def batches(self, batch_size: int, *, shuffle: bool = False, seed: int = 0,
+                shard_ids: list[int] | None = None, rank: int = 0, world_size: int = 1,
+                start: int = 0) -> Iterator[SequenceBatch]:
+        """As FeatureStore.batches, with the backbone run on each of this process's micro-batches."""
+        plan = micro_batch_plan([len(p) for p in self.plan], batch_size, shuffle=shuffle, seed=seed,
+                                shard_ids=shard_ids)
+        for m, (k, rows) in enumerate(plan):
+            if m >= start and m % world_size == rank:
+                yield self._forward([self.plan[k][i] for i in rows])
+
+    def sequences(self, shard_ids: list[int] | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+        """(hidden (T, H) float32, labels (T,)) per sequence, forward passes of at most `batch_tokens` tokens."""
+        for k in range(self.n_shards) if shard_ids is None else shard_ids:
+            indices = self.plan[k]
+            for batch in _token_batches([len(self.examples[i].input_ids) for i in indices], self.batch_tokens):
+                out = self._forward([indices[j] for j in batch])
+                for row in range(len(batch)):
+                    n = int(out.attention_mask[row].sum())
+                    yield out.hidden[row, :n], out.labels[row, :n]

@@ -1,0 +1,122 @@
+"""Calibration losses for a head's per-token scale `s` (calibrated logits `q = z * s`), on N response tokens.
+
+The per-token quantities (CE to the label, CE to uniform, the calibrated top-1 log-probability, correctness) come from
+one chunked pass, `ats.model.scaled_ce.scaled_cross_entropy`, so (N, V) logits never exist at once. A token is correct
+when argmax z == y (the same as argmax q, since s > 0). alpha is the smoothing weight (the reference code's
+`smooth_loss_weight`).
+
+Loss types:
+- "selective" (the paper's): correct tokens get (1 - alpha) CE(q, y), wrong tokens alpha CE(q, u): sharpen where the
+  model is right, flatten towards uniform where it is wrong. Not a proper scoring rule: at a token accuracy of ~0.6
+  its optimum confidence is far below 0.6, so it lowers confidence everywhere (see docs/method.md). Two weightings:
+  - "token": every response token counts once; mean over all tokens.
+  - "reference": the authors' `SelectiveSmoothingLoss(weighted_average=True)` exactly, including how it treats
+    positions labelled -100 (prompt and padding, which the authors' collator never drops): argmax z never equals -100,
+    so they count as *wrong* tokens, in the group weights and in the smoothing mean, where they add zeros
+    (`CrossEntropyLoss` gives 0 at ignored positions). With n = N + ignored positions, n_c correct and
+    n_w = n - n_c "wrong" (ignored included):
+        w_c = (1 - alpha) n_w / n,  w_w = alpha n_c / n
+        loss = (w_c * mean_correct CE(q, y) + w_w * sum_wrong CE(q, u) / n_w) / (w_c + w_w)
+    Pass `ignored` (the number of -100 positions among the batch's B x (T - 1) shifted positions). A batch with no
+    correct token, or one whose every position is correct, has loss 0 and no gradient, as in the authors' code.
+- "none": plain CE(q, y) on all tokens (NLL; the ablation without smoothing).
+- "full": label smoothing on every token, (1 - alpha) CE(q, y) + alpha CE(q, u).
+- "top-label": the log loss of the calibrated top-1 confidence p = softmax(q)[argmax z] as a forecast of whether the
+  top token is right, -[c log p + (1 - c) log(1 - p)]: a proper scoring rule for exactly the confidence that token-level
+  ECE measures (our objective beyond the paper; alpha is unused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..checks import check_choice, check_nonnegative_int, check_number, check_positive_int
+from ..errors import ATSError
+from ..model.scaled_ce import LogitsFn, scaled_cross_entropy
+
+LOSS_TYPES = ("selective", "none", "full", "top-label")
+WEIGHTINGS = ("token", "reference")
+
+
+@dataclass
+class LossOutput:
+    """The loss (scalar, with grad w.r.t. scale) and counts for logging."""
+
+    loss: Tensor
+    n_correct: int  # tokens with argmax z == y
+    n_tokens: int
+    nll: float  # mean CE(q, y) of the calibrated logits, for logging
+
+
+def _group_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of values[mask]; 0 (still in the graph) for an empty group."""
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def log_loss_of_top(log_p_top: Tensor, correct: Tensor) -> Tensor:
+    """Per-token binary log loss of the top-1 confidence exp(log_p_top) (N,) against correctness (N,) bool."""
+    log_p = log_p_top.clamp(max=-1e-7)  # p < 1, so log(1 - p) stays finite
+    log_not_p = torch.log(-torch.expm1(log_p))  # log(1 - p), accurate near p = 1
+    return -torch.where(correct, log_p, log_not_p)
+
+
+def reference_selective(ce_y: Tensor, ce_u: Tensor, correct: Tensor, alpha: float, ignored: int) -> Tensor:
+    """The authors' weighted selective loss, -100 positions counted as wrong tokens with zero smoothing loss."""
+    c = correct.to(ce_y.dtype)  # (N,)
+    n = c.numel() + ignored
+    n_correct = c.sum()
+    n_wrong = n - n_correct  # ignored positions included
+    w_c = (1 - alpha) * n_wrong / n
+    w_w = alpha * n_correct / n
+    total = w_c + w_w
+    if float(total) == 0.0:  # one group weight is 0 and the other group empty
+        return ce_y.sum() * 0.0
+    smooth = (ce_u * (1 - c)).sum() / n_wrong.clamp(min=1)  # ignored positions add zeros to this mean
+    return (w_c * _group_mean(ce_y, c) + w_w * smooth) / total
+
+
+def calibration_loss(
+    hidden: Tensor,  # (N, H) response-token hidden states, no grad
+    scale: Tensor,  # (N,) exp(tau) clamped, > 0, with grad
+    labels: Tensor,  # (N,) next-token ids
+    logits_fn: LogitsFn,  # h (n, H) -> z (n, V), no grad
+    *,
+    loss_type: str = "selective",
+    alpha: float = 0.5,
+    weighting: str = "token",
+    chunk_size: int = 1024,
+    ignored: int = 0,
+) -> LossOutput:
+    """The head's training loss on N response tokens (see the module docstring for loss types and weightings).
+
+    ignored: positions labelled -100 in the batch; only the reference weighting uses it.
+    """
+    check_choice("loss_type", loss_type, LOSS_TYPES)
+    check_choice("weighting", weighting, WEIGHTINGS)
+    a = check_number("alpha", alpha, low=0.0, high=1.0)
+    check_positive_int("chunk_size", chunk_size)
+    check_nonnegative_int("ignored", ignored)
+    if hidden.dim() != 2 or scale.dim() != 1 or labels.dim() != 1 or not (
+            hidden.shape[0] == scale.shape[0] == labels.shape[0]):
+        raise ATSError(f"calibration_loss: expected hidden (N, H), scale (N,), labels (N,), got "
+                       f"{tuple(hidden.shape)}, {tuple(scale.shape)}, {tuple(labels.shape)}")
+    N = scale.shape[0]
+    if N == 0:
+        return LossOutput(loss=scale.sum() * 0.0, n_correct=0, n_tokens=0, nll=0.0)
+
+    out = scaled_cross_entropy(hidden, scale, labels, logits_fn, chunk_size)  # (N,) each
+    ce_y, ce_u, correct = out.ce_label, out.ce_uniform, out.correct
+    if loss_type == "none":
+        loss = ce_y.mean()
+    elif loss_type == "full":
+        loss = ((1 - a) * ce_y + a * ce_u).mean()
+    elif loss_type == "top-label":
+        loss = log_loss_of_top(out.log_p_top, correct).mean()
+    elif weighting == "token":
+        loss = torch.where(correct, (1 - a) * ce_y, a * ce_u).mean()
+    else:
+        loss = reference_selective(ce_y, ce_u, correct, a, ignored)
+    return LossOutput(loss=loss, n_correct=int(correct.sum()), n_tokens=N, nll=float(ce_y.detach().mean()))

@@ -1,0 +1,107 @@
+"""The paper's main experiment in one call: train ATS, fit every baseline on the same tokens, evaluate all methods.
+
+Used by `ats demo` (the README's main job) and by `benchmarks/paper_table.py` at larger sizes. Every step reuses
+what an earlier, interrupted run of the same command already finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..calibrators.base import Uncalibrated
+from ..evaluation.evaluate import evaluate
+from ..evaluation.metrics import summarize
+from ..evaluation.report import format_table, token_table
+from ..evaluation.tasks import build_task
+from ..evaluation.token_eval import token_confidences
+from ..model.backbone import Backbone
+from ..training.config import TrainingConfig
+from ..training.data import DataConfig
+from .pipeline import BASELINES, fit_calibrators, prepare_features, train_head
+
+logger = logging.getLogger(__name__)
+
+CONTROLS = ("selective-temperature", "selective-linear")
+
+# A small, varied set of MMLU subjects for quick runs (None = all 57).
+QUICK_SUBJECTS = ["abstract_algebra", "anatomy", "astronomy", "college_biology", "high_school_geography",
+                  "high_school_us_history", "marketing", "nutrition", "philosophy", "world_religions"]
+
+
+@dataclass
+class ExperimentSize:
+    """How much data each step uses; `ats demo --size` picks one of SIZES."""
+
+    limit: int = 300  # Alpaca-GPT4 examples (train + validation)
+    max_length: int = 320
+    epochs: int = 2
+    lr: float = 1e-3  # the paper's 5e-5 is for ~13k steps; with a few hundred examples the head barely moves
+    mmlu_per_subject: int = 3
+    mmlu_subjects: list[str] | None = None
+    triviaqa: int = 150
+    truthfulqa: int = 150
+    baselines: tuple[str, ...] = BASELINES
+    controls: tuple[str, ...] = CONTROLS
+    data: str = "alpaca_gpt4"
+
+
+SIZES = {
+    "tiny": ExperimentSize(limit=60, max_length=256, epochs=1, mmlu_per_subject=1, mmlu_subjects=QUICK_SUBJECTS,
+                           triviaqa=20, truthfulqa=20, controls=("selective-temperature",)),
+    "demo": ExperimentSize(limit=200, max_length=256, mmlu_per_subject=2, triviaqa=120, truthfulqa=120),
+    "benchmark": ExperimentSize(limit=1000, max_length=512, mmlu_per_subject=8, triviaqa=400, truthfulqa=400),
+}
+
+
+@dataclass
+class ExperimentResult:
+    token_level: dict[str, dict] = field(default_factory=dict)  # method -> summarize() on held-out tokens
+    tasks: dict[str, dict] = field(default_factory=dict)  # task -> method -> summarize()
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def run_experiment(backbone: Backbone, out_dir: str | Path, size: ExperimentSize, *, head_type: str = "transformer",
+                   overwrite: bool = False, progress: bool = True, bootstrap: int = 0) -> ExperimentResult:
+    """Features -> ATS head -> controls and baselines -> token-level and task-level evaluation, under `out_dir`."""
+    out = Path(out_dir)
+    result = ExperimentResult()
+    clock = time.time()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        result.seconds[name] = round(time.time() - clock, 1)
+        clock = time.time()
+
+    logger.info("features: %s, %d examples, max length %d", size.data, size.limit, size.max_length)
+    train_store, val_store = prepare_features(
+        backbone, out / "features", DataConfig(source=size.data, limit=size.limit, max_length=size.max_length),
+        overwrite=overwrite, progress=progress)
+    lap("features")
+    training = TrainingConfig(epochs=size.epochs, lr=size.lr)
+    logger.info("training the %s ATS head on %d response tokens", head_type, train_store.meta["response_tokens"])
+    ats = train_head(backbone, train_store, val_store, out / f"ats-{head_type}", head_type=head_type,
+                     training=training, overwrite=overwrite, progress=progress)
+    lap("train")
+    logger.info("controls and baselines: %s", ", ".join((*size.controls, *size.baselines)))
+    calibrators = {"uncalibrated": Uncalibrated(), **fit_calibrators(
+        backbone, train_store, out / "baselines", (*size.controls, *size.baselines), val_store=val_store,
+        training=training, overwrite=overwrite, progress=progress), "ats": ats}
+    lap("baselines")
+    token = token_confidences(val_store, backbone, calibrators, progress=progress)
+    result.token_level = {name: summarize(*value) for name, value in token.items()}
+    logger.info("token-level calibration on the held-out split:\n%s", token_table(result.token_level))
+    lap("token_eval")
+    tasks = [build_task("mmlu", limit=size.mmlu_per_subject, subjects=size.mmlu_subjects),
+             build_task("triviaqa", limit=size.triviaqa), build_task("truthfulqa_mc1", limit=size.truthfulqa)]
+    result.tasks = evaluate(backbone, calibrators, tasks, out / "eval", progress=progress, bootstrap=bootstrap,
+                            overwrite=overwrite)
+    logger.info("task-level calibration:\n%s", format_table(result.tasks))
+    lap("tasks")
+    return result
+
+
+def size_record(size: ExperimentSize) -> dict:
+    return asdict(size)

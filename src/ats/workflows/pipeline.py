@@ -1,0 +1,245 @@
+"""End-to-end steps shared by the CLI, the demo and the benchmarks: data -> features -> head -> baselines -> eval.
+
+Each step writes into a run folder with a fingerprint of everything that determines it (`ats.fingerprint`). A rerun
+with the same options reuses the finished step and says so; a rerun with other options is refused, naming what
+differs, unless `overwrite=True`; an interrupted step continues (`resume`) only with the same fingerprint.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..calibrators import calibrator_class, calibrator_for, entry, load_calibrator
+from ..calibrators.ats import ATSCalibrator
+from ..calibrators.base import CONFIG_NAME, Calibrator
+from ..evaluation.token_eval import token_validator
+from ..fingerprint import check_reuse, digest, make_fingerprint, refusal, stored_fingerprint, write_fingerprint
+from ..io import write_json
+from ..model.backbone import Backbone
+from ..model.heads import HeadConfig
+from ..training.config import TrainingConfig
+from ..training.data import DataConfig, load_instructions, prepare_examples
+from ..training.distributed import SINGLE, Dist
+from ..training.features import META_NAME, FeatureStore, OnlineFeatures, extract_features, shard_plan, write_meta
+from ..training.trainer import train_ats
+
+logger = logging.getLogger(__name__)
+
+BASELINES = ("temperature", "vector", "scaling-binning", "histogram", "isotonic", "thermometer")
+SPLITS = ("train", "val")
+# options that change how work is done, never its result
+_NOT_IN_FINGERPRINT = {"batch_tokens", "save_every"}
+
+
+def data_fingerprint(config: DataConfig) -> dict:
+    """The data options that determine the examples, and a checksum of the records they select."""
+    records = load_instructions(config.source, limit=config.limit, seed=config.seed)
+    options = {k: v for k, v in config.to_dict().items() if k not in _NOT_IN_FINGERPRINT}
+    return {**options, "records": len(records), "checksum": digest([vars(r) for r in records])}
+
+
+def features_fingerprint(backbone: Backbone, config: DataConfig, split: str, *, data: dict | None = None) -> dict:
+    return make_fingerprint("features", backbone=backbone.describe(), data=data or data_fingerprint(config),
+                            split=split)
+
+
+def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataConfig | None = None, *,
+                     overwrite: bool = False, progress: bool = True, dist: Dist | None = None
+                     ) -> tuple[FeatureStore, FeatureStore]:
+    """Tokenize the instruction data, split it, and extract (or reuse) the train / val feature caches.
+
+    Finished features are reused only for the same backbone, data and options; a partial extraction resumes only with
+    them. dist: with several processes, rank r extracts shards r, r+W, ... of each split; the main process writes
+    meta.json once every rank has finished (a barrier), then every rank opens the stores.
+    """
+    config = config or DataConfig()
+    dist = dist or SINGLE
+    features_dir = Path(features_dir)
+    data = data_fingerprint(config)
+    prints = {split: features_fingerprint(backbone, config, split, data=data) for split in SPLITS}
+    finished = {split: (features_dir / split / META_NAME).exists() for split in SPLITS}
+    for split in SPLITS:
+        folder = features_dir / split
+        old = stored_fingerprint(folder) if folder.is_dir() else None
+        if folder.is_dir() and any(folder.iterdir()) and old != prints[split]:
+            if not overwrite:
+                raise refusal(folder, "features", old, prints[split])
+            if dist.is_main:
+                shutil.rmtree(folder)
+            finished[split] = False
+    dist.barrier()
+    if all(finished.values()):
+        stores = [FeatureStore(features_dir / split) for split in SPLITS]
+        for store in stores:
+            store.check_backbone(backbone)
+        logger.info("reusing features from %s (same options)", features_dir)
+        return stores[0], stores[1]
+    train, val, meta = prepare_examples(backbone.tokenizer, config)
+    logger.info("extracting features of %s (%d train / %d val sequences) into %s", config.source, len(train),
+                len(val), features_dir)
+    stores = []
+    for split, part in zip(SPLITS, (train, val)):
+        folder = features_dir / split
+        if dist.is_main:
+            folder.mkdir(parents=True, exist_ok=True)
+            write_fingerprint(folder, prints[split])
+        dist.barrier()
+        n_shards = len(shard_plan(part, config.shard_sequences))
+        extract_features(backbone, part, folder, batch_tokens=config.batch_tokens,
+                         shard_sequences=config.shard_sequences, dtype=config.feature_dtype,
+                         shards=dist.my_shards(n_shards) if dist.distributed else None,
+                         progress=progress and dist.is_main, extra_meta={**meta, "split": split})
+        dist.barrier()  # every rank's shards are written
+        if dist.distributed and dist.is_main:
+            write_meta(folder, backbone, n_shards=n_shards, dtype=config.feature_dtype,
+                       extra={**meta, "split": split})
+        dist.barrier()  # meta.json is there
+        stores.append(FeatureStore(folder))
+    return stores[0], stores[1]
+
+
+def online_features(backbone: Backbone, config: DataConfig | None = None) -> tuple[OnlineFeatures, OnlineFeatures]:
+    """Train/val feature sources that run the backbone inside the training loop (no cache; large models)."""
+    config = config or DataConfig()
+    train, val, meta = prepare_examples(backbone.tokenizer, config)
+    data = data_fingerprint(config)
+    sources = []
+    for split, part in zip(SPLITS, (train, val)):
+        source = OnlineFeatures(backbone, part, shard_sequences=config.shard_sequences,
+                                batch_tokens=config.batch_tokens, extra_meta={**meta, "split": split})
+        source.fingerprint = features_fingerprint(backbone, config, split, data=data)
+        sources.append(source)
+    return sources[0], sources[1]
+
+
+def _store_fingerprint(store) -> dict:
+    """The fingerprint of a feature source: the one recorded by `prepare_features` / `online_features`, else (features
+    extracted by hand) the digest of its meta.json, which lists every shard's sha256."""
+    fp = getattr(store, "fingerprint", None)
+    directory = getattr(store, "directory", None)
+    if fp is None and directory is not None:
+        fp = stored_fingerprint(directory)
+    return fp if fp is not None else {"meta_digest": digest(store.meta)}
+
+
+@dataclass
+class FeatureSource:
+    """What calibrators are fitted on (`ats.calibrators.FitSource`): the training split of one feature cache, and
+    how an ATS-family head is trained on it (the run's training config, validated on the held-out split)."""
+
+    backbone: Backbone
+    store: FeatureStore
+    val_store: FeatureStore | None = None
+    training: TrainingConfig | None = None
+    work_dir: Path | None = None  # checkpoints of head training
+    resume: bool = False
+    progress: bool = True
+    dist: Dist = field(default_factory=lambda: SINGLE)
+    history: object = None  # the TrainResult of the last head trained
+
+    @property
+    def hidden_size(self) -> int:
+        return self.backbone.hidden_size
+
+    @property
+    def logits_fn(self):
+        return self.backbone.logits
+
+    @property
+    def logit_chunks(self):
+        return self.store.logit_chunks(self.backbone.logits)
+
+    def train_head(self, calibrator: ATSCalibrator) -> None:
+        validate = token_validator(self.val_store, self.backbone, self.dist) if self.val_store is not None else None
+        result = train_ats(calibrator, self.store, self.backbone, config=self.training or TrainingConfig(),
+                           validate=validate, out_dir=self.work_dir, resume=self.resume, progress=self.progress,
+                           dist=self.dist)
+        self.history = result
+
+
+def head_fingerprint(store, head: HeadConfig, max_scale: float, method: str, training: TrainingConfig) -> dict:
+    options = {k: v for k, v in training.to_dict().items() if k not in _NOT_IN_FINGERPRINT}
+    return make_fingerprint("head", features=_store_fingerprint(store), head=head.to_dict(), max_scale=max_scale,
+                            method=method, training=options)
+
+
+def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, *, method: str = "ats",
+               head_type: str | None = None, max_scale: float = 10.0, training: TrainingConfig | None = None,
+               overwrite: bool = False, resume: bool = False, progress: bool = True,
+               dist: Dist | None = None) -> ATSCalibrator:
+    """Train an ATS-family head (`method`: ats, selective-temperature, selective-linear) and save it to `out_dir`.
+
+    A head saved there with the same fingerprint is reused; another is refused unless `overwrite`. `resume`
+    continues the checkpoints in `out_dir.work` only if they were made with the same fingerprint. Only the main
+    process writes.
+    """
+    dist = dist or SINGLE
+    out_dir = Path(out_dir)
+    training = training or TrainingConfig()
+    preset = dict(entry(method).preset)
+    if head_type is not None:
+        preset["head_type"] = head_type
+    preset.setdefault("method", method)
+    calibrator = ATSCalibrator.for_backbone(backbone, max_scale=max_scale, seed=training.seed, **preset)
+    fp = head_fingerprint(train_store, calibrator.config_.head, max_scale, calibrator.config_.method, training)
+    if (out_dir / CONFIG_NAME).exists() and check_reuse(out_dir, "head", stored_fingerprint(out_dir), fp,
+                                                        overwrite=overwrite):
+        calibrator = ATSCalibrator.from_pretrained(out_dir, backbone=backbone)
+        calibrator.reused = True
+        return calibrator
+    work = out_dir.with_name(out_dir.name + ".work")
+    if work.exists() and (not resume or stored_fingerprint(work) != fp):
+        if resume and not overwrite:
+            raise refusal(work, "interrupted training", stored_fingerprint(work), fp)
+        if dist.is_main:
+            shutil.rmtree(work)  # checkpoints of a run that is not being resumed
+    dist.barrier()
+    if dist.is_main:
+        work.mkdir(parents=True, exist_ok=True)
+        write_fingerprint(work, fp)
+    source = FeatureSource(backbone, train_store, val_store, training, work, resume, progress, dist)
+    calibrator.fit_source(source)
+    if dist.is_main:
+        calibrator.save_pretrained(out_dir)
+        write_fingerprint(out_dir, fp)
+        write_json(out_dir / "training_history.json", {"steps": source.history.history,
+                                                       "epochs": source.history.epochs})
+    dist.barrier()
+    calibrator.reused = False
+    return calibrator
+
+
+def calibrator_fingerprint(name: str, store, training: TrainingConfig | None) -> dict:
+    return make_fingerprint("calibrator", name=name, features=_store_fingerprint(store),
+                            training=None if training is None else training.to_dict())
+
+
+def fit_calibrators(backbone: Backbone, train_store, out_dir: str | Path, names: tuple[str, ...] = BASELINES, *,
+                    val_store=None, training: TrainingConfig | None = None, overwrite: bool = False,
+                    progress: bool = True) -> dict[str, Calibrator]:
+    """Fit each named calibrator on the same response tokens ATS trains on; saved under `out_dir/<name>` with its
+    fingerprint and reused on a rerun with the same options. ATS-family names (the controls) are trained with
+    `training`, exactly like the ATS head."""
+    out_dir = Path(out_dir)
+    fitted = {}
+    for name in names:
+        target = out_dir / name
+        if calibrator_class(name).trains_head:  # ATS and its controls: trained like the ATS head
+            fitted[name] = train_head(backbone, train_store, val_store, target, method=name, training=training,
+                                      overwrite=overwrite, progress=progress)
+            continue
+        fp = calibrator_fingerprint(name, train_store, None)
+        if (target / CONFIG_NAME).exists() and check_reuse(target, f"calibrator {name!r}", stored_fingerprint(target),
+                                                           fp, overwrite=overwrite):
+            fitted[name] = load_calibrator(target, backbone=backbone)
+            continue
+        logger.info("fitting %s on %s response tokens", name, train_store.meta["response_tokens"])
+        source = FeatureSource(backbone, train_store, progress=progress)
+        calibrator = calibrator_for(name, source).fit_source(source)
+        calibrator.save_pretrained(target)
+        write_fingerprint(target, fp)
+        fitted[name] = calibrator
+    return fitted

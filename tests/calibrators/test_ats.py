@@ -1,0 +1,91 @@
+"""ATS calibrator: identity at init, q = z * exp(tau), save/load round trip, refusal of a mismatched backbone."""
+
+import json
+
+import pytest
+import torch
+
+from ats.calibrators import load_calibrator
+from ats.calibrators.ats import ATSCalibrator, CalibratedModel
+from ats.errors import ATSError
+
+
+def _randomize(calibrator, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in calibrator.head.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return calibrator
+
+
+@pytest.mark.parametrize("head_type", ["linear", "mlp", "transformer"])
+def test_identity_at_init_and_scaling_formula(tiny_backbone, head_type):
+    cal = ATSCalibrator.for_backbone(tiny_backbone, head_type=head_type)
+    ids = torch.randint(0, 1000, (2, 9))
+    h, _ = tiny_backbone.forward(ids)
+    z = tiny_backbone.logits(h)
+    assert torch.equal(cal.temperature(h), torch.zeros(2, 9))
+    assert torch.equal(cal.calibrate(z, h), z)
+    _randomize(cal)
+    tau = cal.temperature(h)
+    q = cal.calibrate(z, h)
+    torch.testing.assert_close(q, z * torch.exp(tau).clamp(max=10.0)[..., None])
+    assert torch.equal(q.argmax(-1), z.argmax(-1))  # accuracy untouched
+    # index form: logits at a subset of positions, hidden of the whole sequence
+    index = torch.tensor([[8], [3]])
+    q_at = cal.calibrate(z.gather(1, index[..., None].expand(-1, -1, z.shape[-1])), h, index=index)
+    torch.testing.assert_close(q_at[:, 0], torch.stack([q[0, 8], q[1, 3]]))
+
+
+def test_max_scale_clamp(tiny_backbone):
+    cal = ATSCalibrator.for_backbone(tiny_backbone, head_type="linear", max_scale=2.0)
+    expected = torch.tensor([1.0, 2.0, torch.exp(torch.tensor(-1.0))])
+    assert torch.equal(cal.scale(torch.tensor([0.0, 5.0, -1.0])), expected)
+
+
+def test_save_load_round_trip(tiny_backbone, tmp_path):
+    cal = _randomize(ATSCalibrator.for_backbone(tiny_backbone, head_type="transformer"))
+    cal.save_pretrained(tmp_path / "head")
+    config = json.loads((tmp_path / "head" / "calibrator_config.json").read_text())
+    assert config["type"] == "ats" and config["base_model"] == tiny_backbone.name
+    assert config["hidden_size"] == tiny_backbone.hidden_size and config["vocab_size"] == tiny_backbone.vocab_size
+    assert config["head"]["head_type"] == "transformer" and config["library_version"]
+    for loaded in (ATSCalibrator.from_pretrained(tmp_path / "head", backbone=tiny_backbone),
+                   load_calibrator(tmp_path / "head")):
+        ids = torch.randint(0, 1000, (1, 7))
+        h, _ = tiny_backbone.forward(ids)
+        assert torch.equal(loaded.temperature(h), cal.temperature(h))
+    q = CalibratedModel(tiny_backbone, loaded)(ids)
+    torch.testing.assert_close(q, cal.calibrate(tiny_backbone.logits(h), h))
+
+
+def test_head_for_another_backbone_is_refused(tiny_backbone, tokenizer, tmp_path):
+    from conftest import make_tiny_backbone
+
+    cal = ATSCalibrator.for_backbone(tiny_backbone, head_type="linear")
+    cal.save_pretrained(tmp_path / "head")
+    wider = make_tiny_backbone(tokenizer, hidden_size=32, name="other")
+    with pytest.raises(ATSError, match="hidden size 64"):
+        ATSCalibrator.from_pretrained(tmp_path / "head", backbone=wider)
+    same_size = make_tiny_backbone(tokenizer, name="other")
+    with pytest.raises(ATSError, match="base model 'tiny-llama'"):
+        ATSCalibrator.from_pretrained(tmp_path / "head", backbone=same_size)
+    reseeded = make_tiny_backbone(tokenizer, seed=5)
+    with pytest.raises(ATSError, match="revision"):
+        CalibratedModel(reseeded, cal)
+
+
+def test_corrupt_or_foreign_files_are_refused(tiny_backbone, tmp_path):
+    cal = ATSCalibrator.for_backbone(tiny_backbone, head_type="mlp")
+    cal.save_pretrained(tmp_path / "head")
+    weights = tmp_path / "head" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ATSError, match="corrupt or truncated"):
+        ATSCalibrator.from_pretrained(tmp_path / "head")
+    cal.save_pretrained(tmp_path / "head2")
+    path = tmp_path / "head2" / "calibrator_config.json"
+    config = json.loads(path.read_text())
+    config["surprise"] = 1
+    path.write_text(json.dumps(config))
+    with pytest.raises(ATSError, match="unknown key 'surprise'"):
+        ATSCalibrator.from_pretrained(tmp_path / "head2")

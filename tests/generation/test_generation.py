@@ -1,0 +1,252 @@
+"""Calibrated generation: greedy text unchanged, exact per-token calibrated probabilities from a KV-cached head,
+sampling, batching with left padding, stop strings, streaming, processor order."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from ats.calibrators.ats import ATSCalibrator
+from ats.errors import ATSError
+from ats.generation import (
+    CalibrationProcessor,
+    StreamToken,
+    colorize,
+    encode_prompts,
+    generate_calibrated,
+    print_stream,
+)
+
+PROMPTS = ["The capital of France is", "Write a short poem about the sea and the wind, please."]
+
+
+def calibrator_for(backbone, head_type: str = "transformer", seed: int = 0) -> ATSCalibrator:
+    """A head away from identity: random final projection, so tau varies by token (about -1..1)."""
+    torch.manual_seed(seed)
+    calibrator = ATSCalibrator.for_backbone(backbone, head_type=head_type)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        proj = calibrator.head.proj
+        proj.weight.copy_(0.1 * torch.randn(proj.weight.shape, generator=g))
+        proj.bias.fill_(0.1)
+    calibrator.head.eval()
+    return calibrator
+
+
+@pytest.fixture(scope="module")
+def calibrator(tiny_backbone) -> ATSCalibrator:
+    return calibrator_for(tiny_backbone)
+
+
+def reference(backbone, calibrator, prompt: str, out, chat_template: bool = True):
+    """tau, calibrated and raw probabilities of `out`'s tokens from ONE full forward pass over prompt + tokens."""
+    ids, mask, _ = encode_prompts(backbone, [prompt], chat_template)
+    new = torch.tensor([out.token_ids])
+    full = torch.cat([ids, new], 1)
+    full_mask = torch.cat([mask, torch.ones_like(new)], 1)
+    hidden, _ = backbone.forward(full, full_mask)
+    with torch.no_grad():
+        tau = calibrator.temperature(hidden, full_mask)[0]  # (T,)
+        z = backbone.logits(hidden)[0].float()  # (T, V)
+    P = ids.shape[1]
+    positions = torch.arange(P - 1, P - 1 + new.shape[1])
+    z, tau = z[positions], tau[positions]
+    q = z * calibrator.scale(tau)[:, None]
+    conf = q.softmax(-1).gather(1, new[0][:, None]).squeeze(1)
+    raw = z.softmax(-1).gather(1, new[0][:, None]).squeeze(1)
+    return tau, conf, raw
+
+
+def plain_greedy(backbone, prompts, max_new_tokens):
+    ids, mask, _ = encode_prompts(backbone, prompts)
+    seq = backbone.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=backbone.tokenizer.pad_token_id)
+    return [backbone.tokenizer.decode(row, skip_special_tokens=True) for row in seq[:, ids.shape[1]:]]
+
+
+def test_head_is_not_identity(tiny_backbone, calibrator):
+    out = generate_calibrated(tiny_backbone, calibrator, PROMPTS[0], max_new_tokens=4)[0]
+    assert max(abs(t) for t in out.taus) > 0.05
+    assert out.confidences != pytest.approx(out.uncalibrated, abs=1e-3)
+
+
+def test_greedy_text_equals_plain_generate(tiny_backbone, calibrator):
+    outs = generate_calibrated(tiny_backbone, calibrator, PROMPTS, max_new_tokens=12)
+    assert [o.text for o in outs] == plain_greedy(tiny_backbone, PROMPTS, 12)
+    assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in outs)
+
+
+@pytest.mark.parametrize("head_type,flush_every", [("transformer", None), ("transformer", 1), ("transformer", 3),
+                                                   ("linear", None), ("mlp", 4)])
+def test_per_token_values_match_full_forward(tiny_backbone, head_type, flush_every):
+    """Whatever the number of steps whose probabilities are computed together (None: by size, here all 10)."""
+    calibrator = calibrator_for(tiny_backbone, head_type, seed=3)
+    out = generate_calibrated(tiny_backbone, calibrator, PROMPTS[1], max_new_tokens=10, do_sample=True,
+                              flush_every=flush_every)[0]
+    assert len(out.confidences) == len(out.uncalibrated) == len(out.taus) == len(out.token_ids) == 10
+    tau, conf, raw = reference(tiny_backbone, calibrator, PROMPTS[1], out)
+    # the transformer head decoded with its KV cache gives the same tau as a full pass over the final sequence
+    torch.testing.assert_close(torch.tensor(out.taus), tau, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(out.confidences), conf, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(out.uncalibrated), raw, atol=1e-5, rtol=1e-4)
+    assert out.mean_confidence == pytest.approx(conf.mean().item(), abs=1e-5)
+    assert out.product_confidence == pytest.approx(conf.prod().item(), rel=1e-4)
+    assert out.mean_uncalibrated == pytest.approx(raw.mean().item(), abs=1e-5)
+
+
+def test_sampling_is_reproducible_and_uses_options(tiny_backbone, calibrator):
+    def run(seed, **kw):
+        torch.manual_seed(seed)
+        return generate_calibrated(tiny_backbone, calibrator, PROMPTS, max_new_tokens=12, do_sample=True, **kw)
+
+    a, b = run(0, temperature=1.5), run(0, temperature=1.5)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.confidences for o in a] == [o.confidences for o in b]
+    # top_k=1 after calibration is greedy (calibration keeps the argmax)
+    assert [o.text for o in run(1, top_k=1)] == plain_greedy(tiny_backbone, PROMPTS, 12)
+
+
+def test_batched_left_padding_matches_one_by_one(tiny_backbone, calibrator):
+    batched = generate_calibrated(tiny_backbone, calibrator, PROMPTS, max_new_tokens=10)
+    ids, mask, _ = encode_prompts(tiny_backbone, PROMPTS)
+    assert (mask == 0).any()  # the prompts really have different lengths: left padding is exercised
+    for prompt, out in zip(PROMPTS, batched):
+        single = generate_calibrated(tiny_backbone, calibrator, prompt, max_new_tokens=10)[0]
+        assert single.token_ids == out.token_ids
+        torch.testing.assert_close(torch.tensor(out.taus), torch.tensor(single.taus), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(out.confidences), torch.tensor(single.confidences), atol=1e-5,
+                                   rtol=1e-4)
+
+
+def test_stop_strings_cut_the_text(tiny_backbone, calibrator):
+    torch.manual_seed(5)
+    full = generate_calibrated(tiny_backbone, calibrator, PROMPTS[0], max_new_tokens=16, do_sample=True,
+                               temperature=2.0)[0]
+    text = full.text
+    assert len(text) > 4
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = text.find(stop)
+    torch.manual_seed(5)
+    out = generate_calibrated(tiny_backbone, calibrator, PROMPTS[0], max_new_tokens=16, do_sample=True,
+                              temperature=2.0, stop_strings=[stop])[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:cut]
+    assert len(out.token_ids) <= len(full.token_ids)
+    assert out.token_ids == full.token_ids[:len(out.token_ids)]
+    assert len(out.confidences) == len(out.taus) == len(out.token_ids)
+
+
+def test_stream_colours_and_text(tiny_backbone, calibrator):
+    events: list[StreamToken] = []
+    outs = generate_calibrated(tiny_backbone, calibrator, PROMPTS, max_new_tokens=8, do_sample=True,
+                               stream=events.append)
+    for row, out in enumerate(outs):
+        mine = [e for e in events if e.row == row]
+        assert mine[-1].done and not any(e.done for e in mine[:-1])
+        assert "".join(e.text for e in mine) == out.text
+        assert [e.confidence for e in mine[:-1]] == pytest.approx(out.confidences)
+    buffer = io.StringIO()
+    for event in events:
+        print_stream(event, file=buffer)
+    printed = buffer.getvalue()
+    assert "\033[" in printed and printed.endswith("\n")
+    assert colorize("x", 0.1).startswith("\033[31m") and colorize("x", 0.5).startswith("\033[33m")
+    assert colorize("x", 0.9).startswith("\033[32m")
+
+
+def test_calibrator_runs_before_warpers_and_user_processors(tiny_backbone, calibrator):
+    # transformers appends the user's processors after its own and the sampling warpers after both
+    ids, mask, _ = encode_prompts(tiny_backbone, PROMPTS[:1])
+    processor = CalibrationProcessor(calibrator, mask)
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9)
+    chain = tiny_backbone.model._get_logits_processor(generation_config=config, input_ids_seq_length=ids.shape[1],
+                                                      logits_processor=LogitsProcessorList([processor]))
+    order = [type(p) for p in chain]
+    for warper in (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper):
+        assert order.index(CalibrationProcessor) < order.index(warper)
+
+    class Recorder(LogitsProcessor):
+        seen: list = []
+
+        def __call__(self, input_ids, scores):
+            self.seen.append(scores.clone())
+            return scores
+
+    recorder = Recorder()
+    out = generate_calibrated(tiny_backbone, calibrator, PROMPTS[0], max_new_tokens=3,
+                              logits_processor=LogitsProcessorList([recorder]))[0]
+    tau, _, _ = reference(tiny_backbone, calibrator, PROMPTS[0], out)
+    full = torch.cat([ids, torch.tensor([out.token_ids])], 1)
+    hidden, _ = tiny_backbone.forward(full, torch.ones_like(full))
+    z = tiny_backbone.logits(hidden)[0, ids.shape[1] - 1: ids.shape[1] + 2].float()
+    expected = z * calibrator.scale(tau)[:, None]
+    torch.testing.assert_close(torch.cat(recorder.seen), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_chat_template_option_and_errors(tiny_backbone, calibrator):
+    assert tiny_backbone.is_chat
+    chat = generate_calibrated(tiny_backbone, calibrator, "Hi", max_new_tokens=2)[0]
+    plain = generate_calibrated(tiny_backbone, calibrator, "Hi", max_new_tokens=2, chat_template=False)[0]
+    assert "<|im_start|>" in chat.prompt_text and plain.prompt_text == "Hi"
+    tau, conf, _ = reference(tiny_backbone, calibrator, "Hi", plain, chat_template=False)
+    torch.testing.assert_close(torch.tensor(plain.confidences), conf, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ATSError, match="beam"):
+        generate_calibrated(tiny_backbone, calibrator, "Hi", max_new_tokens=2, num_beams=2)
+    assert generate_calibrated(tiny_backbone, calibrator, [], max_new_tokens=2) == []
+
+
+def test_num_return_sequences(tiny_backbone, calibrator):
+    torch.manual_seed(0)
+    outs = generate_calibrated(tiny_backbone, calibrator, PROMPTS, max_new_tokens=5, do_sample=True,
+                               num_return_sequences=2)
+    assert [o.prompt for o in outs] == [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    for out in outs:
+        _, conf, _ = reference(tiny_backbone, calibrator, out.prompt, out)
+        torch.testing.assert_close(torch.tensor(out.confidences), conf, atol=1e-5, rtol=1e-4)
+
+
+def test_smollm2_identity_head_and_eos(smollm2):
+    """On the real chat model: an identity head reports the model's own probabilities, greedy text is unchanged,
+    and a trained-looking head changes confidence but not the text; generation stops at <|im_end|>."""
+    identity = ATSCalibrator.for_backbone(smollm2, head_type="transformer")
+    prompt = "What is 2 + 2? Answer with one number."
+    out = generate_calibrated(smollm2, identity, prompt, max_new_tokens=8)[0]
+    assert out.text == plain_greedy(smollm2, [prompt], 8)[0]
+    assert out.confidences == pytest.approx(out.uncalibrated, abs=1e-6)
+    assert "4" in out.text
+    calibrator = calibrator_for(smollm2, "transformer", seed=1)
+    again = generate_calibrated(smollm2, calibrator, prompt, max_new_tokens=8)[0]
+    assert again.text == out.text and again.token_ids == out.token_ids
+    _, conf, raw = reference(smollm2, calibrator, prompt, again)
+    torch.testing.assert_close(torch.tensor(again.confidences), conf, atol=1e-4, rtol=1e-3)
+    if again.finish_reason == "eos":
+        assert again.token_ids[-1] == smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_cli_generate_streams_the_api_text_and_confidence(smollm2, tmp_path, capsys, monkeypatch):
+    """`ats generate --model M --calibrator DIR "prompt"`: streams the same text as the API (uncoloured under
+    NO_COLOR) and prints the sequence confidence."""
+    from ats.cli import main
+
+    calibrator = calibrator_for(smollm2, "transformer", seed=1)
+    calibrator.save_pretrained(tmp_path / "cal")
+    prompt = "What is 2 + 2? Answer with one number."
+    expected = generate_calibrated(smollm2, calibrator, prompt, max_new_tokens=8)[0]
+    monkeypatch.setenv("NO_COLOR", "1")
+    capsys.readouterr()
+    assert main(["generate", "--model", "smollm2-135m-instruct", "--calibrator", str(tmp_path / "cal"),
+                 "--max-new-tokens", "8", *prompt.split()]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(expected.text)
+    assert f"sequence confidence: mean {expected.mean_confidence:.3f}" in printed
+    assert f"(uncalibrated mean {expected.mean_uncalibrated:.3f})" in printed

@@ -1,0 +1,123 @@
+"""run_ablations on the tiny model: every table, the JSON and the figure; the shared configuration is trained once."""
+
+import json
+
+import pytest
+
+import ats.workflows.pipeline
+from ats.errors import ATSError
+from ats.training.config import TrainingConfig
+from ats.training.data import load_instructions, tokenize_instructions
+from ats.training.features import extract_features
+from ats.workflows.ablate import ALPHAS, HeadRun, ablation_plan, run_ablations, unique_runs
+
+
+def test_plan_shares_the_default_configuration():
+    plan = ablation_plan()
+    assert [label for label, _ in plan["smoothing"]] == ["none", "full", "selective"]
+    assert [label for label, _ in plan["alpha"]] == ["0.1", "0.3", "0.5", "0.7", "0.9"]
+    assert [label for label, _ in plan["head"]] == ["constant", "linear", "mlp", "transformer"]
+    shared = HeadRun()
+    assert all(any(run == shared for _, run in rows) for rows in plan.values())
+    assert len(unique_runs(plan)) == 10 and len({r.name for r in unique_runs(plan)}) == 10
+    assert list(ablation_plan("alpha")) == ["alpha"]
+    with pytest.raises(ATSError, match="unknown"):
+        ablation_plan(["depth"])
+
+
+@pytest.fixture(scope="module")
+def stores(tiny_backbone, tokenizer, tmp_path_factory):
+    records = load_instructions("alpaca_gpt4", limit=9, seed=1)
+    examples = tokenize_instructions(tokenizer, records, max_length=64)[0]
+    root = tmp_path_factory.mktemp("ablate-features")
+    train = extract_features(tiny_backbone, examples[:6], root / "train", dtype="float32", progress=False)
+    val = extract_features(tiny_backbone, examples[6:], root / "val", dtype="float32", progress=False)
+    return train, val
+
+
+def test_run_ablations_writes_tables_json_figure_and_reuses_heads(tiny_backbone, stores, tmp_path, monkeypatch):
+    quiz = tmp_path / "quiz.jsonl"
+    rows = [{"question": "Which is a colour?", "choices": ["red", "seven", "dog"], "answer": 0},
+            {"question": "Pick the largest number.", "choices": ["1", "10", "100"], "answer": 2},
+            {"question": "Is water wet?", "choices": ["yes", "no"], "answer": 0}]
+    quiz.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trained = []
+    real_train = ats.workflows.pipeline.train_ats
+
+    def counting(calibrator, *args, **kwargs):
+        config = kwargs["config"]
+        trained.append(f"{calibrator.config_.head.head_type}/{config.loss_type}/{config.alpha:g}")
+        return real_train(calibrator, *args, **kwargs)
+
+    monkeypatch.setattr(ats.workflows.pipeline, "train_ats", counting)
+    train, val = stores
+    out = tmp_path / "ablations"
+    training = TrainingConfig(lr=1e-3, epochs=1, batch_size=4, micro_batch_size=4)
+    summary = run_ablations(tiny_backbone, train, val, out, tasks=[f"mc:{quiz}"], task_limit=3, training=training,
+                            progress=False)
+
+    # 12 table rows, 10 distinct configurations: the shared selective / 0.5 / transformer run is trained once
+    assert len(trained) == 10 and len(set(trained)) == 10
+    assert trained.count("transformer/selective/0.5") == 1
+    assert sorted(p.name for p in (out / "heads").iterdir() if not p.name.endswith(".work")) == sorted(
+        r.name for r in unique_runs(ablation_plan()))
+    assert all(info["trained_now"] for info in summary["runs"].values())
+
+    for ablation, labels in (("smoothing", ["none", "full", "selective"]),
+                             ("alpha", [f"{a:g}" for a in ALPHAS]),
+                             ("head", ["constant", "linear", "mlp", "transformer"])):
+        text = (out / f"{ablation}.md").read_text()
+        lines = [line for line in text.splitlines() if line.startswith("| ")]
+        header, body = lines[0], lines[1:]
+        assert "mc_quiz ECE" in header and "mc_quiz Brier" in header
+        assert "val (token) ECE" in header and "val (token) Brier" in header
+        assert [line.split("|")[1].strip() for line in body] == ["uncalibrated", *labels]
+        assert all("-" not in line.split("|")[3] for line in body)  # every cell filled
+    shared_rows = [line for ab in ("smoothing", "alpha", "head") for line in (out / f"{ab}.md").read_text().splitlines()
+                   if "transformer-selective-a0.5" in line]
+    assert len(shared_rows) == 3 and len({row.split("|", 2)[2] for row in shared_rows}) == 1  # identical numbers
+
+    data = json.loads((out / "ablations.json").read_text())
+    assert set(data["runs"]) == {r.name for r in unique_runs(ablation_plan())}
+    assert set(data["results"]) == {"mc_quiz", "val_tokens"}
+    for task in ("mc_quiz", "val_tokens"):
+        assert set(data["results"][task]) == {"uncalibrated", *data["runs"]}
+        assert all(0 <= m["ece"] <= 1 and 0 <= m["brier"] <= 1 for m in data["results"][task].values())
+    assert data["results"]["mc_quiz"]["uncalibrated"]["n"] == 3
+    assert data["results"]["val_tokens"]["uncalibrated"]["n"] == val.meta["response_tokens"]
+    assert data["ablations"]["alpha"][2] == {"row": "0.5", "run": "transformer-selective-a0.5"}
+    for suffix in ("png", "pdf"):
+        assert (out / f"ece_vs_alpha.{suffix}").stat().st_size > 1000
+
+    # a rerun reuses every head and gives the same numbers
+    trained.clear()
+    again = run_ablations(tiny_backbone, train, val, out, tasks=[f"mc:{quiz}"], task_limit=3, training=training,
+                          ablations=("alpha",), progress=False)
+    assert trained == [] and not any(info["trained_now"] for info in again["runs"].values())
+    assert set(again["runs"]) == {f"transformer-selective-a{a:g}" for a in ALPHAS}
+    assert again["results"]["mc_quiz"]["transformer-selective-a0.3"] == data["results"]["mc_quiz"][
+        "transformer-selective-a0.3"]
+
+
+
+def test_run_alignment_compares_backbones(tiny_backbone, tokenizer, tmp_path):
+    from ats.training.data import DataConfig
+    from ats.workflows.alignment import run_alignment
+
+    from conftest import make_tiny_backbone
+
+    quiz = tmp_path / "quiz.jsonl"
+    quiz.write_text('{"question": "Which is a colour?", "choices": ["red", "seven"], "answer": 0}\n')
+    other = make_tiny_backbone(tokenizer, hidden_size=32, seed=3, name="tiny-base")
+    summary = run_alignment([tiny_backbone, other], tmp_path / "align", tasks=[f"mc:{quiz}"],
+                            data=DataConfig(limit=8, max_length=64, val_fraction=0.25),
+                            training=TrainingConfig(lr=1e-3, epochs=1, batch_size=2, micro_batch_size=2),
+                            progress=False)
+    assert list(summary["results"]) == ["tiny-llama", "tiny-base"]
+    for per_model in summary["results"].values():
+        assert set(per_model) == {"mc_quiz", "val_tokens"}
+        assert set(per_model["mc_quiz"]) == {"uncalibrated", "ats"}
+    lines = [line for line in (tmp_path / "align" / "alignment.md").read_text().splitlines() if line.startswith("| ")]
+    assert [tuple(c.strip() for c in line.split("|")[1:3]) for line in lines[1:]] == [
+        ("tiny-llama", "uncalibrated"), ("tiny-llama", "ats"), ("tiny-base", "uncalibrated"), ("tiny-base", "ats")]
+    assert (tmp_path / "align" / "alignment.json").is_file()
