@@ -15,7 +15,8 @@ def test_no_pickle_and_no_remote_code_by_default():
     assert "--trust-remote-code" in help_text
 
 
-LAYERS = ["model", "calibrators", "training", "evaluation", "generation", "workflows", "cli"]  # bottom to top
+# bottom to top
+LAYERS = ["model", "calibrators", "training", "evaluation", "generation", "workflows", "serving", "integrations", "cli"]
 
 
 def _layer(module: str) -> int:
