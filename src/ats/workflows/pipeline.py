@@ -212,6 +212,31 @@ def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, 
     return calibrator
 
 
+def check_before_loading(features_dir: str | Path, head_dir: str | Path | None, data: DataConfig, *,
+                         head_type: str | None = None, max_scale: float = 10.0, method: str = "ats",
+                         training: TrainingConfig | None = None, overwrite: bool = False) -> None:
+    """Refuse, before the backbone loads, a rerun whose data or head options differ from those of the features and
+    head already in the run folder (the backbone's identity is compared once it is loaded)."""
+    if overwrite:
+        return
+    data_now = data_fingerprint(data)
+    for split in SPLITS:
+        old = stored_fingerprint(Path(features_dir) / split) if (Path(features_dir) / split).is_dir() else None
+        if old is not None and old.get("data") != data_now:
+            raise refusal(Path(features_dir) / split, "features", {"data": old.get("data")}, {"data": data_now})
+    old = stored_fingerprint(head_dir) if head_dir is not None and Path(head_dir).is_dir() else None
+    if old is None or training is None:
+        return
+    options = {k: v for k, v in training.to_dict().items() if k not in _NOT_IN_FINGERPRINT}
+    preset = entry(method).preset
+    now = {"head_type": preset.get("head_type", head_type or "transformer"), "max_scale": max_scale,
+           "method": method, "training": options}
+    before = {"head_type": old.get("head", {}).get("head_type"), "max_scale": old.get("max_scale"),
+              "method": old.get("method"), "training": old.get("training")}
+    if before != now:
+        raise refusal(head_dir, "head", before, now)
+
+
 def calibrator_fingerprint(name: str, store, training: TrainingConfig | None) -> dict:
     return make_fingerprint("calibrator", name=name, features=_store_fingerprint(store),
                             training=None if training is None else training.to_dict())
