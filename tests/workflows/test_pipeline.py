@@ -64,3 +64,22 @@ def test_controls_train_like_the_ats_head_and_baselines_refit_only_when_asked(ti
     with pytest.raises(ATSError, match=r"selective-linear: head made with other options: .*training.lr 0.001 -> 0.002"):
         fit_calibrators(tiny_backbone, train, tmp_path / "cal", ("selective-linear",), val_store=val,
                         training=TRAINING.replace(lr=2e-3), progress=False)
+
+
+def test_the_global_control_is_one_temperature_fitted_saved_and_applied(tiny_backbone, tmp_path):
+    import torch
+
+    from ats.calibrators import load_calibrator
+
+    train, val = prepare_features(tiny_backbone, tmp_path / "f", DATA, progress=False)
+    control = fit_calibrators(tiny_backbone, train, tmp_path / "cal", ("selective-temperature",), val_store=val,
+                              training=TRAINING.replace(lr=1e-2), progress=False)["selective-temperature"]
+    assert control.label == "selective-temperature" and control.config_.head.head_type == "constant"
+    tau = control.head.gain * control.head.tau.item()
+    assert tau != 0.0  # it moved (the random tiny model is over-confident: the selective loss lowers confidence)
+    loaded = load_calibrator(tmp_path / "cal" / "selective-temperature", backbone=tiny_backbone)
+    hidden = torch.randn(2, 5, tiny_backbone.hidden_size)
+    z = torch.randn(2, 5, tiny_backbone.vocab_size)
+    expected = z * min(torch.tensor(tau).exp().item(), control.config_.max_scale)
+    torch.testing.assert_close(loaded.apply(z, hidden), expected)  # the same factor for every token
+    assert loaded.label == "selective-temperature" and loaded.digest() == control.digest()

@@ -46,6 +46,7 @@ class FitSource(Protocol):
     """
 
     logit_chunks: LogitChunks
+    fitted: dict  # name -> calibrator already fitted on this source (e.g. scaling-binning reuses the temperature)
     store: object
     logits_fn: Callable[[Tensor], Tensor]
     backbone: object

@@ -97,6 +97,11 @@ class ScalingBinning(_Binning):
         self.upper_edges, self.values = equal_mass_bins(conf, conf, self.n_bins)
         return self
 
+    def fit_source(self, source) -> "ScalingBinning":
+        """Reuses the temperature of a temperature-scaling fit on the same source, if there is one."""
+        done = source.fitted.get("temperature")
+        return self.fit(source.logit_chunks, temperature=getattr(done, "temperature", None))
+
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
         """logits / T (the scaling half); the binning half is `calibrate_confidence`."""

@@ -76,9 +76,14 @@ def run(args) -> int:
         print(f"Token-level calibration on the held-out split ({len(val_store)} sequences, "
               f"{len(results['ats'][0])} response tokens):")
         print(token_table(rows))
+        record = calibrator.config_.training
+        how = "automatic for" if record.get("lr_automatic") else "given, for"
+        print(f"\nhead: {calibrator.config_.head.head_type}, {record.get('loss_type')} loss, lr {record.get('lr'):.3g} "
+              f"({how} {record.get('optimizer_steps')} optimizer steps)")
         moved = abs(rows["ats"]["mean_confidence"] - rows["uncalibrated"]["mean_confidence"])
         if moved < 0.005:
             print(f"warning: the head barely moved (mean confidence changed by {moved:.4f}); with "
-                  f"{training.epochs} epoch(s) at lr {training.lr:g} it may be undertrained: see --lr, --epochs")
+                  f"{record.get('optimizer_steps')} steps at lr {record.get('lr'):.3g} it may be undertrained: "
+                  f"raise --lr or --epochs")
         print(f"\nhead {'reused from' if calibrator.reused else 'saved to'} {out / 'head'}")
     return 0

@@ -65,3 +65,18 @@ def token_table(rows: dict[str, dict]) -> str:
     body = [[name] + [cell(m, key, ci=False) for key in ("accuracy", "ece", "brier", "nll", "mean_confidence")]
             for name, m in rows.items()]
     return markdown_table(["method", "Acc", "ECE", "Brier", "NLL", "mean conf"], body)
+
+
+FULL_METRICS = (("Acc", "accuracy"), ("mean conf", "mean_confidence"), ("ECE", "ece"), ("Brier", "brier"),
+                ("AUROC", "auroc"))
+
+
+def task_tables(results: dict, metrics=FULL_METRICS) -> str:
+    """One markdown table per task (rows = methods, columns = metrics with 95% intervals when present)."""
+    blocks = []
+    for task, by_method in results.items():
+        rows = [[m] + [cell(summary, key) for _, key in metrics] for m, summary in by_method.items()]
+        n = next(iter(by_method.values())).get("n", "?")
+        blocks.append(f"### {TASK_LABELS.get(task, task)} (n = {n})\n\n"
+                      + markdown_table(["method"] + [label for label, _ in metrics], rows))
+    return "\n\n".join(blocks)

@@ -43,7 +43,10 @@ class DataConfig(ConfigMixin):
     source: str = option("alpaca_gpt4", "alpaca_gpt4, alpaca_cleaned, a .json/.jsonl file of "
                          "{instruction,input,output}, or a Hub id", flag="--data")
     limit: int | None = option(None, "use a seeded random subset of this many examples", unset="all", low=1)
-    max_length: int = option(512, "tokens per training sequence (prompt + response)", low=2)
+    max_length: int = option(512, "tokens per example (prompt + response); longer ones are cut", low=2)
+    pack: int | None = option(None, "pack examples end to end into sequences of up to this many tokens, so the head "
+                              "sees the positions of long task prompts (e.g. 2048 for 5-shot MMLU)", unset="off",
+                              low=2)
     val_fraction: float = option(0.1, "held-out fraction (token-level validation)", low=0.0, high=1.0,
                                  low_open=True, high_open=True)
     seed: int = option(0, "seed of the subset and the split", cli=False)
@@ -217,6 +220,27 @@ def prepare_examples(tokenizer: PreTrainedTokenizerBase, config: DataConfig | No
     examples, stats = tokenize_instructions(tokenizer, records, max_length=config.max_length)
     logger.info("instruction data %s: %s", config.source, stats.summary())
     train, val = train_val_split(examples, val_fraction=config.val_fraction, seed=config.seed)
-    meta = {"data_source": config.source, "max_length": config.max_length, "truncated": stats.truncated,
-            "dropped": stats.dropped}
+    if config.pack:
+        train, val = pack_examples(train, config.pack), pack_examples(val, config.pack)
+    meta = {"data_source": config.source, "max_length": config.max_length, "pack": config.pack,
+            "truncated": stats.truncated, "dropped": stats.dropped}
     return train, val, meta
+
+
+def pack_examples(examples: list[TokenizedExample], length: int) -> list[TokenizedExample]:
+    """Examples joined end to end, in order, into sequences of at most `length` tokens (an example longer than
+    `length` stays alone). Each keeps its own labels: the last position of an example predicts nothing (its next
+    token starts another example), so no label crosses a boundary; the backbone sees the earlier examples as
+    context, as a few-shot prompt shows earlier questions."""
+    packed: list[TokenizedExample] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    for example in examples:
+        if ids and len(ids) + len(example.input_ids) > length:
+            packed.append(TokenizedExample(input_ids=ids, labels=labels))
+            ids, labels = [], []
+        ids = ids + example.input_ids
+        labels = labels + example.labels
+    if ids:
+        packed.append(TokenizedExample(input_ids=ids, labels=labels))
+    return packed

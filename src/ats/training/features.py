@@ -256,20 +256,40 @@ class FeatureStore:
             yield collate([(shard["hidden"][offsets[i]:offsets[i + 1]], shard["labels"][offsets[i]:offsets[i + 1]])
                            for i in rows])
 
-    def response_tokens(self, chunk_tokens: int = 4096) -> Iterator[tuple[Tensor, Tensor]]:
-        """(hidden (n, H) float32, labels (n,)) chunks over response tokens only."""
+    def response_tokens(self, chunk_tokens: int = 4096, *, max_tokens: int | None = None,
+                        seed: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
+        """(hidden (n, H) float32, labels (n,)) chunks over response tokens only; with `max_tokens`, over a seeded
+        random subset of that many of them (the same subset on every call)."""
+        keep_subset = self._token_subset(max_tokens, seed)
+        offset = 0
         for k in range(self.n_shards):
             shard = self.load_shard(k)
             keep = shard["labels"] != IGNORE_INDEX
             hidden, labels = shard["hidden"][keep], shard["labels"][keep]
+            if keep_subset is not None:
+                mine = keep_subset[offset:offset + len(labels)]
+                offset += len(labels)
+                hidden, labels = hidden[mine], labels[mine]
             for start in range(0, len(labels), chunk_tokens):
                 yield hidden[start:start + chunk_tokens].float(), labels[start:start + chunk_tokens]
 
-    def logit_chunks(self, logits_fn: Callable[[Tensor], Tensor], chunk_tokens: int = 2048):
-        """A re-iterable source of (logits (n, V) float32, labels (n,)) for fitting token-level calibrators."""
+    def _token_subset(self, max_tokens: int | None, seed: int) -> Tensor | None:
+        """A boolean mask over all response tokens (in shard order) selecting `max_tokens` of them, or None."""
+        total = int(self.meta["response_tokens"])
+        if max_tokens is None or max_tokens >= total:
+            return None
+        chosen = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:max_tokens]
+        mask = torch.zeros(total, dtype=torch.bool)
+        mask[chosen] = True
+        return mask
+
+    def logit_chunks(self, logits_fn: Callable[[Tensor], Tensor], chunk_tokens: int = 2048, *,
+                     max_tokens: int | None = None, seed: int = 0):
+        """A re-iterable source of (logits (n, V) float32, labels (n,)) for fitting token-level calibrators; with
+        `max_tokens`, over a fixed seeded random subset of that many response tokens."""
 
         def chunks() -> Iterator[tuple[Tensor, Tensor]]:
-            for hidden, labels in self.response_tokens(chunk_tokens):
+            for hidden, labels in self.response_tokens(chunk_tokens, max_tokens=max_tokens, seed=seed):
                 with torch.no_grad():  # closed before the yield: grad mode is global, the consumer may train
                     logits = logits_fn(hidden).float()
                 yield logits, labels

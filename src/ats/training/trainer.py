@@ -86,14 +86,18 @@ class Trainer:
         config = self.config
         torch.manual_seed(config.seed)
         self.head = head = self.calibrator.head.to(self.backbone.device).train()
-        self.calibrator.config_.training = config.to_dict()
-        decay = [p for p in head.parameters() if p.dim() >= 2]
-        no_decay = [p for p in head.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}], lr=config.lr)
         self.full_steps, self.remainder = divmod(micro_per_epoch(self.store, config), config.accumulation)
         self.steps_per_epoch = steps_per_epoch(self.store, config)
         total = self.steps_per_epoch * config.epochs
+        self.lr = config.learning_rate(total)
+        if config.lr is None:
+            logger.info("learning rate %.3g, automatic for %d optimizer steps (set --lr to choose)", self.lr, total)
+        self.calibrator.config_.training = {**config.to_dict(), "lr": self.lr, "lr_automatic": config.lr is None,
+                                            "optimizer_steps": total}
+        decay = [p for p in head.parameters() if p.dim() >= 2]
+        no_decay = [p for p in head.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}], lr=self.lr)
         self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, round(config.warmup_ratio * total), total)
         self.start = self._resume() if resume else (0, 0)  # (epoch, step in epoch)
         self.forward = self.calibrator.temperature

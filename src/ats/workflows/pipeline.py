@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from ..training.data import DataConfig, load_instructions, prepare_examples
 from ..training.distributed import SINGLE, Dist
 from ..training.features import META_NAME, FeatureStore, OnlineFeatures, extract_features, shard_plan, write_meta
 from ..training.trainer import train_ats
+from ..training.validation import heldout_objective
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +140,8 @@ class FeatureSource:
     resume: bool = False
     progress: bool = True
     dist: Dist = field(default_factory=lambda: SINGLE)
+    fit_tokens: int | None = None  # token-level methods fit on a fixed seeded subset of this many tokens
+    fitted: dict = field(default_factory=dict)  # name -> calibrator fitted on this source (reusable by others)
     history: object = None  # the TrainResult of the last head trained
 
     @property
@@ -150,11 +154,19 @@ class FeatureSource:
 
     @property
     def logit_chunks(self):
-        return self.store.logit_chunks(self.backbone.logits)
+        return self.store.logit_chunks(self.backbone.logits, max_tokens=self.fit_tokens)
 
     def train_head(self, calibrator: ATSCalibrator) -> None:
-        validate = token_validator(self.val_store, self.backbone, self.dist) if self.val_store is not None else None
-        result = train_ats(calibrator, self.store, self.backbone, config=self.training or TrainingConfig(),
+        training = self.training or TrainingConfig()
+        validate = None
+        if self.val_store is not None:
+            token_metrics = token_validator(self.val_store, self.backbone, self.dist)
+
+            def validate(cal: ATSCalibrator) -> dict:  # token-level metrics and the held-out training objective
+                return {**token_metrics(cal),
+                        "objective": heldout_objective(cal, self.val_store, self.backbone, training, self.dist)}
+
+        result = train_ats(calibrator, self.store, self.backbone, config=training,
                            validate=validate, out_dir=self.work_dir, resume=self.resume, progress=self.progress,
                            dist=self.dist)
         self.history = result
@@ -168,9 +180,11 @@ def head_fingerprint(store, head: HeadConfig, max_scale: float, method: str, tra
 
 def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, *, method: str = "ats",
                head_type: str | None = None, max_scale: float = 10.0, training: TrainingConfig | None = None,
-               overwrite: bool = False, resume: bool = False, progress: bool = True,
+               label: str | None = None, overwrite: bool = False, resume: bool = False, progress: bool = True,
                dist: Dist | None = None) -> ATSCalibrator:
     """Train an ATS-family head (`method`: ats, selective-temperature, selective-linear) and save it to `out_dir`.
+
+    label: the method's name in tables (default: `method`), e.g. "ats-top-label" for ATS trained with another loss.
 
     A head saved there with the same fingerprint is reused; another is refused unless `overwrite`. `resume`
     continues the checkpoints in `out_dir.work` only if they were made with the same fingerprint. Only the main
@@ -182,7 +196,7 @@ def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, 
     preset = dict(entry(method).preset)
     if head_type is not None:
         preset["head_type"] = head_type
-    preset.setdefault("method", method)
+    preset["method"] = label or preset.get("method", method)
     calibrator = ATSCalibrator.for_backbone(backbone, max_scale=max_scale, seed=training.seed, **preset)
     fp = head_fingerprint(train_store, calibrator.config_.head, max_scale, calibrator.config_.method, training)
     if (out_dir / CONFIG_NAME).exists() and check_reuse(out_dir, "head", stored_fingerprint(out_dir), fp,
@@ -237,34 +251,38 @@ def check_before_loading(features_dir: str | Path, head_dir: str | Path | None, 
         raise refusal(head_dir, "head", before, now)
 
 
-def calibrator_fingerprint(name: str, store, training: TrainingConfig | None) -> dict:
-    return make_fingerprint("calibrator", name=name, features=_store_fingerprint(store),
-                            training=None if training is None else training.to_dict())
+def calibrator_fingerprint(name: str, store, fit_tokens: int | None) -> dict:
+    return make_fingerprint("calibrator", name=name, features=_store_fingerprint(store), fit_tokens=fit_tokens)
 
 
 def fit_calibrators(backbone: Backbone, train_store, out_dir: str | Path, names: tuple[str, ...] = BASELINES, *,
-                    val_store=None, training: TrainingConfig | None = None, overwrite: bool = False,
-                    progress: bool = True) -> dict[str, Calibrator]:
+                    val_store=None, training: TrainingConfig | None = None, fit_tokens: int | None = None,
+                    overwrite: bool = False, progress: bool = True) -> dict[str, Calibrator]:
     """Fit each named calibrator on the same response tokens ATS trains on; saved under `out_dir/<name>` with its
     fingerprint and reused on a rerun with the same options. ATS-family names (the controls) are trained with
-    `training`, exactly like the ATS head."""
+    `training`, exactly like the ATS head. fit_tokens: token-level methods fit on a fixed seeded subset of this many
+    training tokens (their one or two parameters need far fewer tokens than a head; the cost of each pass over the
+    full vocabulary shrinks in proportion)."""
     out_dir = Path(out_dir)
     fitted = {}
+    source = FeatureSource(backbone, train_store, progress=progress, fit_tokens=fit_tokens)
     for name in names:
         target = out_dir / name
         if calibrator_class(name).trains_head:  # ATS and its controls: trained like the ATS head
             fitted[name] = train_head(backbone, train_store, val_store, target, method=name, training=training,
                                       overwrite=overwrite, progress=progress)
             continue
-        fp = calibrator_fingerprint(name, train_store, None)
+        fp = calibrator_fingerprint(name, train_store, fit_tokens)
         if (target / CONFIG_NAME).exists() and check_reuse(target, f"calibrator {name!r}", stored_fingerprint(target),
                                                            fp, overwrite=overwrite):
-            fitted[name] = load_calibrator(target, backbone=backbone)
+            fitted[name] = source.fitted[name] = load_calibrator(target, backbone=backbone)
             continue
-        logger.info("fitting %s on %s response tokens", name, train_store.meta["response_tokens"])
-        source = FeatureSource(backbone, train_store, progress=progress)
+        logger.info("fitting %s on %s of %s response tokens", name, fit_tokens or "all",
+                    train_store.meta["response_tokens"])
+        start = time.time()
         calibrator = calibrator_for(name, source).fit_source(source)
         calibrator.save_pretrained(target)
         write_fingerprint(target, fp)
-        fitted[name] = calibrator
+        write_json(target / "fit_seconds.json", {"seconds": round(time.time() - start, 2)})
+        fitted[name] = source.fitted[name] = calibrator
     return fitted
