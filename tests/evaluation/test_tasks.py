@@ -15,10 +15,11 @@ import torch
 from ats.calibrators.base import Calibrator, Uncalibrated
 from ats.errors import ATSError
 from ats.evaluation.tasks import KNOWN_SPECS, MMLUTask, MultipleChoiceTask, TriviaQATask, TruthfulQAMC1Task, build_task
+from ats.evaluation.tasks.generative import cut_answer
 from ats.evaluation.tasks.mmlu import few_shot_prefix, render_prompt
 from ats.evaluation.tasks.multiple_choice import letter_prompt
 from ats.evaluation.tasks.scoring import PrefixCache, encode, letter_token_ids
-from ats.evaluation.tasks.triviaqa import cut_answer, exact_match, normalize_answer
+from ats.evaluation.tasks.triviaqa import exact_match, normalize_answer
 from ats.evaluation.tasks.truthfulqa import QA_PRIMER, render_context
 
 from helpers import HalfTemperature, SquareConfidence
