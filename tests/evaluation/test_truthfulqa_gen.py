@@ -18,7 +18,7 @@ from ats.evaluation.tasks.truthfulqa import QA_PRIMER
 from ats.evaluation.tasks.truthfulqa_gen import load_truthfulqa_gen, read_csv, split_answers
 from ats.sources import local_file
 
-from helpers import HalfTemperature, SquareConfidence
+from helpers import HalfTemperature, SquareConfidence, perturbed_ats
 
 rouge_scorer = pytest.importorskip("rouge_score.rouge_scorer")
 sacrebleu = pytest.importorskip("sacrebleu")
@@ -195,13 +195,7 @@ def token_probs(logits: torch.Tensor, scored: list[int]) -> np.ndarray:
 
 
 def test_task_matches_independent_computation(tiny_backbone):
-    from ats.calibrators.ats import ATSCalibrator
-
-    ats = ATSCalibrator.for_backbone(tiny_backbone)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in ats.head.proj.parameters():
-            p.normal_(0, 0.3)
+    ats = perturbed_ats(tiny_backbone)
     task = TruthfulQAGenTask(limit=3, seed=1, max_new_tokens=6, batch_size=2)
     calibrators = {"none": Uncalibrated(), "half": HalfTemperature(), "square": SquareConfidence(), "ats": ats}
     res = task.run(tiny_backbone, calibrators, progress=False)
