@@ -28,3 +28,17 @@ class SquareConfidence(Calibrator):
 
     def calibrate_confidence(self, confidence):
         return confidence ** 2
+
+
+def perturbed_ats(backbone, std: float = 0.3, seed: int = 0):
+    """A real ATS calibrator whose head's final projection is random (normal, `std`), so tau varies by token."""
+    import torch
+
+    from ats.calibrators.ats import ATSCalibrator
+
+    ats = ATSCalibrator.for_backbone(backbone)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in ats.head.proj.parameters():
+            p.normal_(0, std)
+    return ats

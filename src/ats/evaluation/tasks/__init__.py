@@ -1,6 +1,7 @@
-"""Evaluation tasks: MMLU, TriviaQA, TruthfulQA MC1 and any multiple-choice JSONL file.
+"""Evaluation tasks: MMLU, TriviaQA, TruthfulQA MC1 and generation, and any multiple-choice JSONL file.
 
-`build_task(spec)` accepts 'mmlu', 'triviaqa', 'truthfulqa_mc1', 'mc:PATH', 'mc:PATH:letters', 'mc:PATH:likelihood'.
+`build_task(spec)` accepts 'mmlu', 'triviaqa', 'truthfulqa_mc1', 'truthfulqa_gen', 'mc:PATH', 'mc:PATH:letters',
+'mc:PATH:likelihood'.
 Every task runs the backbone once per example and applies every calibrator to that same forward.
 """
 
@@ -12,9 +13,12 @@ from .mmlu import MMLUTask
 from .multiple_choice import MODES, MultipleChoiceTask
 from .triviaqa import TriviaQATask
 from .truthfulqa import TruthfulQAMC1Task
+from .truthfulqa_gen import TruthfulQAGenTask
 
-TASKS = {"mmlu": MMLUTask, "triviaqa": TriviaQATask, "truthfulqa_mc1": TruthfulQAMC1Task}
-KNOWN_SPECS = ("mmlu", "triviaqa", "truthfulqa_mc1", "mc:PATH", "mc:PATH:letters", "mc:PATH:likelihood")
+TASKS = {"mmlu": MMLUTask, "triviaqa": TriviaQATask, "truthfulqa_mc1": TruthfulQAMC1Task,
+         "truthfulqa_gen": TruthfulQAGenTask}
+KNOWN_SPECS = ("mmlu", "triviaqa", "truthfulqa_mc1", "truthfulqa_gen", "mc:PATH", "mc:PATH:letters",
+               "mc:PATH:likelihood")
 
 
 def build_task(spec: str, *, limit: int | None = None, seed: int = 0, **options) -> Task:
@@ -58,4 +62,4 @@ def build_tasks(tasks, task_limit=None, *, seed: int = 0, mmlu_options: dict | N
 
 
 __all__ = ["build_tasks", "KNOWN_SPECS", "MMLUTask", "MultipleChoiceTask", "Task", "TaskResult", "TriviaQATask",
-           "TruthfulQAMC1Task", "build_task"]
+           "TruthfulQAGenTask", "TruthfulQAMC1Task", "build_task"]
