@@ -49,9 +49,11 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--fit-tokens", type=int, default=30000)
     p.add_argument("--mmlu", type=int, default=20, help="MMLU test questions per subject")
+    p.add_argument("--mmlu-subjects", default=None, help="comma-separated MMLU subjects (default: all 57)")
     p.add_argument("--triviaqa", type=int, default=1000)
     p.add_argument("--truthfulqa", type=int, default=None, help="TruthfulQA MC1 questions (default: all 817)")
-    p.add_argument("--extra-tasks", default="", help="comma-separated further task specs (e.g. truthfulqa_gen)")
+    p.add_argument("--truthfulqa-gen", type=int, default=400,
+                   help="TruthfulQA free-form questions (0: leave the task out)")
     p.add_argument("--bootstrap", type=int, default=1000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, not the method")
@@ -64,6 +66,8 @@ def main(argv=None) -> int:
     if args.smoke:
         args.limit, args.max_length, args.pack, args.lr_grid, args.epochs = 40, 256, 512, "1e-3,3e-3", 1
         args.mmlu, args.triviaqa, args.truthfulqa, args.bootstrap, args.fit_tokens = 1, 20, 20, 50, 3000
+        args.truthfulqa_gen = 10
+        args.mmlu_subjects = "anatomy,astronomy,marketing"
     from ats.evaluation.evaluate import format_paired
     from ats.evaluation.report import task_tables, token_table
     from ats.io import atomic_file, write_json
@@ -72,15 +76,15 @@ def main(argv=None) -> int:
     from ats.training.data import DataConfig
     from ats.workflows.evidence import CRITERION, EvidencePlan, run_evidence, selection_table
 
-    extra = tuple(t for t in args.extra_tasks.split(",") if t)
+    extra = ("truthfulqa_gen",) if args.truthfulqa_gen else ()
     plan = EvidencePlan(
         data=DataConfig(source=args.data, limit=args.limit, max_length=args.max_length, pack=args.pack),
         training=TrainingConfig(epochs=args.epochs, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size),
         lr_grid=tuple(float(x) for x in args.lr_grid.split(",")), fit_tokens=args.fit_tokens,
         tasks=("mmlu", "triviaqa", "truthfulqa_mc1", *extra),
         task_limit={"mmlu": args.mmlu, "triviaqa": args.triviaqa, "truthfulqa_mc1": args.truthfulqa,
-                    **{t: args.truthfulqa for t in extra}},
-        bootstrap=args.bootstrap)
+                    "truthfulqa_gen": args.truthfulqa_gen or None},
+        mmlu_subjects=args.mmlu_subjects.split(",") if args.mmlu_subjects else None, bootstrap=args.bootstrap)
     start = time.time()
     backbone = load_backbone("smollm2-135m-instruct")
     result = run_evidence(backbone, args.out, plan)

@@ -69,6 +69,7 @@ class EvidencePlan:
     fit_tokens: int | None = 30000
     tasks: tuple[str, ...] = ("mmlu", "triviaqa", "truthfulqa_mc1")
     task_limit: dict = field(default_factory=lambda: {"mmlu": 20, "triviaqa": 1000, "truthfulqa_mc1": None})
+    mmlu_subjects: list[str] | None = None  # None: all 57
     bootstrap: int = 1000
     seed: int = 0
 
@@ -143,7 +144,8 @@ def run_evidence(backbone: Backbone, out_dir: str | Path, plan: EvidencePlan, *,
         calibrator.to(backbone.device)
     token = token_confidences(val_store, backbone, calibrators, progress=progress)
     token_level = jsonable({name: summarize(*value) for name, value in token.items()})
-    built = build_tasks(plan.tasks, plan.task_limit, seed=plan.seed)
+    built = build_tasks(plan.tasks, plan.task_limit, seed=plan.seed,
+                        mmlu_options={"subjects": plan.mmlu_subjects} if plan.mmlu_subjects else None)
     references = tuple(r for r in ("ats", "ats-top-label") if r in calibrators)
     tasks = evaluate(backbone, calibrators, built, out / "eval", bootstrap=plan.bootstrap, seed=plan.seed,
                      references=references, overwrite=overwrite, progress=progress)
@@ -169,3 +171,51 @@ def selection_table(selection: dict) -> str:
             for name, record in selection.items() for row in record["grid"]]
     return markdown_table(["method", "lr", "held-out objective", "held-out token ECE", "chosen"], rows,
                           text_columns=1)
+
+
+@dataclass
+class ScalingPlan:
+    """How the result moves with training data: the same methods at the learning rates the main run chose."""
+
+    sizes: tuple[tuple[str, int], ...] = (("alpaca_cleaned", 2000), ("alpaca_cleaned", 5000),
+                                          ("alpaca_cleaned", 10000))
+    methods: tuple[str, ...] = ("ats", "ats-top-label", "selective-temperature")
+    lrs: dict = field(default_factory=dict)  # method -> lr (the main run's choice)
+    data: DataConfig = field(default_factory=lambda: DataConfig(pack=2048))
+    training: TrainingConfig = field(default_factory=lambda: TrainingConfig(batch_size=2, micro_batch_size=1))
+    tasks: tuple[str, ...] = ("mmlu", "triviaqa", "truthfulqa_mc1")
+    task_limit: dict = field(default_factory=lambda: {"mmlu": 10, "triviaqa": 500, "truthfulqa_mc1": None})
+    bootstrap: int = 1000
+    seed: int = 0
+
+
+def run_scaling(backbone: Backbone, out_dir: str | Path, plan: ScalingPlan, *, overwrite: bool = False,
+                progress: bool = True) -> dict:
+    """Per data size: features, the heads at their fixed learning rates, held-out tokens and tasks (with paired
+    differences of ATS minus the others). Each size's work lives in out_dir/<source>-<limit>/."""
+    out = Path(out_dir)
+    results = {}
+    for source, limit in plan.sizes:
+        work = out / f"{source}-{limit}"
+        train_store, val_store = prepare_features(backbone, work / "features",
+                                                  plan.data.replace(source=source, limit=limit),
+                                                  overwrite=overwrite, progress=progress)
+        calibrators = {"uncalibrated": Uncalibrated()}
+        for name in plan.methods:
+            method, overrides = SELECTED[name]
+            calibrators[name] = train_head(
+                backbone, train_store, val_store, work / "heads" / name, method=method, label=name,
+                training=plan.training.replace(lr=plan.lrs[name], **overrides), overwrite=overwrite,
+                progress=progress).to(backbone.device)
+        token = token_confidences(val_store, backbone, calibrators, progress=progress)
+        built = build_tasks(plan.tasks, plan.task_limit, seed=plan.seed)
+        tasks = evaluate(backbone, calibrators, built, work / "eval", bootstrap=plan.bootstrap, seed=plan.seed,
+                         references=tuple(m for m in ("ats", "ats-top-label") if m in calibrators),
+                         overwrite=overwrite, progress=progress)
+        results[f"{source}-{limit}"] = jsonable({
+            "train_response_tokens": train_store.meta["response_tokens"],
+            "token_level": {name: summarize(*value) for name, value in token.items()}, "tasks": tasks})
+    write_json(out / "scaling.json", {"plan": jsonable({**asdict(plan), "data": plan.data.to_dict(),
+                                                        "training": plan.training.to_dict()}),
+                                      "results": results})
+    return results
