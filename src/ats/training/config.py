@@ -50,7 +50,14 @@ class TrainingConfig(ConfigMixin):
         return self.batch_size // self.micro_batch_size
 
     def learning_rate(self, total_steps: int) -> float:
-        """The peak learning rate: `lr` if given, else `auto_lr(total_steps)`."""
+        """The peak learning rate: `lr` if given, else `auto_lr(total_steps)`.
+
+        Args:
+            total_steps: the number of optimizer steps of the run.
+
+        Returns:
+            The peak learning rate.
+        """
         return self.lr if self.lr is not None else auto_lr(total_steps)
 
 
@@ -60,5 +67,12 @@ LR_BUDGET, LR_MIN, LR_MAX = 0.65, 5e-5, 3e-3
 
 
 def auto_lr(total_steps: int) -> float:
-    """LR_BUDGET / steps, clipped to [LR_MIN, LR_MAX]."""
+    """LR_BUDGET / steps, clipped to [LR_MIN, LR_MAX].
+
+    Args:
+        total_steps: the number of optimizer steps (values below 1 count as 1).
+
+    Returns:
+        The peak learning rate.
+    """
     return min(LR_MAX, max(LR_MIN, LR_BUDGET / max(1, total_steps)))

@@ -15,7 +15,18 @@ from .losses import calibration_loss
 def heldout_objective(calibrator: ATSCalibrator, store, backbone: Backbone, config: TrainingConfig,
                       dist: Dist | None = None) -> float:
     """Mean of the head's training loss (config's loss type, alpha, weighting) over the held-out micro-batches,
-    weighted by their response tokens; over every process's batches when distributed."""
+    weighted by their response tokens; over every process's batches when distributed.
+
+    Args:
+        calibrator: the ATS calibrator whose head is evaluated (without gradients).
+        store: a `FeatureStore` of the held-out sequences.
+        backbone: gives the output layer and the device.
+        config: the training config (loss, micro-batch size, chunk size).
+        dist: the process's place in the job; default a single process.
+
+    Returns:
+        The token-weighted mean loss (0.0 when there is no response token).
+    """
     dist = dist or SINGLE
     total = tokens = 0.0
     for batch in store.batches(config.micro_batch_size, rank=dist.rank, world_size=dist.world_size):
