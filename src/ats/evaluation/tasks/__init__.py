@@ -22,7 +22,21 @@ KNOWN_SPECS = ("mmlu", "triviaqa", "truthfulqa_mc1", "truthfulqa_gen", "mc:PATH"
 
 
 def build_task(spec: str, *, limit: int | None = None, seed: int = 0, **options) -> Task:
-    """A task from its spec; `limit` = questions (per subject for MMLU), `options` go to the task's constructor."""
+    """A task from its spec; `limit` = questions (per subject for MMLU), `options` go to the task's constructor.
+
+    Args:
+        spec: one of `KNOWN_SPECS` ('mc:PATH' with an optional ':letters' or ':likelihood').
+        limit: questions to evaluate (per subject for MMLU); None: all.
+        seed: the seed of the subset (and of TriviaQA's few-shot examples).
+        **options: further constructor options of the task (e.g. MMLU's `n_shots`).
+
+    Returns:
+        The task (an mc file is read and validated here).
+
+    Raises:
+        ATSError: if the spec is empty or unknown, an mc spec has no path, an option is unknown, or the task
+            rejects its options or its file.
+    """
     if not isinstance(spec, str) or not spec.strip():
         raise ATSError(f"task spec must be a non-empty string, got {spec!r}; known: {', '.join(KNOWN_SPECS)}")
     spec = spec.strip()
@@ -46,7 +60,20 @@ def build_task(spec: str, *, limit: int | None = None, seed: int = 0, **options)
 
 def build_tasks(tasks, task_limit=None, *, seed: int = 0, mmlu_options: dict | None = None) -> list[Task]:
     """Task objects from specs (Task objects are kept); `task_limit`: an int for all, or spec -> int ('mc' for every
-    mc:PATH); `mmlu_options` go to MMLU (n_shots, subjects, split)."""
+    mc:PATH); `mmlu_options` go to MMLU (n_shots, subjects, split).
+
+    Args:
+        tasks: task specs or Task objects.
+        task_limit: None (all questions), an int for every task, or spec -> int (a missing spec: all).
+        seed: the seed of the subsets.
+        mmlu_options: constructor options for the 'mmlu' spec.
+
+    Returns:
+        The tasks, in order.
+
+    Raises:
+        ATSError: as `build_task`.
+    """
     built = []
     for t in tasks:
         if not isinstance(t, str):

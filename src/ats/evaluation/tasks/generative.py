@@ -27,7 +27,14 @@ from .scoring import PrefixCache, gather_logits
 
 
 def stop_token_ids(backbone) -> set[int]:
-    """End-of-sequence ids of the backbone (its generation config's and its tokenizer's)."""
+    """End-of-sequence ids of the backbone (its generation config's and its tokenizer's).
+
+    Args:
+        backbone: the backbone.
+
+    Returns:
+        The ids.
+    """
     eos = backbone.model.generation_config.eos_token_id
     stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if backbone.tokenizer.eos_token_id is not None:
@@ -39,6 +46,14 @@ def cut_answer(tokenizer, generated: list[int], stop_ids: set[int]) -> tuple[str
     """(answer text, number of tokens to score) of a greedy continuation: cut at end-of-sequence and first newline.
 
     The scored tokens are those whose decoded text holds no newline yet (at least one token).
+
+    Args:
+        tokenizer: the backbone's tokenizer.
+        generated: the new token ids.
+        stop_ids: end-of-sequence ids.
+
+    Returns:
+        (the answer's first line, stripped; the number of leading tokens to score, >= 1).
     """
     tokens = []
     for t in generated:
@@ -65,7 +80,16 @@ class Answers:
     product: dict[str, list[float]] = field(default_factory=dict)
 
     def results(self, correct: Sequence[bool], extra: dict[str, np.ndarray] | None = None) -> dict[str, TaskResult]:
-        """One TaskResult per calibrator; `extra` (per-question arrays shared by all methods) is added to each."""
+        """One TaskResult per calibrator; `extra` (per-question arrays shared by all methods) is added to each.
+
+        Args:
+            correct: (N,) whether each answer is right.
+            extra: name -> (N,) arrays to add.
+
+        Returns:
+            method -> results: confidence = the mean token probability; extra: "confidence_product", "n_tokens",
+            "prediction" (the answer text) and `extra`.
+        """
         shared = {"n_tokens": np.asarray(self.n_tokens, dtype=np.int64), "prediction": np.asarray(self.text, dtype=str),
                   **(extra or {})}
         return {m: TaskResult(np.asarray(self.mean[m]), np.asarray(correct, dtype=bool),
@@ -80,7 +104,15 @@ class GenerativeTask(Task):
 
     @torch.no_grad()
     def generate(self, backbone, prompts: list[list[int]]) -> list[list[int]]:
-        """Greedy continuations (new tokens only) of a batch of prompts, left-padded for generation."""
+        """Greedy continuations (new tokens only) of a batch of prompts, left-padded for generation.
+
+        Args:
+            backbone: the backbone.
+            prompts: B prompts as token ids.
+
+        Returns:
+            B lists of new token ids (at most `max_new_tokens`, padding after an early stop included).
+        """
         tok = backbone.tokenizer
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
@@ -98,7 +130,18 @@ class GenerativeTask(Task):
 
     def answer(self, backbone, calibrators: dict[str, Calibrator], prompts: list[list[int]], prefix: PrefixCache, *,
                progress: bool = True) -> Answers:
-        """Greedy answers of `prompts` (token ids, each starting with the prefix's) scored by every calibrator."""
+        """Greedy answers of `prompts` (token ids, each starting with the prefix's) scored by every calibrator.
+
+        Args:
+            backbone: the frozen backbone.
+            calibrators: method name -> fitted calibrator.
+            prompts: the prompts as token ids.
+            prefix: the prompts' shared prefix, encoded once.
+            progress: show a progress bar.
+
+        Returns:
+            The answers and, per method, their mean and product token probabilities.
+        """
         stop_ids = stop_token_ids(backbone)
         out = Answers(mean={m: [] for m in calibrators}, product={m: [] for m in calibrators})
         for batch in progress_bar(chunks(prompts, self.batch_size), enabled=progress, desc=self.name):

@@ -32,7 +32,14 @@ NO_COMMENT = "I have no comment."
 
 
 def close_references(answers: Iterable[str]) -> list[str]:
-    """Answers stripped, empty ones dropped, each ending with a period (lm-eval's `_format_answers`)."""
+    """Answers stripped, empty ones dropped, each ending with a period (lm-eval's `_format_answers`).
+
+    Args:
+        answers: the reference answers.
+
+    Returns:
+        The closed references, in order.
+    """
     out = []
     for a in answers:
         a = str(a).strip()
@@ -61,7 +68,18 @@ def _bleu():
 
 
 def rouge_l(reference: str, prediction: str) -> float:
-    """lm-eval's `rougeL` (rouge-score `rougeLsum` F-measure x 100) of `prediction` against one reference."""
+    """lm-eval's `rougeL` (rouge-score `rougeLsum` F-measure x 100) of `prediction` against one reference.
+
+    Args:
+        reference: one closed reference.
+        prediction: the answer.
+
+    Returns:
+        The similarity, 0-100.
+
+    Raises:
+        ATSError: if rouge-score is not installed.
+    """
     def prepare(text: str) -> str:
         return text.replace(" . ", ".\n")
 
@@ -69,7 +87,18 @@ def rouge_l(reference: str, prediction: str) -> float:
 
 
 def bleu(reference: str, prediction: str) -> float:
-    """lm-eval's `bleu` (sacrebleu corpus BLEU of one sentence, 0-100) of `prediction` against one reference."""
+    """lm-eval's `bleu` (sacrebleu corpus BLEU of one sentence, 0-100) of `prediction` against one reference.
+
+    Args:
+        reference: one closed reference.
+        prediction: the answer.
+
+    Returns:
+        The similarity, 0-100.
+
+    Raises:
+        ATSError: if sacrebleu is not installed.
+    """
     return float(_bleu().corpus_score([prediction], [[reference]]).score)
 
 
@@ -85,16 +114,31 @@ class Judgement:
 
     @property
     def margin(self) -> float:
+        """true_max - false_max (lm-eval's `{judge}_diff`)."""
         return self.true_max - self.false_max
 
     @property
     def correct(self) -> bool:
+        """True when true_max > false_max (a tie is false)."""
         return bool(self.true_max > self.false_max)
 
 
 def judge_answer(prediction: str, true_refs: Sequence[str], false_refs: Sequence[str],
                  judge: str = "rouge") -> Judgement:
-    """Judge `prediction` against (already closed) true and false references with `judge` ('rouge' or 'bleu')."""
+    """Judge `prediction` against (already closed) true and false references with `judge` ('rouge' or 'bleu').
+
+    Args:
+        prediction: the answer.
+        true_refs: the closed true references (at least one).
+        false_refs: the closed false references (at least one).
+        judge: "rouge" or "bleu".
+
+    Returns:
+        The highest similarity to each side (NaN-ignoring).
+
+    Raises:
+        ATSError: if `judge` is unknown, a side has no reference, or the judge's package is missing.
+    """
     check_choice("judge", judge, JUDGES)
     if not true_refs or not false_refs:
         raise ATSError(f"judge: needs true and false references, got {len(true_refs)} and {len(false_refs)}")

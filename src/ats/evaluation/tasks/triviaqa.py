@@ -42,7 +42,14 @@ _PUNCT = set(string.punctuation)
 
 
 def normalize_answer(text: str) -> str:
-    """SQuAD normalisation: lowercase, remove punctuation, remove articles, collapse whitespace."""
+    """SQuAD normalisation: lowercase, remove punctuation, remove articles, collapse whitespace.
+
+    Args:
+        text: an answer.
+
+    Returns:
+        The normalised text.
+    """
     text = text.lower()
     text = "".join(ch for ch in text if ch not in _PUNCT)
     text = _ARTICLES.sub(" ", text)
@@ -50,11 +57,28 @@ def normalize_answer(text: str) -> str:
 
 
 def exact_match(prediction: str, aliases: list[str]) -> bool:
+    """Whether the normalised prediction equals a normalised alias (an empty prediction never matches).
+
+    Args:
+        prediction: the model's answer.
+        aliases: the accepted answers.
+
+    Returns:
+        True on a match.
+    """
     pred = normalize_answer(prediction)
     return bool(pred) and any(pred == normalize_answer(a) for a in aliases)
 
 
 def answer_aliases(row: dict) -> list[str]:
+    """The accepted answers of a TriviaQA row: its aliases, normalised aliases and value.
+
+    Args:
+        row: a TriviaQA row with an "answer" dict.
+
+    Returns:
+        The aliases (duplicates kept).
+    """
     answer = row["answer"]
     out = list(answer.get("aliases") or []) + list(answer.get("normalized_aliases") or [])
     if answer.get("value"):
@@ -63,6 +87,14 @@ def answer_aliases(row: dict) -> list[str]:
 
 
 def load_triviaqa() -> list[dict]:
+    """The validation questions (local file under ATS_DATA_DIR, else the Hub).
+
+    Returns:
+        Rows {question, value, aliases}.
+
+    Raises:
+        ATSError: if the data cannot be read or a row is malformed.
+    """
     path = local_file("triviaqa/validation.jsonl")
     rows = read_jsonl(path) if path is not None else [dict(r) for r in
                                                        hub_dataset("mandarjoshi/trivia_qa", "rc.nocontext",
@@ -79,15 +111,40 @@ def load_triviaqa() -> list[dict]:
 
 
 def few_shot_prefix(shots: list[dict]) -> str:
+    """The few-shot part of every prompt.
+
+    Args:
+        shots: rows {question, value}.
+
+    Returns:
+        "Q: {question}\\nA: {value}\\n\\n" per shot ("" for none).
+    """
     return "".join(f"Q: {s['question']}\nA: {s['value']}\n\n" for s in shots)
 
 
 def render_prompt(shots: list[dict], question: str) -> str:
+    """The full prompt of one question, ending with "A:".
+
+    Args:
+        shots: the few-shot rows.
+        question: the question.
+
+    Returns:
+        The prompt.
+    """
     return few_shot_prefix(shots) + f"Q: {question}\nA:"
 
 
 class TriviaQATask(GenerativeTask):
-    """TriviaQA generation; `limit` = a seeded subset of questions (the few-shot examples are never among them)."""
+    """TriviaQA generation; `limit` = a seeded subset of questions (the few-shot examples are never among them).
+
+    Args:
+        limit: questions to evaluate; None: all but the few-shot examples.
+        seed: the seed of the few-shot examples and the subset.
+        n_shots: few-shot examples per prompt.
+        max_new_tokens: the longest greedy answer.
+        batch_size: questions per generation batch.
+    """
 
     name = "triviaqa"
 
@@ -100,11 +157,23 @@ class TriviaQATask(GenerativeTask):
         self.batch_size = batch_size
 
     def describe(self) -> dict:
+        """The settings that determine the results.
+
+        Returns:
+            {"name", "limit", "seed", "n_shots", "max_new_tokens"}.
+        """
         return {"name": self.name, "limit": self.limit, "seed": self.seed, "n_shots": self.n_shots,
                 "max_new_tokens": self.max_new_tokens}
 
     def load(self) -> tuple[list[dict], list[dict]]:
-        """(few-shot examples, evaluated questions)."""
+        """(few-shot examples, evaluated questions).
+
+        Returns:
+            (the `n_shots` examples of a seeded permutation; the next `limit` questions, in file order).
+
+        Raises:
+            ATSError: if the data cannot be read or holds no more than `n_shots` questions.
+        """
         rows = load_triviaqa()
         if len(rows) <= self.n_shots:
             raise ATSError(f"triviaqa: {len(rows)} questions, not more than n_shots={self.n_shots}")
@@ -116,6 +185,19 @@ class TriviaQATask(GenerativeTask):
         return shots, [rows[i] for i in sorted(rest)]
 
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
+        """Greedy answers judged by exact match, scored by every calibrator (see the module docstring).
+
+        Args:
+            backbone: the frozen backbone (its tokenizer encodes the prompts).
+            calibrators: method name -> fitted calibrator, all applied to the same forward passes.
+            progress: show progress bars.
+
+        Returns:
+            method -> per-question results (extra: "confidence_product", "n_tokens", "prediction").
+
+        Raises:
+            ATSError: if the data cannot be loaded.
+        """
         tok = backbone.tokenizer
         shots, questions = self.load()
         prefix_text = few_shot_prefix(shots)

@@ -41,12 +41,34 @@ COLUMNS = ("Category", "Question", "Best Answer", "Correct Answers", "Incorrect 
 
 
 def split_answers(cell: str) -> list[str]:
-    """The answers of a CSV cell ("a; b; c", sometimes with a trailing ";"), stripped, empty ones dropped."""
+    """The answers of a CSV cell ("a; b; c", sometimes with a trailing ";"), stripped, empty ones dropped.
+
+    Args:
+        cell: the cell's text.
+
+    Returns:
+        The answers.
+    """
     return [a.strip() for a in cell.split(";") if a.strip()]
 
 
 def make_row(question, category, best, correct, incorrect, where: str) -> dict:
-    """{question, category, true_refs, false_refs} with the references closed as lm-eval does (`judge.py`)."""
+    """{question, category, true_refs, false_refs} with the references closed as lm-eval does (`judge.py`).
+
+    Args:
+        question: the question.
+        category: its category (None: "").
+        best: the best answer (first true reference).
+        correct: further true answers.
+        incorrect: the false answers.
+        where: the row's location, quoted in the error.
+
+    Returns:
+        The row; the true references deduplicated, with "I have no comment." added when absent.
+
+    Raises:
+        ATSError: if the question is empty or a side has no reference.
+    """
     question = str(question).strip()
     true_refs = list(dict.fromkeys(close_references([best, *correct])))
     false_refs = close_references(incorrect)
@@ -58,7 +80,17 @@ def make_row(question, category, best, correct, incorrect, where: str) -> dict:
 
 
 def read_csv(path: Path) -> list[dict]:
-    """Rows of the authors' TruthfulQA.csv (errors name the file and the row)."""
+    """Rows of the authors' TruthfulQA.csv (errors name the file and the row).
+
+    Args:
+        path: the CSV file (UTF-8 with BOM).
+
+    Returns:
+        Rows as `make_row` returns them.
+
+    Raises:
+        ATSError: if a column is missing, a row has too few fields or is invalid, or there is no row.
+    """
     with open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
@@ -76,7 +108,14 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def load_truthfulqa_gen() -> list[dict]:
-    """All questions with their closed true / false references."""
+    """All questions with their closed true / false references.
+
+    Returns:
+        Rows as `make_row` returns them, from the local CSV under ATS_DATA_DIR or from the Hub.
+
+    Raises:
+        ATSError: if the data cannot be read or a row is malformed.
+    """
     path = local_file("truthfulqa/TruthfulQA.csv")
     if path is not None:
         return read_csv(path)
@@ -92,7 +131,18 @@ def load_truthfulqa_gen() -> list[dict]:
 
 
 class TruthfulQAGenTask(GenerativeTask):
-    """TruthfulQA generation judged by ROUGE-L or BLEU; `limit` = a seeded subset of questions."""
+    """TruthfulQA generation judged by ROUGE-L or BLEU; `limit` = a seeded subset of questions.
+
+    Args:
+        limit: questions to evaluate; None: all.
+        seed: the seed of the subset.
+        max_new_tokens: the longest greedy answer.
+        judge: "rouge" or "bleu".
+        batch_size: questions per generation batch.
+
+    Raises:
+        ATSError: if `max_new_tokens` or `batch_size` is not a positive integer, or `judge` is unknown.
+    """
 
     name = "truthfulqa_gen"
 
@@ -105,14 +155,40 @@ class TruthfulQAGenTask(GenerativeTask):
         self.batch_size = check_positive_int("batch_size", batch_size)
 
     def describe(self) -> dict:
+        """The settings that determine the results.
+
+        Returns:
+            {"name", "limit", "seed", "max_new_tokens", "judge"}.
+        """
         return {"name": self.name, "limit": self.limit, "seed": self.seed, "max_new_tokens": self.max_new_tokens,
                 "judge": self.judge}
 
     def load(self) -> list[dict]:
+        """The evaluated questions: a seeded subset, in data order.
+
+        Returns:
+            Rows as `make_row` returns them.
+
+        Raises:
+            ATSError: if the data cannot be read or a row is malformed.
+        """
         rows = load_truthfulqa_gen()
         return [rows[i] for i in seeded_subset(len(rows), self.limit, self.seed, salt=self.name)]
 
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
+        """Greedy answers after the primer, judged against the references, scored by every calibrator.
+
+        Args:
+            backbone: the frozen backbone (its tokenizer encodes the prompts).
+            calibrators: method name -> fitted calibrator, all applied to the same forward passes.
+            progress: show progress bars.
+
+        Returns:
+            method -> per-question results (extra: the module docstring's arrays).
+
+        Raises:
+            ATSError: if the data cannot be loaded or the judge's package is missing.
+        """
         tok = backbone.tokenizer
         rows = self.load()
         prefix = PrefixCache(backbone, encode(tok, QA_PRIMER, special=True))
