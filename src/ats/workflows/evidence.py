@@ -60,6 +60,8 @@ CRITERION = ("the method's own training objective (its loss type, alpha and weig
 
 @dataclass
 class EvidencePlan:
+    """The evidence experiment's settings: data, training, the learning-rate grid, the methods, tasks and bootstrap."""
+
     data: DataConfig = field(default_factory=lambda: DataConfig(pack=2048))
     training: TrainingConfig = field(default_factory=lambda: TrainingConfig(batch_size=2, micro_batch_size=1))
     lr_grid: tuple[float, ...] = (3e-4, 1e-3, 3e-3)
@@ -78,7 +80,21 @@ def select_learning_rates(backbone: Backbone, train_store, val_store, out: Path,
                           overwrite: bool = False, progress: bool = True) -> tuple[dict, dict]:
     """Train each selected method at every learning rate of the grid; keep the lowest held-out objective.
 
-    Returns (name -> chosen head, the selection record: per method and lr the held-out objective and token ECE).
+    Args:
+        backbone: the frozen backbone.
+        train_store: the training features.
+        val_store: the held-out features (the selection criterion is computed on them).
+        out: the run folder (heads go to `out/heads/<name>/lr<lr>`).
+        plan: gives the methods, the grid and the training options.
+        overwrite: replace heads made with other options instead of refusing.
+        progress: show progress bars.
+
+    Returns:
+        (name -> chosen head, the selection record: per method the grid rows {lr, objective, val_token_ece},
+        "chosen_lr" and the training "overrides").
+
+    Raises:
+        ATSError: if a saved head was made with other options (without `overwrite`) or training fails.
     """
     chosen, record = {}, {}
     for name in plan.selected:
@@ -101,7 +117,17 @@ def select_learning_rates(backbone: Backbone, train_store, val_store, out: Path,
 
 def tradeoff_figure(token_level: dict, tasks: dict, points: list[str], stem: Path) -> list[Path]:
     """Token-level ECE (held-out instruction tokens) against task ECE, one panel per task, one point per
-    objective / alpha; the uncalibrated model as a reference."""
+    objective / alpha; the uncalibrated model as a reference.
+
+    Args:
+        token_level: method -> token-level metrics.
+        tasks: task -> method -> metrics.
+        points: the methods to plot (those missing from either side are skipped).
+        stem: the figure's path without suffix.
+
+    Returns:
+        [the .png path, the .pdf path].
+    """
     task_names = list(tasks)
     with matplotlib.rc_context(STYLE):
         fig = Figure(figsize=(3.0 * len(task_names) + 0.4, 3.0), layout="constrained")
@@ -125,7 +151,24 @@ def tradeoff_figure(token_level: dict, tasks: dict, points: list[str], stem: Pat
 
 def run_evidence(backbone: Backbone, out_dir: str | Path, plan: EvidencePlan, *, overwrite: bool = False,
                  progress: bool = True) -> dict:
-    """The whole protocol (module docstring); every step is reused on a rerun with the same options."""
+    """The whole protocol (module docstring); every step is reused on a rerun with the same options.
+
+    Writes evidence.json, the trade-off figure and every step's folder under `out_dir`.
+
+    Args:
+        backbone: the frozen backbone.
+        out_dir: the run folder.
+        plan: the settings.
+        overwrite: replace results made with other options instead of refusing.
+        progress: show progress bars.
+
+    Returns:
+        What evidence.json holds: the plan, the criterion, the selection, token-level and task metrics, sizes,
+        figure names and the baselines' fit seconds.
+
+    Raises:
+        ATSError: if a step's stored results were made with other options (without `overwrite`) or a step fails.
+    """
     out = Path(out_dir)
     train_store, val_store = prepare_features(backbone, out / "features", plan.data, overwrite=overwrite,
                                               progress=progress)
@@ -165,7 +208,14 @@ def run_evidence(backbone: Backbone, out_dir: str | Path, plan: EvidencePlan, *,
 
 
 def selection_table(selection: dict) -> str:
-    """Markdown: method | lr | held-out objective | held-out token ECE | chosen."""
+    """Markdown: method | lr | held-out objective | held-out token ECE | chosen.
+
+    Args:
+        selection: the selection record from `select_learning_rates`.
+
+    Returns:
+        The markdown table, one row per method and learning rate.
+    """
     rows = [[name, f"{row['lr']:g}", f"{row['objective']:.5f}", f"{row['val_token_ece']:.3f}",
              "yes" if math.isclose(row["lr"], record["chosen_lr"]) else ""]
             for name, record in selection.items() for row in record["grid"]]
@@ -192,7 +242,21 @@ class ScalingPlan:
 def run_scaling(backbone: Backbone, out_dir: str | Path, plan: ScalingPlan, *, overwrite: bool = False,
                 progress: bool = True) -> dict:
     """Per data size: features, the heads at their fixed learning rates, held-out tokens and tasks (with paired
-    differences of ATS minus the others). Each size's work lives in out_dir/<source>-<limit>/."""
+    differences of ATS minus the others). Each size's work lives in out_dir/<source>-<limit>/.
+
+    Args:
+        backbone: the frozen backbone.
+        out_dir: the run folder; scaling.json is written there.
+        plan: the sizes, methods, their learning rates (`plan.lrs` must name every method) and tasks.
+        overwrite: replace results made with other options instead of refusing.
+        progress: show progress bars.
+
+    Returns:
+        "<source>-<limit>" -> {"train_response_tokens", "token_level", "tasks"}.
+
+    Raises:
+        ATSError: if a step's stored results were made with other options (without `overwrite`) or a step fails.
+    """
     out = Path(out_dir)
     results = {}
     for source, limit in plan.sizes:
