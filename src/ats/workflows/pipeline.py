@@ -24,7 +24,8 @@ from ..model.heads import HeadConfig
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig, load_instructions, prepare_examples
 from ..training.distributed import SINGLE, Dist
-from ..training.features import META_NAME, FeatureStore, OnlineFeatures, extract_features, shard_plan, write_meta
+from ..training.features import META_NAME, FeatureStore, extract_features, shard_plan, write_meta
+from ..training.online import OnlineFeatures
 from ..training.trainer import train_ats
 from ..training.validation import heldout_objective
 
