@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--truthfulqa", type=int, default=None, help="TruthfulQA MC1 questions (default: all 817)")
     p.add_argument("--truthfulqa-gen", type=int, default=400,
                    help="TruthfulQA free-form questions (0: leave the task out)")
+    p.add_argument("--tradeoff", default="selective-a0.1,selective-a0.3,selective-a0.7,selective-a0.9,nll",
+                   help="trade-off heads trained at the lr chosen for ats (names in ats.workflows.evidence.TRADEOFF)")
     p.add_argument("--bootstrap", type=int, default=1000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, not the method")
@@ -81,6 +83,7 @@ def main(argv=None) -> int:
         data=DataConfig(source=args.data, limit=args.limit, max_length=args.max_length, pack=args.pack),
         training=TrainingConfig(epochs=args.epochs, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size),
         lr_grid=tuple(float(x) for x in args.lr_grid.split(",")), fit_tokens=args.fit_tokens,
+        tradeoff=tuple(t for t in args.tradeoff.split(",") if t),
         tasks=("mmlu", "triviaqa", "truthfulqa_mc1", *extra),
         task_limit={"mmlu": args.mmlu, "triviaqa": args.triviaqa, "truthfulqa_mc1": args.truthfulqa,
                     "truthfulqa_gen": args.truthfulqa_gen or None},
