@@ -1,8 +1,13 @@
-"""Test doubles shared by several test files: calibrators with a known, hand-checkable effect."""
+"""Test doubles shared by several test files: calibrators with a known, hand-checkable effect, and the tiny random
+Llama most tests run on (`make_tiny_backbone`, also importable from conftest)."""
 
 from __future__ import annotations
 
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from ats.calibrators.base import Calibrator
+from ats.model.backbone import Backbone
 
 
 class HalfTemperature(Calibrator):
@@ -28,3 +33,22 @@ class SquareConfidence(Calibrator):
 
     def calibrate_confidence(self, confidence):
         return confidence ** 2
+
+
+def make_tiny_backbone(tokenizer, *, hidden_size: int = 64, layers: int = 2, seed: int = 0,
+                       name: str = "tiny-llama", tie_word_embeddings: bool = True,
+                       output_scale: float = 8.0) -> Backbone:
+    """A random Llama with SmolLM2's vocabulary, small enough for millisecond forward passes. Tied embeddings make it
+    repeat its input; untied with `output_scale` about 60 it writes varied text with top-1 probabilities of 0.3-0.9."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    # Sharpen the random model a little so that its top-1 confidence is not uniformly tiny.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(output_scale)
+    return Backbone(model=model, tokenizer=tokenizer, name=name, revision=f"seed{seed}")
