@@ -65,6 +65,8 @@ def server(model_dir, head_dir, tmp_path_factory):
                   "--max-batch", "8"], log, api_key=API_KEY)
     yield srv
     srv.stop()
+    log_text = log.read_text()  # every bad request above got its 4xx: no 500, no traceback
+    assert "Traceback" not in log_text and '" 500 ' not in log_text, log_text[-3000:]
 
 
 @pytest.fixture()

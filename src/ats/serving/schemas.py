@@ -79,6 +79,19 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value):
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"only text content is supported (a string or parts of type 'text'), got a "
+                                     f"part of type {kind!r}")
+        elif value is not None and not isinstance(value, str):
+            raise ValueError(f"expected a string or a list of text parts, got {type(value).__name__}")
+        return value
+
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -118,11 +131,18 @@ class CompletionRequest(GenerationRequest):
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, value):
+        def ints(x) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
         if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
             raise ValueError("a prompt list must not be empty (nor hold an empty list of token ids)")
+        if not (isinstance(value, str) or ints(value) or (isinstance(value, list) and (
+                all(isinstance(p, str) for p in value) or all(ints(p) for p in value)))):
+            raise ValueError("expected a string, a list of strings, a list of token ids or a list of lists of token "
+                             "ids")
         return value
 
     @model_validator(mode="after")
