@@ -1,11 +1,13 @@
 """Test doubles shared by several test files: calibrators with a known, hand-checkable effect, and the tiny random
-Llama most tests run on (`make_tiny_backbone`, also importable from conftest)."""
+Llama most tests run on (`make_tiny_backbone`, also importable from conftest) with an ATS head away from identity
+(`calibrator_for`)."""
 
 from __future__ import annotations
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ats.calibrators.ats import ATSCalibrator
 from ats.calibrators.base import Calibrator
 from ats.model.backbone import Backbone
 
@@ -52,3 +54,16 @@ def make_tiny_backbone(tokenizer, *, hidden_size: int = 64, layers: int = 2, see
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(output_scale)
     return Backbone(model=model, tokenizer=tokenizer, name=name, revision=f"seed{seed}")
+
+
+def calibrator_for(backbone, head_type: str = "transformer", seed: int = 0) -> ATSCalibrator:
+    """A head away from identity: random final projection, so tau varies by token (about -1..1)."""
+    torch.manual_seed(seed)
+    calibrator = ATSCalibrator.for_backbone(backbone, head_type=head_type)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        proj = calibrator.head.proj
+        proj.weight.copy_(0.1 * torch.randn(proj.weight.shape, generator=g))
+        proj.bias.fill_(0.1)
+    calibrator.head.eval()
+    return calibrator

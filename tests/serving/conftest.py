@@ -16,9 +16,8 @@ import torch
 from ats.calibrators.ats import ATSCalibrator
 from ats.model.backbone import load_backbone
 
-from helpers import make_tiny_backbone
+from helpers import calibrator_for, make_tiny_backbone
 from server_process import API_KEY, MODEL_NAME, Server
-from serving_reference import perturbed
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,7 +46,7 @@ def backbone(model_dir):
 
 @pytest.fixture(scope="session")
 def calibrator(backbone) -> ATSCalibrator:
-    return perturbed(backbone)
+    return calibrator_for(backbone)
 
 
 @pytest.fixture(scope="session")

@@ -29,22 +29,30 @@ def server_env() -> dict:
 
 
 class Server:
-    """`python -m ats serve ...` as a subprocess on a free port; `stop()` ends it."""
+    """`python -m ats serve ...` as a subprocess on a free port (one torch thread unless `args` say otherwise);
+    waits until /health answers unless `wait=False` (then call `wait()`); `stop()` ends it. Also used by
+    benchmarks/bench_serve.py."""
 
-    def __init__(self, args: list[str], log: Path, api_key: str | None = None, timeout: float = 180.0) -> None:
+    def __init__(self, args: list[str], log: Path, api_key: str | None = None, timeout: float = 180.0,
+                 wait: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = log
-        command = [sys.executable, "-m", "ats", "serve", *args, "--port", str(self.port), "--threads", "1"]
+        threads = [] if "--threads" in args else ["--threads", "1"]
+        command = [sys.executable, "-m", "ats", "serve", *args, "--port", str(self.port), *threads]
         if api_key:
             command += ["--api-key", api_key]
         self._log_file = log.open("w")
         self.process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT, env=server_env())
+        if wait:
+            self.wait(timeout)
+
+    def wait(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -52,7 +60,7 @@ class Server:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"server not up after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"server not up after {timeout:.0f} s:\n{self.log.read_text()[-3000:]}")
             time.sleep(0.3)
 
     def health(self) -> dict:

@@ -1,25 +1,12 @@
-"""In-process references for the serving tests: a calibrator away from identity, one full forward pass with it, and
-helpers that read the engine's events."""
+"""In-process references for the serving tests: one full forward pass with the calibrator, and helpers that read
+the engine's events."""
 
 from __future__ import annotations
 
 import torch
 
-from ats.calibrators.ats import ATSCalibrator
 from ats.generation import encode_prompts
 from ats.serving.engine import Generated, JobDone, PromptScored
-
-
-def perturbed(backbone, head_type: str = "transformer", seed: int = 0) -> ATSCalibrator:
-    """A head whose final projection is random (its init is tau == 0), so tau varies by token (about -1..1)."""
-    calibrator = ATSCalibrator.for_backbone(backbone, head_type=head_type, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        proj = calibrator.head.proj
-        proj.weight.copy_(0.1 * torch.randn(proj.weight.shape, generator=g))
-        proj.bias.fill_(0.1)
-    calibrator.head.eval()
-    return calibrator
 
 
 def chat_ids(backbone, prompt: str) -> list[int]:

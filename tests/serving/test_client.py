@@ -104,6 +104,27 @@ def test_completion_with_new_tokens_and_echo(client, backbone, calibrator):
     assert lp.text_offset[len(ids)] == len(text)
 
 
+def test_completion_stream_with_echo_and_logprobs(client):
+    """Legacy streaming: the echoed prompt with its scores first, then the new tokens; together they are the plain
+    response."""
+    options = dict(model=MODEL_NAME, prompt=["Once upon a time", "The sea"], max_tokens=6, temperature=0, echo=True,
+                   logprobs=1)
+    plain = client.completions.create(**options)
+    text, tokens, logprobs, offsets, finish = ["", ""], [[], []], [[], []], [[], []], [None, None]
+    for chunk in client.completions.create(**options, stream=True):
+        for c in chunk.choices:
+            text[c.index] += c.text
+            tokens[c.index] += c.logprobs.tokens
+            logprobs[c.index] += c.logprobs.token_logprobs
+            offsets[c.index] += c.logprobs.text_offset
+            finish[c.index] = c.finish_reason or finish[c.index]
+    for i, choice in enumerate(plain.choices):
+        assert text[i] == choice.text and finish[i] == choice.finish_reason == "length"
+        assert tokens[i] == choice.logprobs.tokens and offsets[i] == choice.logprobs.text_offset
+        assert logprobs[i][0] is None and choice.logprobs.token_logprobs[0] is None
+        close(logprobs[i][1:], choice.logprobs.token_logprobs[1:])
+
+
 def test_stream_carries_the_same_text_and_values(client, backbone):
     plain = chat(client, PROMPTS[1], max_tokens=10, temperature=0.9, seed=3, logprobs=True, n=2)
     stream = chat(client, PROMPTS[1], max_tokens=10, temperature=0.9, seed=3, logprobs=True, n=2, stream=True,

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import Gemma3TextConfig
 
 from ats.errors import ATSError
 from ats.generation import generate_calibrated, tokens_covering
 from ats.serving.engine import ContextLengthExceeded, Engine, Job, QueueFull
+from ats.serving.kv import check_full_attention
 from ats.serving.sampling import SamplingParams, top_p_filter
 from ats.serving.text import TextTracker
 
-from serving_reference import chat_ids, choices, continuation_values, done, forward, perturbed, prompt_scores
+from helpers import calibrator_for
+from serving_reference import chat_ids, choices, continuation_values, done, forward, prompt_scores
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea and the wind, please.", "Hi"]
 GREEDY = SamplingParams(temperature=0)
@@ -151,7 +154,7 @@ def test_echoed_prompts_are_scored_like_a_forward_pass(backbone, calibrator):
 
 @pytest.mark.parametrize("head_type", ["linear", None])
 def test_per_token_head_and_uncalibrated_engine(backbone, head_type):
-    calibrator = perturbed(backbone, head_type, seed=2) if head_type else None
+    calibrator = calibrator_for(backbone, head_type, seed=2) if head_type else None
     ids = chat_ids(backbone, PROMPTS[1])
     events, others = [], []
     engine = Engine(backbone, calibrator, max_batch=2)
@@ -181,6 +184,11 @@ def test_cancelled_job_frees_its_rows_and_stops_its_events(backbone, calibrator)
     run(engine)
     assert len(events) == seen and not done(events)
     assert done(other) and len(choices(other)[0]["tokens"]) == 8
+
+
+def test_models_with_sliding_window_layers_are_refused():
+    with pytest.raises(ATSError, match="full attention; this one has sliding_attention layers"):
+        check_full_attention(Gemma3TextConfig())
 
 
 def test_queue_is_bounded_and_requests_are_checked(backbone, calibrator):

@@ -12,8 +12,8 @@ import torch
 from ats.cli.main import main
 from ats.generation import generate_calibrated
 
+from helpers import calibrator_for
 from server_process import Server
-from serving_reference import perturbed
 
 PROMPT = "What is the capital of France?"
 NEW_TOKENS = 24
@@ -22,7 +22,7 @@ NEW_TOKENS = 24
 @pytest.mark.slow
 def test_smollm2_server_greedy_text_equals_ats_generate(smollm2, tmp_path, capsys, monkeypatch):
     head = tmp_path / "head"
-    calibrator = perturbed(smollm2, seed=4)
+    calibrator = calibrator_for(smollm2, seed=4)
     calibrator.save_pretrained(head)
     server = Server(["--model", "smollm2-135m-instruct", "--calibrator", str(head)], tmp_path / "server.log")
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -148,6 +149,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.cancelled = 0  # jobs cancelled before they finished (clients gone)
+        self.timing = {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "head_s": 0.0}  # cumulative
 
     @property
     def calibrated(self) -> bool:
@@ -190,7 +192,8 @@ class Engine:
 
     def stats(self) -> dict:
         return {"running": len(self._rows), "waiting": len(self._jobs) + len(self._ready),
-                "cancelled": self.cancelled, "max_batch": self.max_batch, "max_queue": self.max_queue}
+                "cancelled": self.cancelled, "max_batch": self.max_batch, "max_queue": self.max_queue,
+                "timing": dict(self.timing)}
 
     def start(self) -> None:
         if self._thread is None:
@@ -329,13 +332,22 @@ class Engine:
         self._batch.extend(batch)
 
     def _decode(self) -> None:
-        """Feed every running row its last token; choose the next ones."""
+        """Feed every running row its last token; choose the next ones. `timing` adds up the decoding steps' time
+        and the head's share of it (tau), a measure of the calibration's cost that machine load does not skew."""
+        started = time.perf_counter()
         ids = torch.tensor([[s.pending] for s in self._rows], device=self.backbone.device)
         mask = self._batch.append_column()
         hidden, _ = self.backbone.forward(ids, mask, past_key_values=self._batch.kv, use_cache=True,
                                           position_ids=self._batch.next_positions())
         z = self.backbone.logits(hidden[:, -1]).float()  # (B, V)
-        self._advance(self._rows, z, self._tau(hidden, mask, self._batch.head)[:, -1])
+        head_started = time.perf_counter()
+        tau = self._tau(hidden, mask, self._batch.head)[:, -1]
+        head_s = time.perf_counter() - head_started
+        self._advance(self._rows, z, tau)
+        self.timing["decode_steps"] += 1
+        self.timing["decode_rows"] += len(self._rows)
+        self.timing["decode_s"] += time.perf_counter() - started
+        self.timing["head_s"] += head_s
 
     def _advance(self, seqs: list[_Sequence], z: Tensor, tau: Tensor) -> None:
         """Choose each row's next token from q = z * s (z (B, V), tau (B,)), score it, and hand it to its sequence."""
