@@ -26,20 +26,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from ats.training.config import TrainingConfig
+    from ats.training.data import DataConfig
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ablations"))
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    p.add_argument("--data", default="alpaca_gpt4")
-    p.add_argument("--limit", type=int, default=1000, help="instruction examples (train + val)")
-    p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--val-fraction", type=float, default=0.1)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--chunk-size", type=int, default=1024, help="tokens per logits chunk in the loss")
-    p.add_argument("--seed", type=int, default=0)
+    # the data and training options, with their defaults, come from the configs (one source for CLI and scripts)
+    DataConfig.add_arguments(p, defaults={"limit": 1000})
+    TrainingConfig.add_arguments(p, exclude=("loss_type", "alpha", "save_every"))
     p.add_argument("--ablations", default="smoothing,alpha,head")
     p.add_argument("--tasks", default="mmlu,triviaqa,truthfulqa_mc1")
     p.add_argument("--mmlu-limit", type=int, default=10, help="MMLU questions per subject")
@@ -72,10 +68,8 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     progress = not args.quiet
-    data = DataConfig(source=args.data, limit=args.limit, max_length=args.max_length,
-                       val_fraction=args.val_fraction, seed=args.seed)
-    training = TrainingConfig(lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
-                              micro_batch_size=args.micro_batch_size, seed=args.seed, chunk_size=args.chunk_size)
+    data = DataConfig.from_args(args, seed=args.seed)
+    training = TrainingConfig.from_args(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     task_limit = {"mmlu": args.mmlu_limit, "triviaqa": args.triviaqa_limit, "truthfulqa_mc1": args.truthfulqa_limit,
                   "mc": args.mc_limit}

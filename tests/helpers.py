@@ -67,3 +67,17 @@ def calibrator_for(backbone, head_type: str = "transformer", seed: int = 0) -> A
         proj.bias.fill_(0.1)
     calibrator.head.eval()
     return calibrator
+
+
+def perturbed_ats(backbone, std: float = 0.3, seed: int = 0):
+    """A real ATS calibrator whose head's final projection is random (normal, `std`), so tau varies by token."""
+    import torch
+
+    from ats.calibrators.ats import ATSCalibrator
+
+    ats = ATSCalibrator.for_backbone(backbone)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in ats.head.proj.parameters():
+            p.normal_(0, std)
+    return ats

@@ -20,7 +20,21 @@ def check_number(field: str, value, *, integer: bool = False, low: float | None 
                  low_open: bool = False, high_open: bool = False, what: str | None = None) -> float | int:
     """`value` as int (integer=True) or float, within [low, high] (open ends with low_open / high_open).
 
-    what: the expectation the error states (e.g. "a positive integer"); default: derived from the range.
+    Args:
+        field: the field's name, quoted in the error.
+        value: the value to check; a bool is never a number.
+        integer: require an integer (int or numpy integer) instead of any finite real number.
+        low: the lower bound, or None for none.
+        high: the upper bound, or None for none.
+        low_open: exclude `low` itself.
+        high_open: exclude `high` itself.
+        what: the expectation the error states (e.g. "a positive integer"); default: derived from the range.
+
+    Returns:
+        `value` as `int` (integer=True) or `float`.
+
+    Raises:
+        ATSError: if `value` is a bool, not a number of the asked kind, not finite, or outside the range.
     """
     kinds = _INTS if integer else _NUMBERS
     if isinstance(value, bool) or not isinstance(value, kinds) or (not integer and not math.isfinite(value)):
@@ -40,27 +54,83 @@ def check_number(field: str, value, *, integer: bool = False, low: float | None 
 
 
 def check_positive_int(field: str, value) -> int:
-    """An integer >= 1."""
+    """An integer >= 1.
+
+    Args:
+        field: the field's name, quoted in the error.
+        value: the value to check.
+
+    Returns:
+        `value` as `int`.
+
+    Raises:
+        ATSError: if `value` is not an integer >= 1.
+    """
     return check_number(field, value, integer=True, low=1, what="a positive integer")
 
 
 def check_nonnegative_int(field: str, value) -> int:
-    """An integer >= 0."""
+    """An integer >= 0.
+
+    Args:
+        field: the field's name, quoted in the error.
+        value: the value to check.
+
+    Returns:
+        `value` as `int`.
+
+    Raises:
+        ATSError: if `value` is not an integer >= 0.
+    """
     return check_number(field, value, integer=True, low=0, what="a non-negative integer")
 
 
 def check_positive_float(field: str, value) -> float:
-    """A finite number > 0."""
+    """A finite number > 0.
+
+    Args:
+        field: the field's name, quoted in the error.
+        value: the value to check.
+
+    Returns:
+        `value` as `float`.
+
+    Raises:
+        ATSError: if `value` is not a finite number > 0.
+    """
     return check_number(field, value, low=0, low_open=True, what="a positive finite number")
 
 
 def check_nonnegative_float(field: str, value) -> float:
-    """A finite number >= 0."""
+    """A finite number >= 0.
+
+    Args:
+        field: the field's name, quoted in the error.
+        value: the value to check.
+
+    Returns:
+        `value` as `float`.
+
+    Raises:
+        ATSError: if `value` is not a finite number >= 0.
+    """
     return check_number(field, value, low=0, what="a finite number >= 0")
 
 
 def check_choice(field: str, value, choices: Sequence) -> object:
-    """One of `choices`."""
+    """One of `choices`.
+
+    Args:
+        field: the field's name, quoted in the error.
+        value: the value to check.
+        choices: the allowed values.
+
+    Returns:
+        `value`, unchanged.
+
+    Raises:
+        ATSError: if `value` is not in `choices`.
+    """
     if value not in choices:
         raise ATSError(f"{field}: unknown value {value!r}; known: {', '.join(map(str, choices))}")
     return value

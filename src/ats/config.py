@@ -31,9 +31,21 @@ def option(default, help: str, *, choices: Iterable | None = None, cli: bool = T
            unset: str = "automatic", **checks):
     """A config field with its help text and checks (`low`, `high`, `low_open`, `high_open`, `choices`).
 
-    cli=False keeps the field out of generated command-line options (sizes filled in from the backbone, records).
-    unset: what a None default means, for --help ("all", "automatic").
-    A mutable default (dict, list) is given as a zero-argument callable.
+    Args:
+        default: the field's default; a mutable default (dict, list) is given as a zero-argument callable.
+        help: the help text, shown by --help.
+        choices: the allowed values, or None for any.
+        cli: False keeps the field out of generated command-line options (sizes filled in from the backbone,
+            records).
+        flag: the command-line flag; default: `--` plus the field name with dashes.
+        unset: what a None default means, for --help ("all", "automatic").
+        **checks: range checks for numbers, as for `check_number` (`low`, `high`, `low_open`, `high_open`).
+
+    Returns:
+        A `dataclasses.Field` whose metadata carries the help, choices, flag and checks.
+
+    Raises:
+        TypeError: for a check other than `low`, `high`, `low_open`, `high_open`.
     """
     unknown = set(checks) - set(_CHECK_KEYS)
     if unknown:
@@ -65,7 +77,13 @@ class ConfigMixin:
         return {name: _base_type(t) for name, t in typing.get_type_hints(cls).items()}
 
     def validate(self) -> None:
-        """Check every field against its metadata (None passes where the default is None)."""
+        """Check every field against its metadata (None passes where the default is None).
+
+        Numbers are stored back in their clean form (int or float).
+
+        Raises:
+            ATSError: naming the first field whose value fails its choices, range or type.
+        """
         types = self._types()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -84,13 +102,30 @@ class ConfigMixin:
                 raise ATSError(f"{f.name}: expected a string, got {value!r}")
 
     def to_dict(self) -> dict:
-        """A JSON-ready dict of every field (nested configs as dicts)."""
+        """A JSON-ready dict of every field (nested configs as dicts).
+
+        Returns:
+            {field name: value}.
+        """
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "config", *, ignore: Iterable[str] = ()):
         """The config from `to_dict`'s output; an unknown key is an error naming `where` (a typo must not silently
-        fall back to a default). Keys in `ignore` are dropped (fields of older versions)."""
+        fall back to a default). Keys in `ignore` are dropped (fields of older versions).
+
+        Args:
+            data: {field name: value}, as `to_dict` writes it.
+            where: what the data came from (a file, a section), quoted in errors.
+            ignore: keys to drop before reading.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ATSError: if `data` is not a dict, has an unknown key, lacks a required field, or a value fails
+                validation.
+        """
         if not isinstance(data, dict):
             raise ATSError(f"{where}: expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -106,18 +141,39 @@ class ConfigMixin:
             raise ATSError(f"{where}: {err}") from None
 
     def replace(self, **changes):
-        """A validated copy with some fields changed."""
+        """A validated copy with some fields changed.
+
+        Args:
+            **changes: {field name: new value}.
+
+        Returns:
+            A new config of the same class.
+
+        Raises:
+            ATSError: if a changed value fails validation.
+        """
         return dataclasses.replace(self, **changes)
 
     # --- command line ---------------------------------------------------------------------------------------------
     @classmethod
     def cli_fields(cls) -> list[dataclasses.Field]:
+        """The fields that get a command-line option (those made with `option(..., cli=True)`).
+
+        Returns:
+            The `dataclasses.Field`s, in declaration order.
+        """
         return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", False)]
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
                       exclude: Iterable[str] = (), defaults: dict | None = None) -> None:
-        """Add one `--option` per CLI field, with the field's help, choices and default (`defaults` overrides)."""
+        """Add one `--option` per CLI field, with the field's help, choices and default (`defaults` overrides).
+
+        Args:
+            parser: the parser or argument group to add to.
+            exclude: names of fields to leave out.
+            defaults: {field name: default} replacing the fields' own defaults.
+        """
         types, exclude, defaults = cls._types(), set(exclude), defaults or {}
         for f in cls.cli_fields():
             if f.name in exclude:
@@ -136,6 +192,17 @@ class ConfigMixin:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides):
-        """The config from parsed arguments (fields the parser does not have keep their defaults)."""
+        """The config from parsed arguments (fields the parser does not have keep their defaults).
+
+        Args:
+            args: the parsed arguments, with one attribute per CLI field added by `add_arguments`.
+            **overrides: {field name: value} taking precedence over `args`.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ATSError: if a value fails validation.
+        """
         values = {f.name: getattr(args, f.name) for f in cls.cli_fields() if hasattr(args, f.name)}
         return cls(**{**values, **overrides})

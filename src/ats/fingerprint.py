@@ -29,19 +29,42 @@ FINGERPRINT_NAME = "fingerprint.json"
 
 
 def make_fingerprint(kind: str, **parts) -> dict:
-    """A fingerprint of `kind` ("features", "head", ...) from JSON-ready parts, with the library version."""
+    """A fingerprint of `kind` ("features", "head", ...) from JSON-ready parts, with the library version.
+
+    Args:
+        kind: what the result is ("features", "head", ...).
+        **parts: the things that determine the result (backbone, data, options); values that are not JSON-ready
+            are stored as their `str`.
+
+    Returns:
+        The fingerprint: a JSON-ready dict with sorted keys, including "kind" and "library_version".
+    """
     return json.loads(json.dumps({"kind": kind, "library_version": __version__, **parts}, sort_keys=True,
                                  default=str))
 
 
 def digest(value) -> str:
-    """A short, stable hash of a JSON-ready value (or of bytes)."""
+    """A short, stable hash of a JSON-ready value (or of bytes).
+
+    Args:
+        value: bytes, or a JSON-ready value (hashed as JSON with sorted keys).
+
+    Returns:
+        The first 16 hex digits of its sha256.
+    """
     data = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True, default=str).encode()
     return hashlib.sha256(data).hexdigest()[:16]
 
 
 def file_digest(path: str | Path) -> str:
-    """sha256 of a file's bytes (first 16 hex digits)."""
+    """sha256 of a file's bytes (first 16 hex digits).
+
+    Args:
+        path: the file.
+
+    Returns:
+        The first 16 hex digits of the sha256 of its bytes.
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -50,7 +73,15 @@ def file_digest(path: str | Path) -> str:
 
 
 def flatten(value, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are leaves."""
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are leaves.
+
+    Args:
+        value: a nested dict, or a leaf.
+        prefix: the dotted key of `value` itself ("" at the top).
+
+    Returns:
+        {dotted key: leaf value}.
+    """
     if not isinstance(value, dict):
         return {prefix: value}
     out = {}
@@ -60,7 +91,16 @@ def flatten(value, prefix: str = "") -> dict:
 
 
 def differences(old: dict, new: dict, *, limit: int = 4) -> str:
-    """The differing options as one line: "training.lr 0.001 -> 0.01, head.head_type 'linear' -> 'mlp'"."""
+    """The differing options as one line: "training.lr 0.001 -> 0.01, head.head_type 'linear' -> 'mlp'".
+
+    Args:
+        old: the stored fingerprint.
+        new: the fingerprint asked for.
+        limit: how many differences to name; the rest are counted ("and 2 more").
+
+    Returns:
+        The differences, comma-separated, keys in sorted order; a key missing on one side shows as '<unset>'.
+    """
     a, b = flatten(old), flatten(new)
     keys = [k for k in sorted(set(a) | set(b)) if a.get(k, "<unset>") != b.get(k, "<unset>")]
     parts = [f"{k} {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}" for k in keys[:limit]]
@@ -70,16 +110,43 @@ def differences(old: dict, new: dict, *, limit: int = 4) -> str:
 
 
 def stored_fingerprint(directory: str | Path) -> dict | None:
+    """The fingerprint stored in `directory`, if any.
+
+    Args:
+        directory: the result's folder.
+
+    Returns:
+        The contents of its `fingerprint.json`, or None when there is none.
+
+    Raises:
+        ATSError: if the file is not valid JSON.
+    """
     path = Path(directory) / FINGERPRINT_NAME
     return read_json(path) if path.is_file() else None
 
 
 def write_fingerprint(directory: str | Path, fingerprint: dict) -> None:
+    """Store `fingerprint` as `fingerprint.json` in `directory` (atomically).
+
+    Args:
+        directory: the result's folder (created if missing).
+        fingerprint: the fingerprint, from `make_fingerprint`.
+    """
     write_json(Path(directory) / FINGERPRINT_NAME, fingerprint)
 
 
 def refusal(where: str | Path, what: str, old: dict | None, new: dict) -> ATSError:
-    """The one-line error for a result made with other options."""
+    """The one-line error for a result made with other options.
+
+    Args:
+        where: the result's location, quoted first.
+        what: what the result is ("features", "head", ...).
+        old: the stored fingerprint, or None for a result made before fingerprints were stored.
+        new: the fingerprint asked for.
+
+    Returns:
+        The error (not raised), naming the differing options and the ways out (--overwrite, another --out).
+    """
     why = "no record of the options that made it (an older version)" if old is None else \
         f"made with other options: {differences(old, new)}"
     return ATSError(f"{where}: {what} {why}; rerun with --overwrite to replace it, or choose another --out")
@@ -87,7 +154,21 @@ def refusal(where: str | Path, what: str, old: dict | None, new: dict) -> ATSErr
 
 def check_reuse(where: str | Path, what: str, old: dict | None, new: dict, *, overwrite: bool) -> bool:
     """True: reuse the result at `where` (same fingerprint; said in one line). False: recompute (overwrite).
-    Raises the refusal when the fingerprints differ and `overwrite` is False."""
+    Raises the refusal when the fingerprints differ and `overwrite` is False.
+
+    Args:
+        where: the result's location, for the log line and the error.
+        what: what the result is ("features", "head", ...).
+        old: the stored fingerprint, or None when none is stored.
+        new: the fingerprint asked for.
+        overwrite: replace a result made with other options instead of refusing.
+
+    Returns:
+        True to reuse the stored result, False to recompute it.
+
+    Raises:
+        ATSError: the `refusal`, if the fingerprints differ and `overwrite` is False.
+    """
     if old == new:
         logger.info("reusing %s from %s (same options)", what, where)
         return True

@@ -23,7 +23,17 @@ def _fsync_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_file(path: str | Path, mode: str = "w") -> Iterator:
-    """Open a temporary file beside `path`; on success fsync it and rename it over `path`."""
+    """Open a temporary file beside `path`; on success fsync it and rename it over `path`.
+
+    On an error the temporary file is removed and `path` is left as it was.
+
+    Args:
+        path: the file to write; its folder is created if missing.
+        mode: the `open` mode ("w" for text, "wb" for bytes).
+
+    Yields:
+        The open temporary file.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -41,12 +51,29 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator:
 
 
 def write_json(path: str | Path, obj) -> None:
+    """Write `obj` as indented JSON with sorted keys, atomically.
+
+    Args:
+        path: the file to write.
+        obj: a JSON-serialisable value.
+    """
     with atomic_file(path) as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
 
 
 def read_json(path: str | Path):
+    """Read a JSON file.
+
+    Args:
+        path: the file to read.
+
+    Returns:
+        The parsed value.
+
+    Raises:
+        ATSError: if the file is missing or not valid JSON (naming the file and line).
+    """
     path = Path(path)
     try:
         return json.loads(path.read_text())
@@ -57,7 +84,17 @@ def read_json(path: str | Path):
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
-    """(line number, parsed object) for each non-blank line; invalid JSON raises ATSError naming file and line."""
+    """(line number, parsed object) for each non-blank line; invalid JSON raises ATSError naming file and line.
+
+    Args:
+        path: the JSON Lines file.
+
+    Yields:
+        (1-based line number, parsed object) for each non-blank line.
+
+    Raises:
+        ATSError: on a line that is not valid JSON.
+    """
     path = Path(path)
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -71,7 +108,16 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Build a folder in a temporary sibling; on success swap it into place (replacing an older one)."""
+    """Build a folder in a temporary sibling; on success swap it into place (replacing an older one).
+
+    On an error the temporary folder is removed and `path` is left as it was.
+
+    Args:
+        path: the folder to create or replace; its parent is created if missing.
+
+    Yields:
+        The temporary folder to write into.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))

@@ -13,7 +13,14 @@ from .errors import ATSError
 
 
 def data_dir() -> Path | None:
-    """The local data folder from `ATS_DATA_DIR`, or None (use the Hub)."""
+    """The local data folder from `ATS_DATA_DIR`, or None (use the Hub).
+
+    Returns:
+        The folder (user `~` expanded), or None when `ATS_DATA_DIR` is unset or empty.
+
+    Raises:
+        ATSError: if `ATS_DATA_DIR` is set but is not a folder.
+    """
     value = os.environ.get("ATS_DATA_DIR")
     if not value:
         return None
@@ -24,7 +31,17 @@ def data_dir() -> Path | None:
 
 
 def local_file(relative: str) -> Path | None:
-    """`ATS_DATA_DIR/relative` if `ATS_DATA_DIR` is set (error if the file is missing there), else None."""
+    """`ATS_DATA_DIR/relative` if `ATS_DATA_DIR` is set (error if the file is missing there), else None.
+
+    Args:
+        relative: the path inside the data folder.
+
+    Returns:
+        The local path, or None when `ATS_DATA_DIR` is unset.
+
+    Raises:
+        ATSError: if `ATS_DATA_DIR` is set and is not a folder, or the path does not exist under it.
+    """
     root = data_dir()
     if root is None:
         return None
@@ -35,7 +52,19 @@ def local_file(relative: str) -> Path | None:
 
 
 def hub_dataset(path: str, config: str | None, split: str):
-    """A split of a Hub data set (online users; with ATS_DATA_DIR set the local files are used instead)."""
+    """A split of a Hub data set (online users; with ATS_DATA_DIR set the local files are used instead).
+
+    Args:
+        path: the data set's Hub name.
+        config: the data set's configuration name, or None.
+        split: the split ("train", "validation", ...).
+
+    Returns:
+        The `datasets.Dataset`.
+
+    Raises:
+        ATSError: if `datasets` is missing or the data set cannot be loaded.
+    """
     try:
         import datasets
     except ImportError as err:  # pragma: no cover - datasets is a dependency

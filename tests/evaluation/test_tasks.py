@@ -15,13 +15,14 @@ import torch
 from ats.calibrators.base import Calibrator, Uncalibrated
 from ats.errors import ATSError
 from ats.evaluation.tasks import KNOWN_SPECS, MMLUTask, MultipleChoiceTask, TriviaQATask, TruthfulQAMC1Task, build_task
+from ats.evaluation.tasks.generative import cut_answer
 from ats.evaluation.tasks.mmlu import few_shot_prefix, render_prompt
 from ats.evaluation.tasks.multiple_choice import letter_prompt
 from ats.evaluation.tasks.scoring import PrefixCache, encode, letter_token_ids
-from ats.evaluation.tasks.triviaqa import cut_answer, exact_match, normalize_answer
+from ats.evaluation.tasks.triviaqa import exact_match, normalize_answer
 from ats.evaluation.tasks.truthfulqa import QA_PRIMER, render_context
 
-from helpers import HalfTemperature, SquareConfidence
+from helpers import HalfTemperature, SquareConfidence, perturbed_ats
 
 SUBJECTS = ["anatomy", "astronomy"]
 
@@ -138,13 +139,7 @@ def test_mmlu_stratified_seeded_subset():
 
 def test_ats_calibrator_sees_prefix(tiny_backbone):
     """A real ATS head (perturbed away from identity) on the cached prefix = ATS on a full, uncached forward."""
-    from ats.calibrators.ats import ATSCalibrator
-
-    ats = ATSCalibrator.for_backbone(tiny_backbone)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in ats.head.proj.parameters():
-            p.normal_(0, 0.3)
+    ats = perturbed_ats(tiny_backbone)
     task = MMLUTask(limit=1, subjects=SUBJECTS, n_shots=2)
     res = task.run(tiny_backbone, {"none": Uncalibrated(), "ats": ats}, progress=False)
     questions, shots = task.load()

@@ -87,3 +87,23 @@ def test_split_is_seeded_and_disjoint():
     assert (train, val) == train_val_split(items, val_fraction=0.2, seed=3)
     with pytest.raises(ATSError, match="val_fraction"):
         train_val_split(items, val_fraction=1.5)
+
+
+def test_packing_joins_examples_and_keeps_every_label(tokenizer):
+    from ats.training.data import DataConfig, TokenizedExample, pack_examples, prepare_examples
+
+    a = TokenizedExample([1, 2, 3], [-100, 3, -100])
+    b = TokenizedExample([4, 5], [5, -100])
+    c = TokenizedExample([6, 7, 8, 9], [-100, 8, 9, -100])
+    assert pack_examples([a, b, c], 5) == [TokenizedExample([1, 2, 3, 4, 5], [-100, 3, -100, 5, -100]), c]
+    assert pack_examples([c], 2) == [c]  # an example longer than the pack length stays alone
+
+    plain = prepare_examples(tokenizer, DataConfig(limit=40, max_length=128))
+    packed = prepare_examples(tokenizer, DataConfig(limit=40, max_length=128, pack=512))
+    for split in (0, 1):
+        ids = [t for e in plain[split] for t in e.input_ids]
+        labels = [t for e in plain[split] for t in e.labels]
+        assert [t for e in packed[split] for t in e.input_ids] == ids  # the same tokens, in order
+        assert [t for e in packed[split] for t in e.labels] == labels  # no label crosses an example boundary
+        assert all(len(e.input_ids) <= 512 for e in packed[split]) and len(packed[split]) < len(plain[split])
+    assert packed[2]["pack"] == 512

@@ -116,3 +116,16 @@ def test_non_finite_loss_stops_with_place_and_keeps_checkpoint(tokenizer, tmp_pa
         train_ats(cal, store, backbone, config=TrainingConfig(batch_size=2, micro_batch_size=2), out_dir=tmp_path / "r",
                   progress=False)
     assert latest_checkpoint(tmp_path / "r") is None  # nothing half-written in place of a good checkpoint
+
+
+def test_automatic_learning_rate_follows_the_number_of_steps(tiny_backbone, stores):
+    from ats.training.config import auto_lr
+
+    assert auto_lr(13000) == pytest.approx(5e-5)  # the paper's lr at the paper's ~13k steps
+    assert auto_lr(650) == pytest.approx(1e-3) and auto_lr(20) == 3e-3 and auto_lr(10**6) == 5e-5
+    cal, _ = _train(tiny_backbone, stores, lr=None, epochs=1)
+    record = cal.config_.training
+    steps = record["optimizer_steps"]
+    assert record["lr_automatic"] and record["lr"] == pytest.approx(auto_lr(steps)) and steps == 5
+    cal, _ = _train(tiny_backbone, stores, lr=2e-3, epochs=1)
+    assert not cal.config_.training["lr_automatic"] and cal.config_.training["lr"] == 2e-3

@@ -20,11 +20,18 @@ from .base import CONFIG_NAME, Calibrator, FitSource, LogitChunks, Uncalibrated,
 
 @dataclass(frozen=True)
 class Entry:
+    """A registered name: the class it builds and the constructor options every instance of the name gets."""
+
     target: str  # "module:Class", relative to this package
     preset: dict = field(default_factory=dict)  # options every instance of this name gets
     help: str = ""
 
     def load(self) -> type[Calibrator]:
+        """Import the class on first use.
+
+        Returns:
+            The calibrator class named by `target`.
+        """
         module, _, cls = self.target.partition(":")
         return getattr(import_module(module, __name__), cls)
 
@@ -33,7 +40,14 @@ REGISTRY: dict[str, Entry] = {}
 
 
 def register(name: str, target: str, *, help: str = "", **preset) -> None:
-    """Register a calibrator class ("module:Class") under `name`, with preset constructor options."""
+    """Register a calibrator class ("module:Class") under `name`, with preset constructor options.
+
+    Args:
+        name: the registry name (`--method` values, table rows); an existing entry is replaced.
+        target: "module:Class", the module relative to this package (".temperature:TemperatureScaling").
+        help: a one-line description for listings.
+        **preset: keyword-only constructor options every instance of `name` gets.
+    """
     REGISTRY[name] = Entry(target, preset, help)
 
 
@@ -52,22 +66,59 @@ register("selective-linear", ".ats:ATSCalibrator", head_type="linear", method="s
 
 
 def names() -> list[str]:
-    """Every registered name."""
+    """Every registered name.
+
+    Returns:
+        The names, in registration order.
+    """
     return list(REGISTRY)
 
 
 def entry(name: str) -> Entry:
+    """The registry entry of `name`.
+
+    Args:
+        name: a registered name.
+
+    Returns:
+        Its `Entry`.
+
+    Raises:
+        ATSError: if `name` is not registered (the error lists the known names).
+    """
     if name not in REGISTRY:
         raise ATSError(f"calibrator: unknown name {name!r}; known: {', '.join(REGISTRY)}")
     return REGISTRY[name]
 
 
 def calibrator_class(name: str) -> type[Calibrator]:
+    """The class registered under `name` (its preset options are not applied).
+
+    Args:
+        name: a registered name.
+
+    Returns:
+        The calibrator class.
+
+    Raises:
+        ATSError: if `name` is not registered.
+    """
     return entry(name).load()
 
 
 def build_calibrator(name: str, **options) -> Calibrator:
-    """A fresh (unfitted) calibrator; `options` are its keyword-only constructor arguments."""
+    """A fresh (unfitted) calibrator; `options` are its keyword-only constructor arguments.
+
+    Args:
+        name: a registered name.
+        **options: constructor options; they override the name's preset.
+
+    Returns:
+        The unfitted calibrator.
+
+    Raises:
+        ATSError: if `name` is not registered or an option is unknown or invalid.
+    """
     item = entry(name)
     try:
         return item.load()(**{**item.preset, **options})
@@ -76,7 +127,19 @@ def build_calibrator(name: str, **options) -> Calibrator:
 
 
 def calibrator_for(name: str, source: FitSource, **options) -> Calibrator:
-    """A fresh calibrator of `name` sized for the data of `source` (fit it with `.fit_source(source)`)."""
+    """A fresh calibrator of `name` sized for the data of `source` (fit it with `.fit_source(source)`).
+
+    Args:
+        name: a registered name.
+        source: the data it will be fitted on (backbone, hidden size).
+        **options: constructor options; they override the name's preset.
+
+    Returns:
+        The unfitted calibrator.
+
+    Raises:
+        ATSError: if `name` is not registered or an option is unknown or invalid.
+    """
     item = entry(name)
     try:
         return item.load().for_source(source, **{**item.preset, **options})
@@ -86,7 +149,19 @@ def calibrator_for(name: str, source: FitSource, **options) -> Calibrator:
 
 def load_calibrator(directory: str | Path, backbone=None) -> Calibrator:
     """Load any saved calibrator, dispatching on the "type" field of its calibrator_config.json; with `backbone`,
-    check that it matches."""
+    check that it matches.
+
+    Args:
+        directory: the calibrator's folder (as written by `save_pretrained`).
+        backbone: the `Backbone` it will be applied to, or None to skip the check.
+
+    Returns:
+        The loaded calibrator.
+
+    Raises:
+        ATSError: if the config is missing or invalid, its "type" is not a class name in the registry, the weights
+            do not match, or the calibrator was fitted for another backbone.
+    """
     directory = Path(directory)
     kind = read_config(directory).get("type")
     if kind not in REGISTRY or REGISTRY[kind].preset:

@@ -13,7 +13,18 @@ from .base import LogitChunks, top1_confidence
 
 
 def iter_chunks(chunks: LogitChunks) -> Iterator[tuple[Tensor, Tensor]]:
-    """One pass over validated chunks: logits (N, V) floating, labels (N,) in [0, V); -100 labels are dropped."""
+    """One pass over validated chunks: logits (N, V) floating, labels (N,) in [0, V); -100 labels are dropped.
+
+    Args:
+        chunks: a `LogitChunks` callable; each call starts a new pass.
+
+    Yields:
+        (logits (n, V) floating, labels (n,) int64) per non-empty chunk, the ignored positions removed.
+
+    Raises:
+        ATSError: if `chunks` is not callable, a chunk's logits are not floating (N, V), its labels do not match
+            them, or a label is outside [0, V).
+    """
     try:
         iterator = chunks()
     except TypeError:
@@ -36,7 +47,19 @@ def iter_chunks(chunks: LogitChunks) -> Iterator[tuple[Tensor, Tensor]]:
 
 def collect_top1(chunks: LogitChunks, transform: Callable[[Tensor], Tensor] | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Top-1 confidence (N,) float64 and correctness (N,) float64 of every fitting token, after `transform`."""
+    """Top-1 confidence (N,) float64 and correctness (N,) float64 of every fitting token, after `transform`.
+
+    Args:
+        chunks: a `LogitChunks` callable.
+        transform: applied to each chunk's logits (n, V) before the softmax (e.g. division by a temperature), or
+            None.
+
+    Returns:
+        (confidence (N,) in [0, 1], correct (N,) 1.0 where the argmax is the label, else 0.0), both float64.
+
+    Raises:
+        ATSError: if a chunk is malformed (see `iter_chunks`) or there is no fitting token.
+    """
     confs, corrects = [], []
     for logits, labels in iter_chunks(chunks):
         if transform is not None:
@@ -50,7 +73,19 @@ def collect_top1(chunks: LogitChunks, transform: Callable[[Tensor], Tensor] | No
 
 
 def vector_pair(tensors: dict[str, Tensor], first: str, second: str) -> tuple[np.ndarray, np.ndarray]:
-    """Two saved equal-length, non-empty float64 vectors (bin edges and values, isotonic thresholds)."""
+    """Two saved equal-length, non-empty float64 vectors (bin edges and values, isotonic thresholds).
+
+    Args:
+        tensors: the tensors read from model.safetensors.
+        first: the first vector's key.
+        second: the second vector's key.
+
+    Returns:
+        (first (K,), second (K,)) as float64 arrays.
+
+    Raises:
+        ATSError: if a key is missing or the two are not equal-length, non-empty vectors.
+    """
     for key in (first, second):
         if key not in tensors:
             raise ATSError(f"model.safetensors: tensor {key!r} missing")

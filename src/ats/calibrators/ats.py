@@ -51,11 +51,28 @@ class ATSConfig(ConfigMixin):
     training: dict = option(dict, "the training settings, for the record", cli=False)
 
     def to_dict(self) -> dict:
+        """A JSON-ready dict of every field, the head config nested as a dict.
+
+        Returns:
+            {field name: value}.
+        """
         return {**dataclasses.asdict(self), "head": self.head.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "config", **_) -> "ATSConfig":
-        """Also reads heads saved before 0.2, whose loss settings sat beside the head (moved into `training`)."""
+        """Also reads heads saved before 0.2, whose loss settings sat beside the head (moved into `training`).
+
+        Args:
+            data: the saved config (without "type"), as `to_dict` writes it.
+            where: what the data came from, quoted in errors.
+            **_: ignored (the `ConfigMixin.from_dict` signature).
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ATSError: if `data` is not a dict, lacks "head", has an unknown key or an invalid value.
+        """
         if not isinstance(data, dict):
             raise ATSError(f"{where}: expected a JSON object, got {type(data).__name__}")
         if "head" not in data:
@@ -69,7 +86,11 @@ class ATSConfig(ConfigMixin):
 
 
 class ATSCalibrator(Calibrator):
-    """Adaptive Temperature Scaling: per-token temperatures predicted from the backbone's hidden states."""
+    """Adaptive Temperature Scaling: per-token temperatures predicted from the backbone's hidden states.
+
+    Args:
+        config: the head and the backbone it is sized for; the head is built from `config.head` at identity.
+    """
 
     name = "ats"
     needs_hidden = True
@@ -83,7 +104,20 @@ class ATSCalibrator(Calibrator):
     def for_backbone(cls, backbone: Backbone, *, head_type: str = "transformer", seed: int = 0,
                      **options) -> "ATSCalibrator":
         """A fresh (identity) calibrator sized for `backbone`, initialised from `seed` (the global RNG is left
-        untouched); options go to ATSConfig / HeadConfig."""
+        untouched); options go to ATSConfig / HeadConfig.
+
+        Args:
+            backbone: the backbone the head reads; gives the sizes, name and revision.
+            head_type: "constant", "linear", "mlp" or "transformer".
+            seed: the seed of the head's initial weights.
+            **options: fields of `HeadConfig` (sizes) or of `ATSConfig` (`max_scale`, `method`, `training`).
+
+        Returns:
+            The untrained calibrator.
+
+        Raises:
+            ATSError: if an option is invalid.
+        """
         head_fields = {f.name for f in dataclasses.fields(HeadConfig)}
         head_options = {k: v for k, v in options.items() if k in head_fields}
         config_options = {k: v for k, v in options.items() if k not in head_fields}
@@ -96,30 +130,78 @@ class ATSCalibrator(Calibrator):
 
     @classmethod
     def for_source(cls, source: FitSource, **options) -> "ATSCalibrator":
+        """A fresh calibrator sized for `source.backbone` (see `for_backbone`).
+
+        Args:
+            source: the fitting data; only its backbone is read.
+            **options: as for `for_backbone`.
+
+        Returns:
+            The untrained calibrator.
+        """
         return cls.for_backbone(source.backbone, **options)
 
     def fit_source(self, source: FitSource) -> "ATSCalibrator":
-        """Train the head with the source's training settings (ATS trains on whole sequences of hidden states)."""
+        """Train the head with the source's training settings (ATS trains on whole sequences of hidden states).
+
+        Args:
+            source: the fitting data; its `train_head` trains this calibrator's head in place.
+
+        Returns:
+            self, trained.
+        """
         source.train_head(self)
         return self
 
     @property
     def label(self) -> str:
+        """The method's name in tables: "ats", "selective-temperature" or "selective-linear"."""
         return self.config_.method
 
     # --- the method --------------------------------------------------------------------------------------------
     def temperature(self, hidden: Tensor, attention_mask: Tensor | None = None, cache=None) -> Tensor:
-        """tau (B, T) from hidden states (B, T, H)."""
+        """tau (B, T) from hidden states (B, T, H).
+
+        Args:
+            hidden: (B, T, H) hidden states, moved to the head's device and dtype.
+            attention_mask: (B, T) (or past + new positions when decoding with `cache`), 1 on real tokens.
+            cache: the transformer head's `HeadCache` between decoding steps, or None.
+
+        Returns:
+            tau (B, T) float32, the log-temperature per token (0 on padding).
+        """
         param = next(self.head.parameters())
         return self.head(hidden.to(param.device, param.dtype), attention_mask, cache=cache)
 
     def scale(self, tau: Tensor) -> Tensor:
-        """s = exp(tau), clamped to max_scale: the factor applied to the logits."""
+        """s = exp(tau), clamped to max_scale: the factor applied to the logits.
+
+        Args:
+            tau: log-temperatures, any shape ((B, T) from `temperature`).
+
+        Returns:
+            s, same shape.
+        """
         return torch.exp(tau).clamp(max=self.config_.max_scale)
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
-        """Calibrated logits q = z * s at the positions of `logits` (B, K, V) (K == T when `index` is None)."""
+        """Calibrated logits q = z * s at the positions of `logits` (B, K, V) (K == T when `index` is None).
+
+        The head runs without gradients.
+
+        Args:
+            logits: z, (B, K, V), or (N, V) with hidden (N, H) (each row one position).
+            hidden: (B, T, H) hidden states of the whole sequence, or (N, H).
+            attention_mask: (B, T), 1 on real tokens.
+            index: (B, K) positions of `logits` in `hidden`; None: K == T.
+
+        Returns:
+            q, same shape as `logits`.
+
+        Raises:
+            ATSError: if `hidden` is None.
+        """
         if hidden is None:
             raise ATSError("ATS needs the backbone's hidden states: pass hidden=(B, T, H)")
         squeeze = logits.dim() == 2  # (N, V) with hidden (N, H): one position per row
@@ -134,7 +216,14 @@ class ATSCalibrator(Calibrator):
 
     # --- checks and persistence --------------------------------------------------------------------------------
     def check_backbone(self, backbone: Backbone) -> None:
-        """Refuse a head trained for another backbone (hidden size, vocabulary, base model, revision)."""
+        """Refuse a head trained for another backbone (hidden size, vocabulary, base model, revision).
+
+        Args:
+            backbone: the backbone the head is to read.
+
+        Raises:
+            ATSError: naming the first of those that differs.
+        """
         c = self.config_
         if c.hidden_size != backbone.hidden_size:
             raise ATSError(f"calibrator expects hidden size {c.hidden_size}, backbone {backbone.name} has "
@@ -149,16 +238,39 @@ class ATSCalibrator(Calibrator):
                            f"revision {backbone.revision!r}")
 
     def to(self, device) -> "ATSCalibrator":
+        """Move the head to `device`.
+
+        Args:
+            device: a torch device or its name.
+
+        Returns:
+            self.
+        """
         self.head.to(device)
         return self
 
     def config(self) -> dict:
+        """The `ATSConfig` as a dict.
+
+        Returns:
+            {field name: value}, the head config nested.
+        """
         return self.config_.to_dict()
 
     def state_tensors(self) -> dict[str, Tensor]:
+        """The head's weights.
+
+        Returns:
+            The head's state dict.
+        """
         return dict(self.head.state_dict())
 
     def save_pretrained(self, directory: str | Path) -> None:
+        """Write calibrator_config.json and the head's model.safetensors, atomically.
+
+        Args:
+            directory: the folder to write; an existing one is replaced.
+        """
         with atomic_dir(directory) as tmp:
             (tmp / CONFIG_NAME).write_text(json.dumps({"type": self.name, **self.config()}, indent=2, sort_keys=True))
             state = {k: v.detach().to("cpu").contiguous() for k, v in self.head.state_dict().items()}
@@ -168,7 +280,19 @@ class ATSCalibrator(Calibrator):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, backbone: Backbone | None = None) -> "ATSCalibrator":
-        """Load a saved head; with `backbone`, check that it matches."""
+        """Load a saved head; with `backbone`, check that it matches.
+
+        Args:
+            directory: the head's folder.
+            backbone: the backbone it will read, or None to skip the check.
+
+        Returns:
+            The calibrator, its head in eval mode.
+
+        Raises:
+            ATSError: if the config is missing or invalid, its "type" is not "ats", the weights do not match the
+                config, or the backbone does not match.
+        """
         directory = Path(directory)
         data = read_config(directory)
         if data.pop("type", None) != cls.name:
@@ -187,7 +311,15 @@ class ATSCalibrator(Calibrator):
 
 
 class CalibratedModel(nn.Module):
-    """A backbone + ATS head returning calibrated logits from a forward pass: `model(input_ids) -> q (B, T, V)`."""
+    """A backbone + ATS head returning calibrated logits from a forward pass: `model(input_ids) -> q (B, T, V)`.
+
+    Args:
+        backbone: the frozen backbone.
+        calibrator: an ATS calibrator trained for it.
+
+    Raises:
+        ATSError: if the calibrator was trained for another backbone.
+    """
 
     def __init__(self, backbone: Backbone, calibrator: ATSCalibrator) -> None:
         super().__init__()
@@ -196,5 +328,14 @@ class CalibratedModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Calibrated logits for a batch, without gradients.
+
+        Args:
+            input_ids: (B, T) token ids.
+            attention_mask: (B, T), 1 on real tokens.
+
+        Returns:
+            q, (B, T, V).
+        """
         hidden, _ = self.backbone.forward(input_ids, attention_mask)  # (B, T, H)
         return self.calibrator.calibrate(self.backbone.logits(hidden), hidden, attention_mask=attention_mask)

@@ -37,7 +37,7 @@ LogitChunks = Callable[[], Iterator[tuple[Tensor, Tensor]]]
 
 
 class FitSource(Protocol):
-    """What a calibrator is fitted on; the training layer provides it (`ats.training.fitting.FeatureSource`).
+    """What a calibrator is fitted on; the workflow layer provides it (`ats.workflows.pipeline.FeatureSource`).
 
     logit_chunks: token-level (logits, labels) chunks of the response tokens;
     store / logits_fn: the sequences of hidden states and the output layer, for methods that read hidden states;
@@ -46,12 +46,19 @@ class FitSource(Protocol):
     """
 
     logit_chunks: LogitChunks
+    fitted: dict  # name -> calibrator already fitted on this source (e.g. scaling-binning reuses the temperature)
     store: object
     logits_fn: Callable[[Tensor], Tensor]
     backbone: object
     hidden_size: int
 
-    def train_head(self, calibrator: "Calibrator") -> None: ...
+    def train_head(self, calibrator: "Calibrator") -> None:
+        """Train an ATS-family head in place with the run's training config.
+
+        Args:
+            calibrator: the calibrator whose head is trained (`trains_head` is True).
+        """
+        ...
 
 
 class Calibrator(ABC):
@@ -65,15 +72,43 @@ class Calibrator(ABC):
     # --- fitting ----------------------------------------------------------------------------------------------------
     @classmethod
     def for_source(cls, source: FitSource, **options) -> "Calibrator":
-        """A fresh calibrator sized for the data in `source` (most need nothing from it)."""
+        """A fresh calibrator sized for the data in `source` (most need nothing from it).
+
+        Args:
+            source: the data it will be fitted on.
+            **options: the class's keyword-only constructor options.
+
+        Returns:
+            The unfitted calibrator.
+        """
         return cls(**options)
 
     def fit_source(self, source: FitSource) -> "Calibrator":
-        """Fit on `source`; token-level methods use its logit chunks. Returns self."""
+        """Fit on `source`; token-level methods use its logit chunks. Returns self.
+
+        Args:
+            source: the fitting data.
+
+        Returns:
+            self, fitted.
+
+        Raises:
+            ATSError: if the data are malformed or empty.
+        """
         return self.fit(source.logit_chunks)
 
     def fit(self, chunks: LogitChunks) -> "Calibrator":
-        """Fit on token-level (logits, labels) chunks; returns self."""
+        """Fit on token-level (logits, labels) chunks; returns self.
+
+        Args:
+            chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
+
+        Returns:
+            self, fitted (in subclasses fitted on chunks).
+
+        Raises:
+            ATSError: always here: a method that is not fitted on logit chunks (use `fit_source`).
+        """
         raise ATSError(f"calibrator {self.name!r} is not fitted on logit chunks; use fit_source()")
 
     # --- applying ---------------------------------------------------------------------------------------------------
@@ -85,16 +120,48 @@ class Calibrator(ABC):
         attention_mask: Tensor | None = None,  # (B, T)
         index: Tensor | None = None,  # (B, K) positions of `logits` in `hidden`; None: K == T
     ) -> Tensor:
-        """Calibrated logits, same shape as `logits`. Identity unless overridden."""
+        """Calibrated logits, same shape as `logits`. Identity unless overridden.
+
+        Args:
+            logits: the backbone's logits, (B, K, V) or (N, V).
+            hidden: the backbone's hidden states, (B, T, H) (or (N, H) with 2-D logits); read by `needs_hidden`
+                methods only.
+            attention_mask: (B, T), 1 on real tokens.
+            index: (B, K) positions of `logits` in `hidden`; None: K == T.
+
+        Returns:
+            Calibrated logits, same shape as `logits`.
+        """
         return logits
 
     def calibrate_confidence(self, confidence: Tensor | np.ndarray) -> Tensor | np.ndarray:
-        """Map a top-1 confidence in [0, 1] to a calibrated one. Identity unless overridden."""
+        """Map a top-1 confidence in [0, 1] to a calibrated one. Identity unless overridden.
+
+        Args:
+            confidence: top-1 confidences, any shape.
+
+        Returns:
+            The mapped confidences, same shape (and, for the binning methods, same kind: tensor or array).
+        """
         return confidence
 
     def apply(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
               index: Tensor | None = None) -> Tensor:
-        """Calibrated logits (same shape) in float32; `hidden` is passed on only to methods that read it."""
+        """Calibrated logits (same shape) in float32; `hidden` is passed on only to methods that read it.
+
+        Args:
+            logits: the backbone's logits, (B, K, V) or (N, V).
+            hidden: the backbone's hidden states, (B, T, H) (or (N, H) with 2-D logits), or None for methods that
+                do not read them.
+            attention_mask: (B, T), 1 on real tokens.
+            index: (B, K) positions of `logits` in `hidden`; None: K == T.
+
+        Returns:
+            Calibrated logits, same shape as `logits`, float32.
+
+        Raises:
+            ATSError: if the calibrator returns another shape, or is not fitted or lacks the hidden states it needs.
+        """
         if self.needs_hidden:
             q = self.calibrate(logits, hidden, attention_mask=attention_mask, index=index)
         else:
@@ -105,7 +172,14 @@ class Calibrator(ABC):
         return q.float()
 
     def map_confidence(self, confidence: Tensor | np.ndarray) -> np.ndarray:
-        """A top-1 confidence from calibrated logits, through the binning map when there is one; float64 in [0, 1]."""
+        """A top-1 confidence from calibrated logits, through the binning map when there is one; float64 in [0, 1].
+
+        Args:
+            confidence: top-1 confidences of the calibrated logits, any shape.
+
+        Returns:
+            The (mapped) confidences, same shape, float64, clipped to [0, 1].
+        """
         conf = _numpy(confidence)
         if self.maps_confidence:
             conf = _numpy(self.calibrate_confidence(conf)).reshape(np.shape(confidence))
@@ -113,17 +187,40 @@ class Calibrator(ABC):
 
     def top1(self, logits: Tensor, hidden: Tensor | None = None, **where) -> tuple[np.ndarray, Tensor]:
         """(calibrated top-1 confidence (...,) float64, argmax of the calibrated logits (...,)) at `logits`'
-        positions (vector scaling can move the argmax, so the prediction is per calibrator)."""
+        positions (vector scaling can move the argmax, so the prediction is per calibrator).
+
+        Args:
+            logits: the backbone's logits, (B, K, V) or (N, V).
+            hidden: the backbone's hidden states, as for `apply`.
+            **where: `attention_mask` and `index`, as for `apply`.
+
+        Returns:
+            (confidence, prediction): float64 array and long tensor, both of shape `logits.shape[:-1]`.
+        """
         conf, pred = top1_confidence(self.apply(logits, hidden, **where))
         return self.map_confidence(conf), pred
 
     # --- placement and checks ---------------------------------------------------------------------------------------
     def to(self, device) -> "Calibrator":
-        """Move any tensors to `device`; returns self."""
+        """Move any tensors to `device`; returns self.
+
+        Args:
+            device: a torch device or its name.
+
+        Returns:
+            self.
+        """
         return self
 
     def check_backbone(self, backbone) -> None:
-        """Refuse a backbone this calibrator was not fitted for (sizes, identity). Nothing to check by default."""
+        """Refuse a backbone this calibrator was not fitted for (sizes, identity). Nothing to check by default.
+
+        Args:
+            backbone: the `Backbone` the calibrator is to be applied to.
+
+        Raises:
+            ATSError: in subclasses, on a mismatch.
+        """
 
     @property
     def label(self) -> str:
@@ -132,7 +229,11 @@ class Calibrator(ABC):
 
     def digest(self) -> str:
         """A hash of everything the calibrator is (type, config, fitted tensors): results computed with it are
-        reused only for the same digest."""
+        reused only for the same digest.
+
+        Returns:
+            16 hex digits of a sha256.
+        """
         h = hashlib.sha256(json.dumps({"type": self.name, **self.config()}, sort_keys=True, default=str).encode())
         for key, tensor in sorted(self.state_tensors().items()):
             h.update(key.encode())
@@ -141,17 +242,41 @@ class Calibrator(ABC):
 
     # --- persistence: JSON config + safetensors, never pickle -------------------------------------------------------
     def config(self) -> dict:
-        """JSON-serialisable settings and fitted scalars (tensors go to `state_tensors`)."""
+        """JSON-serialisable settings and fitted scalars (tensors go to `state_tensors`).
+
+        Returns:
+            {option: value}, written to calibrator_config.json beside "type".
+        """
         return {}
 
     def state_tensors(self) -> dict[str, Tensor]:
+        """The fitted tensors, saved to model.safetensors (none by default).
+
+        Returns:
+            {name: tensor}.
+        """
         return {}
 
     def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
-        """Restore from what `config` and `state_tensors` wrote."""
+        """Restore from what `config` and `state_tensors` wrote.
+
+        Args:
+            config: the saved calibrator_config.json without its "type".
+            tensors: the saved tensors ({} when there is no model.safetensors).
+
+        Raises:
+            ATSError: in subclasses, if a value or tensor is missing or invalid.
+        """
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write `calibrator_config.json` (with "type") and, if there are tensors, `model.safetensors`, atomically."""
+        """Write `calibrator_config.json` (with "type") and, if there are tensors, `model.safetensors`, atomically.
+
+        Args:
+            directory: the folder to write; an existing one is replaced.
+
+        Raises:
+            ATSError: if the calibrator is not fitted.
+        """
         with atomic_dir(directory) as tmp:
             (tmp / CONFIG_NAME).write_text(json.dumps({"type": self.name, **self.config()}, indent=2, sort_keys=True))
             tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_tensors().items()}
@@ -160,7 +285,19 @@ class Calibrator(ABC):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, backbone=None) -> "Calibrator":
-        """Load a saved calibrator of this type; with `backbone`, check that it matches."""
+        """Load a saved calibrator of this type; with `backbone`, check that it matches.
+
+        Args:
+            directory: the calibrator's folder.
+            backbone: the `Backbone` it will be applied to, or None to skip the check.
+
+        Returns:
+            The loaded calibrator.
+
+        Raises:
+            ATSError: if the config or weights are missing or invalid, the saved "type" is not this class's, or
+                the backbone does not match.
+        """
         directory = Path(directory)
         config = read_config(directory)
         if config.get("type") != cls.name:
@@ -174,7 +311,17 @@ class Calibrator(ABC):
 
 
 def read_config(directory: Path) -> dict:
-    """A calibrator folder's config; a folder without one gets a hint at where heads are saved."""
+    """A calibrator folder's config; a folder without one gets a hint at where heads are saved.
+
+    Args:
+        directory: the calibrator's folder.
+
+    Returns:
+        The parsed calibrator_config.json, "type" included.
+
+    Raises:
+        ATSError: if the file is missing (a run folder is named as such) or is not a JSON object.
+    """
     path = directory / CONFIG_NAME
     if directory.is_dir() and not path.exists() and (directory / "head" / CONFIG_NAME).exists():
         raise ATSError(f"{directory}: a run folder, not a calibrator; the head is in {directory / 'head'}")
@@ -185,7 +332,17 @@ def read_config(directory: Path) -> dict:
 
 
 def read_tensors(directory: Path) -> dict[str, Tensor]:
-    """The tensors of `model.safetensors`, with one-line errors for a missing or corrupt file."""
+    """The tensors of `model.safetensors`, with one-line errors for a missing or corrupt file.
+
+    Args:
+        directory: the calibrator's folder.
+
+    Returns:
+        {name: tensor}, on the CPU.
+
+    Raises:
+        ATSError: if the file is missing, corrupt or truncated.
+    """
     path = directory / WEIGHTS_NAME
     try:
         return load_file(str(path))
@@ -207,18 +364,42 @@ class Uncalibrated(Calibrator):
     name = "none"
 
     def fit(self, chunks: LogitChunks) -> "Uncalibrated":
+        """Nothing to fit.
+
+        Args:
+            chunks: ignored.
+
+        Returns:
+            self.
+        """
         return self
 
     def fit_source(self, source: FitSource) -> "Uncalibrated":
+        """Nothing to fit.
+
+        Args:
+            source: ignored.
+
+        Returns:
+            self.
+        """
         return self
 
     @property
     def label(self) -> str:
+        """The row name in tables: "uncalibrated"."""
         return "uncalibrated"
 
 
 def top1_confidence(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """(confidence, argmax) of softmax(logits) over the last axis, computed in float32."""
+    """(confidence, argmax) of softmax(logits) over the last axis, computed in float32.
+
+    Args:
+        logits: (..., V).
+
+    Returns:
+        (confidence (...,) float32, argmax (...,) long).
+    """
     probs = torch.softmax(logits.float(), dim=-1)
     conf, pred = probs.max(dim=-1)
     return conf, pred

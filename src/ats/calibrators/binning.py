@@ -22,7 +22,16 @@ from .temperature import TemperatureScaling
 
 
 def equal_mass_bins(confidence: np.ndarray, target: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """Upper edges (K,) and per-bin mean of `target` (K,), K <= n_bins (tied quantiles merge bins; none is empty)."""
+    """Upper edges (K,) and per-bin mean of `target` (K,), K <= n_bins (tied quantiles merge bins; none is empty).
+
+    Args:
+        confidence: (N,) top-1 confidences in [0, 1], N >= 1.
+        target: (N,) the values averaged per bin (the confidence itself, or correctness 0/1).
+        n_bins: the number of equal-mass groups asked for.
+
+    Returns:
+        (upper edges (K,) increasing, the last 1.0; mean of `target` per bin (K,)), both float64.
+    """
     order = np.sort(confidence)  # (N,)
     n = order.size
     cut = [order[int(np.ceil(n * (i + 1) / n_bins)) - 1] for i in range(n_bins - 1)]  # max of each equal-mass group
@@ -37,7 +46,18 @@ def equal_mass_bins(confidence: np.ndarray, target: np.ndarray, n_bins: int) -> 
 
 
 def apply_bins(confidence, upper: np.ndarray, values: np.ndarray):
-    """Map each confidence to its bin's value; numpy in -> numpy out, tensor in -> tensor out (same device/dtype)."""
+    """Map each confidence to its bin's value; numpy in -> numpy out, tensor in -> tensor out (same device/dtype).
+
+    Args:
+        confidence: confidences, any shape (array, tensor or array-like); values above the last edge take the last
+            bin.
+        upper: (K,) the bins' upper edges.
+        values: (K,) the bins' values.
+
+    Returns:
+        The bin values, same shape as `confidence`: float64 array, or a tensor of its dtype (float32 if not
+        floating).
+    """
     if isinstance(confidence, Tensor):
         dtype = confidence.dtype if confidence.dtype.is_floating_point else torch.float32
         u = torch.as_tensor(upper, dtype=torch.float64, device=confidence.device)
@@ -64,25 +84,65 @@ class _Binning(Calibrator):
             raise ATSError(f"{type(self).__name__}: not fitted; call fit() or from_pretrained() first")
 
     def calibrate_confidence(self, confidence):
+        """Map each confidence to its bin's value (see `apply_bins`).
+
+        Args:
+            confidence: top-1 confidences, any shape, array or tensor.
+
+        Returns:
+            The bin values, same shape and kind.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         self._check_fitted()
         return apply_bins(confidence, self.upper_edges, self.values)
 
     def config(self) -> dict:
+        """The number of bins asked for.
+
+        Returns:
+            {"n_bins"}.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         self._check_fitted()
         return {"n_bins": self.n_bins}
 
     def state_tensors(self) -> dict[str, Tensor]:
+        """The fitted bins.
+
+        Returns:
+            {"upper_edges": (K,), "values": (K,)}, float64.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         self._check_fitted()
         return {"upper_edges": torch.from_numpy(self.upper_edges.copy()),
                 "values": torch.from_numpy(self.values.copy())}
 
     def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
+        """Restore the number of bins and the fitted bins.
+
+        Args:
+            config: the saved config (without "type").
+            tensors: {"upper_edges": (K,), "values": (K,)}.
+
+        Raises:
+            ATSError: if `n_bins` is invalid or the tensors are missing or not equal-length vectors.
+        """
         self.n_bins = check_positive_int("n_bins", config.get("n_bins", 15))
         self.upper_edges, self.values = vector_pair(tensors, "upper_edges", "values")
 
 
 class ScalingBinning(_Binning):
-    """Temperature scaling, then equal-mass bins on the scaled confidence mapped to their mean scaled confidence."""
+    """Temperature scaling, then equal-mass bins on the scaled confidence mapped to their mean scaled confidence.
+
+    Args:
+        n_bins: the number of equal-mass bins (fewer when quantiles tie).
+    """
 
     name = "scaling-binning"
 
@@ -91,38 +151,119 @@ class ScalingBinning(_Binning):
         self.temperature: float | None = None
 
     def fit(self, chunks: LogitChunks, *, temperature: float | None = None) -> "ScalingBinning":
-        """temperature: reuse an already fitted temperature (same data) instead of fitting it again."""
+        """Fit the temperature (unless given), then the bins on the scaled confidences.
+
+        Args:
+            chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
+            temperature: reuse an already fitted temperature (same data) instead of fitting it again.
+
+        Returns:
+            self, fitted.
+
+        Raises:
+            ATSError: if a chunk is malformed or there is no fitting token.
+        """
         self.temperature = temperature if temperature is not None else TemperatureScaling().fit(chunks).temperature
         conf, _ = collect_top1(chunks, transform=lambda z: z / self.temperature)
         self.upper_edges, self.values = equal_mass_bins(conf, conf, self.n_bins)
         return self
 
+    def fit_source(self, source) -> "ScalingBinning":
+        """Reuses the temperature of a temperature-scaling fit on the same source, if there is one.
+
+        Args:
+            source: the fitting data; its logit chunks and `fitted["temperature"]` are read.
+
+        Returns:
+            self, fitted.
+        """
+        done = source.fitted.get("temperature")
+        return self.fit(source.logit_chunks, temperature=getattr(done, "temperature", None))
+
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
-        """logits / T (the scaling half); the binning half is `calibrate_confidence`."""
+        """logits / T (the scaling half); the binning half is `calibrate_confidence`.
+
+        Args:
+            logits: (B, K, V) or (N, V).
+            hidden: unused (the `Calibrator.calibrate` signature).
+            attention_mask: unused.
+            index: unused.
+
+        Returns:
+            logits / T, same shape and dtype.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         self._check_fitted()
         return logits / self.temperature
 
     def config(self) -> dict:
+        """The number of bins and the temperature.
+
+        Returns:
+            {"n_bins", "temperature"}.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         return {**super().config(), "temperature": self.temperature}
 
     def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
+        """Restore the bins and the temperature.
+
+        Args:
+            config: the saved config (without "type").
+            tensors: {"upper_edges": (K,), "values": (K,)}.
+
+        Raises:
+            ATSError: if a value is missing or invalid.
+        """
         super().load_state(config, tensors)
         self.temperature = check_positive_float("temperature", config.get("temperature"))
 
 
 class HistogramBinning(_Binning):
-    """Equal-mass bins on the uncalibrated confidence mapped to the empirical accuracy in each bin."""
+    """Equal-mass bins on the uncalibrated confidence mapped to the empirical accuracy in each bin.
+
+    Args:
+        n_bins: the number of equal-mass bins (fewer when quantiles tie).
+    """
 
     name = "histogram"
 
     def fit(self, chunks: LogitChunks) -> "HistogramBinning":
+        """Fit the bins on the uncalibrated top-1 confidences and their correctness.
+
+        Args:
+            chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
+
+        Returns:
+            self, fitted.
+
+        Raises:
+            ATSError: if a chunk is malformed or there is no fitting token.
+        """
         conf, correct = collect_top1(chunks)
         self.upper_edges, self.values = equal_mass_bins(conf, correct, self.n_bins)
         return self
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
-        """Identity (the logits are left as they are); the map is `calibrate_confidence`."""
+        """Identity (the logits are left as they are); the map is `calibrate_confidence`.
+
+        Args:
+            logits: (B, K, V) or (N, V).
+            hidden: unused (the `Calibrator.calibrate` signature).
+            attention_mask: unused.
+            index: unused.
+
+        Returns:
+            `logits`, unchanged.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         self._check_fitted()
         return logits

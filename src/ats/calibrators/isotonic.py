@@ -27,6 +27,17 @@ class IsotonicCalibration(Calibrator):
         self.y_thresholds: np.ndarray | None = None  # (K,) non-decreasing accuracies in [0, 1]
 
     def fit(self, chunks: LogitChunks) -> "IsotonicCalibration":
+        """Fit the monotone map of correctness on the uncalibrated top-1 confidence.
+
+        Args:
+            chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
+
+        Returns:
+            self, with the thresholds set.
+
+        Raises:
+            ATSError: if a chunk is malformed or there is no fitting token.
+        """
         conf, correct = collect_top1(chunks)
         iso = IsotonicRegression(out_of_bounds="clip", y_min=0.0, y_max=1.0, increasing=True).fit(conf, correct)
         self.x_thresholds = np.asarray(iso.X_thresholds_, dtype=np.float64)
@@ -38,7 +49,18 @@ class IsotonicCalibration(Calibrator):
             raise ATSError("IsotonicCalibration: not fitted; call fit() or from_pretrained() first")
 
     def calibrate_confidence(self, confidence):
-        """Piecewise-linear interpolation between thresholds, clipped at the ends; numpy or tensor in, same out."""
+        """Piecewise-linear interpolation between thresholds, clipped at the ends; numpy or tensor in, same out.
+
+        Args:
+            confidence: top-1 confidences, any shape, array or tensor.
+
+        Returns:
+            The mapped confidences, same shape: float64 array, or a tensor on the same device with the same dtype
+            (float32 if not floating).
+
+        Raises:
+            ATSError: if not fitted.
+        """
         self._check_fitted()
         if isinstance(confidence, Tensor):
             dtype = confidence.dtype if confidence.dtype.is_floating_point else torch.float32
@@ -48,17 +70,56 @@ class IsotonicCalibration(Calibrator):
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
+        """Identity (the logits are left as they are); the map is `calibrate_confidence`.
+
+        Args:
+            logits: (B, K, V) or (N, V).
+            hidden: unused (the `Calibrator.calibrate` signature).
+            attention_mask: unused.
+            index: unused.
+
+        Returns:
+            `logits`, unchanged.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         self._check_fitted()
         return logits
 
     def config(self) -> dict:
+        """No options.
+
+        Returns:
+            {}.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         self._check_fitted()
         return {}
 
     def state_tensors(self) -> dict[str, Tensor]:
+        """The fitted thresholds.
+
+        Returns:
+            {"x_thresholds": (K,), "y_thresholds": (K,)}, float64.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         self._check_fitted()
         return {"x_thresholds": torch.from_numpy(self.x_thresholds.copy()),
                 "y_thresholds": torch.from_numpy(self.y_thresholds.copy())}
 
     def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
+        """Restore the thresholds.
+
+        Args:
+            config: unused (no options).
+            tensors: {"x_thresholds": (K,), "y_thresholds": (K,)}.
+
+        Raises:
+            ATSError: if a tensor is missing or the two are not equal-length non-empty vectors.
+        """
         self.x_thresholds, self.y_thresholds = vector_pair(tensors, "x_thresholds", "y_thresholds")

@@ -25,7 +25,18 @@ def _work_dtype(logits: Tensor) -> Tensor:
 
 
 def nll_derivatives(chunks: LogitChunks, s: float) -> tuple[float, float, float, int]:
-    """Mean NLL, dNLL/ds and d2NLL/ds2 at inverse temperature s over all tokens, in one pass."""
+    """Mean NLL, dNLL/ds and d2NLL/ds2 at inverse temperature s over all tokens, in one pass.
+
+    Args:
+        chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
+        s: the inverse temperature 1/T.
+
+    Returns:
+        (mean NLL, mean dNLL/ds, mean d2NLL/ds2, number of tokens).
+
+    Raises:
+        ATSError: if a chunk is malformed or there is no fitting token.
+    """
     loss = grad = hess = 0.0
     n = 0
     for logits, labels in iter_chunks(chunks):
@@ -46,7 +57,12 @@ def nll_derivatives(chunks: LogitChunks, s: float) -> tuple[float, float, float,
 
 
 class TemperatureScaling(Calibrator):
-    """One temperature for every token: q = z / T, T fitted by NLL with guarded Newton steps on 1/T."""
+    """One temperature for every token: q = z / T, T fitted by NLL with guarded Newton steps on 1/T.
+
+    Args:
+        max_passes: the most Newton steps (each one pass over the chunks).
+        tol: stop when a step (or the bracket) is within this relative tolerance.
+    """
 
     name = "temperature"
 
@@ -57,6 +73,17 @@ class TemperatureScaling(Calibrator):
         self.passes_: int = 0
 
     def fit(self, chunks: LogitChunks) -> "TemperatureScaling":
+        """Fit T by NLL (see the module docstring); T stays in [0.01, 100].
+
+        Args:
+            chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
+
+        Returns:
+            self, with `temperature` and the number of passes `passes_` set.
+
+        Raises:
+            ATSError: if a chunk is malformed or there is no fitting token.
+        """
         s, lo, hi = 1.0, S_MIN, S_MAX  # the optimum of the convex loss lies in [lo, hi] (clamped to the range)
         for passes in range(1, self.max_passes + 1):
             _, grad, hess, _ = nll_derivatives(chunks, s)
@@ -85,13 +112,43 @@ class TemperatureScaling(Calibrator):
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
-        """logits / T, same shape and dtype."""
+        """logits / T, same shape and dtype.
+
+        Args:
+            logits: (B, K, V) or (N, V).
+            hidden: unused (the `Calibrator.calibrate` signature).
+            attention_mask: unused.
+            index: unused.
+
+        Returns:
+            logits / T, same shape and dtype.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         return logits / self._check_fitted()
 
     def config(self) -> dict:
+        """The options and the fitted temperature.
+
+        Returns:
+            {"max_passes", "tol", "temperature"}.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         return {"max_passes": self.max_passes, "tol": self.tol, "temperature": self._check_fitted()}
 
     def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
+        """Restore the options and the temperature.
+
+        Args:
+            config: the saved config (without "type").
+            tensors: unused (temperature scaling saves no tensors).
+
+        Raises:
+            ATSError: if the temperature is missing or not a positive number, or an option is invalid.
+        """
         self.max_passes = check_positive_int("max_passes", config.get("max_passes", 20))
         self.tol = check_positive_float("tol", config.get("tol", 1e-6))
         self.temperature = check_positive_float("temperature", config.get("temperature"))

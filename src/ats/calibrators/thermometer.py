@@ -27,7 +27,8 @@ Which hidden state is "the prompt's last token":
   last real token of each row (per `attention_mask`) is used: the whole input is taken as the prompt. With 2-D
   logits (N, V) and hidden (N, H), each row is its own prompt.
 
-Logits are never built for the whole data: `ats.losses.chunked_cross_entropy` recomputes them from hidden states in
+Logits are never built for the whole data: `ats.model.scaled_ce.scaled_cross_entropy` recomputes them from hidden
+states in
 chunks with an exact gradient w.r.t. the per-token scale.
 """
 
@@ -52,13 +53,29 @@ SOFTPLUS_ONE = math.log(math.e - 1.0)  # softplus(SOFTPLUS_ONE) == 1: the networ
 
 
 def gamma_neg_log_prior(temperature: Tensor, alpha: float, beta: float) -> Tensor:
-    """-log p(T) for T ~ Gamma(shape=alpha, scale=beta), elementwise (scipy.stats.gamma(a=alpha, scale=beta))."""
+    """-log p(T) for T ~ Gamma(shape=alpha, scale=beta), elementwise (scipy.stats.gamma(a=alpha, scale=beta)).
+
+    Args:
+        temperature: T > 0, any shape.
+        alpha: the shape alpha0.
+        beta: the scale beta0.
+
+    Returns:
+        -log p(T), same shape as `temperature`.
+    """
     t = temperature
     return -(alpha - 1.0) * torch.log(t) + t / beta + math.lgamma(alpha) + alpha * math.log(beta)
 
 
 class ThermometerNet(nn.Module):
-    """The authors' architecture: three Linear-ReLU-Linear branches mixed by Linear(3, 1); output = raw 1/T."""
+    """The authors' architecture: three Linear-ReLU-Linear branches mixed by Linear(3, 1); output = raw 1/T.
+
+    Starts near T = 1 (softplus of the output is 1 at initialisation, up to a small slope).
+
+    Args:
+        input_size: H, the backbone's hidden size.
+        hidden_size: m, the width of each branch.
+    """
 
     def __init__(self, input_size: int, hidden_size: int) -> None:
         super().__init__()
@@ -70,19 +87,47 @@ class ThermometerNet(nn.Module):
             self.final.bias.fill_(SOFTPLUS_ONE)
 
     def forward(self, x: Tensor) -> Tensor:
-        """(B, H) -> (B,) pre-softplus inverse temperature."""
+        """(B, H) -> (B,) pre-softplus inverse temperature.
+
+        Args:
+            x: (B, H) prompt features.
+
+        Returns:
+            (B,) the raw output; softplus of it is 1/T.
+        """
         return self.final(torch.cat([b(x) for b in self.branches], dim=-1)).squeeze(-1)
 
 
 def prompt_positions(labels: Tensor) -> Tensor:
-    """(B,) index of the first response label in each row of labels (B, T): the prompt's last token; -1 if none."""
+    """(B,) index of the first response label in each row of labels (B, T): the prompt's last token; -1 if none.
+
+    Args:
+        labels: (B, T) next-token ids on response positions, -100 elsewhere.
+
+    Returns:
+        (B,) long positions, -1 for a row without a response label.
+    """
     has = labels != IGNORE_INDEX
     first = has.to(torch.int8).argmax(dim=1)
     return torch.where(has.any(dim=1), first, torch.full_like(first, -1))
 
 
 class Thermometer(Calibrator):
-    """One temperature per prompt, predicted by an MLP from the prompt's last-token hidden state (Shen et al. 2024)."""
+    """One temperature per prompt, predicted by an MLP from the prompt's last-token hidden state (Shen et al. 2024).
+
+    Args:
+        hidden_size: H, the backbone's hidden size the network reads.
+        mlp_hidden: the width of each of the network's branches.
+        epochs: passes over the sequences.
+        lr: AdamW's learning rate.
+        weight_decay: AdamW's weight decay (on weight matrices only).
+        batch_size: sequences per step.
+        prior_alpha: the Gamma prior's shape alpha0.
+        prior_beta: the Gamma prior's scale beta0.
+        prior_weight: lambda, the weight of the prior in the loss.
+        chunk_size: tokens per chunk when computing the cross-entropy from hidden states.
+        seed: the seed of the initial weights and of the shuffling.
+    """
 
     name = "thermometer"
     needs_hidden = True
@@ -109,16 +154,37 @@ class Thermometer(Calibrator):
 
     # --- the method --------------------------------------------------------------------------------------------
     def prior(self, temperature: Tensor) -> Tensor:
-        """-log Gamma(T; prior_alpha, scale=prior_beta), elementwise."""
+        """-log Gamma(T; prior_alpha, scale=prior_beta), elementwise.
+
+        Args:
+            temperature: T > 0, any shape.
+
+        Returns:
+            R(T), same shape.
+        """
         return gamma_neg_log_prior(temperature, self.prior_alpha, self.prior_beta)
 
     def inverse_temperature(self, x: Tensor) -> Tensor:
-        """s = 1/T (B,) from prompt features x (B, H), clamped to [0.01, 100]; differentiable."""
+        """s = 1/T (B,) from prompt features x (B, H), clamped to [0.01, 100]; differentiable.
+
+        Args:
+            x: (B, H) prompt features, moved to the network's device and dtype.
+
+        Returns:
+            s, (B,).
+        """
         param = next(self.net.parameters())
         return F.softplus(self.net(x.to(param.device, param.dtype))).clamp(S_MIN, S_MAX)
 
     def temperature(self, x: Tensor) -> Tensor:
-        """T (B,) from prompt features x (B, H)."""
+        """T (B,) from prompt features x (B, H).
+
+        Args:
+            x: (B, H) prompt features.
+
+        Returns:
+            T, (B,), without gradients.
+        """
         with torch.no_grad():
             return 1.0 / self.inverse_temperature(x)
 
@@ -135,7 +201,22 @@ class Thermometer(Calibrator):
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
-        """q = z / T(prompt) for every position of a row; same shape as `logits` ((B, K, V) or (N, V))."""
+        """q = z / T(prompt) for every position of a row; same shape as `logits` ((B, K, V) or (N, V)).
+
+        The prompt's hidden state is chosen as the module docstring says.
+
+        Args:
+            logits: z, (B, K, V), or (N, V) with hidden (N, H) (each row its own prompt).
+            hidden: (B, T, H) hidden states of the whole sequence, or (N, H).
+            attention_mask: (B, T), 1 on real tokens; without `index`, the last real token is the prompt's.
+            index: (B, K) positions of `logits` in `hidden`; `index[:, 0]` is read as the prompt's last token.
+
+        Returns:
+            q, same shape as `logits`.
+
+        Raises:
+            ATSError: if not fitted, `hidden` is None, or its shape does not match `logits`.
+        """
         self._check_fitted()
         if hidden is None:
             raise ATSError("Thermometer needs the backbone's hidden states: pass hidden=(B, T, H)")
@@ -156,18 +237,55 @@ class Thermometer(Calibrator):
 
     @classmethod
     def for_source(cls, source: FitSource, **options) -> "Thermometer":
+        """A fresh Thermometer sized for `source.hidden_size`.
+
+        Args:
+            source: the fitting data.
+            **options: constructor options (`hidden_size` overrides the source's).
+
+        Returns:
+            The unfitted calibrator.
+        """
         return cls(**{"hidden_size": source.hidden_size, **options})
 
     def fit_source(self, source: FitSource) -> "Thermometer":
+        """Fit on the source's sequences of hidden states (see `fit_sequences`).
+
+        Args:
+            source: the fitting data; its `store` and `logits_fn` are read.
+
+        Returns:
+            self, fitted.
+        """
         return self.fit_sequences(source.store, source.logits_fn)
 
     def fit(self, chunks: LogitChunks) -> "Thermometer":
+        """Not supported: Thermometer trains on whole sequences.
+
+        Args:
+            chunks: ignored.
+
+        Raises:
+            ATSError: always; use `fit_sequences` (or `fit_source`).
+        """
         raise ATSError("Thermometer predicts a temperature per prompt and trains on whole sequences: use "
                        "fit_sequences(feature_store, backbone.logits)")
 
     def sequence_loss(self, hidden: Tensor, labels: Tensor, logits_fn: Callable[[Tensor], Tensor]
                       ) -> tuple[Tensor, float, float, int]:
-        """(loss, mean NLL, mean T, sequences) for a padded batch hidden (B, T, H), labels (B, T); differentiable."""
+        """(loss, mean NLL, mean T, sequences) for a padded batch hidden (B, T, H), labels (B, T); differentiable.
+
+        Rows without a response label are dropped.
+
+        Args:
+            hidden: (B, T, H) hidden states.
+            labels: (B, T) next-token ids on response positions, -100 elsewhere.
+            logits_fn: the output layer, h (n, H) -> z (n, V).
+
+        Returns:
+            (loss: scalar tensor, the module docstring's loss; mean NLL per sequence: float; mean T: float;
+            number of sequences kept: int). With no sequence kept: (a zero that keeps the graph, 0.0, 0.0, 0).
+        """
         pos = prompt_positions(labels)  # (B,)
         keep = pos >= 0
         if not bool(keep.any()):
@@ -191,8 +309,20 @@ class Thermometer(Calibrator):
                       progress: bool = False) -> "Thermometer":
         """Fit on a FeatureStore's sequences; `logits_fn` = backbone.logits. Returns self.
 
-        device: where the network and hidden states live; default the device of `logits_fn`'s backbone (CPU if
-        unknown). The per-epoch mean loss / NLL / temperature go to `self.history`.
+        The per-epoch mean loss / NLL / temperature go to `self.history`.
+
+        Args:
+            store: a `FeatureStore` (or anything with `batches`, `len` and `hidden_size`) of the fitting sequences.
+            logits_fn: the output layer, h (n, H) -> z (n, V).
+            device: where the network and hidden states live; default the device of `logits_fn`'s backbone (CPU if
+                unknown).
+            progress: show a progress bar.
+
+        Returns:
+            self, fitted, the network in eval mode.
+
+        Raises:
+            ATSError: if the store's hidden size differs, a loss is not finite, or no sequence has response tokens.
         """
         if getattr(store, "hidden_size", self.hidden_size) != self.hidden_size:
             raise ATSError(f"Thermometer: built for hidden size {self.hidden_size}, the features have "
@@ -238,25 +368,59 @@ class Thermometer(Calibrator):
             raise ATSError("Thermometer: not fitted; call fit_sequences() or from_pretrained() first")
 
     def check_backbone(self, backbone) -> None:
-        """Refuse a backbone whose hidden size differs from the one the network reads (evaluate() calls this)."""
+        """Refuse a backbone whose hidden size differs from the one the network reads (evaluate() calls this).
+
+        Args:
+            backbone: the backbone whose hidden states will be read.
+
+        Raises:
+            ATSError: if the hidden sizes differ.
+        """
         if backbone.hidden_size != self.hidden_size:
             raise ATSError(f"Thermometer expects hidden size {self.hidden_size}, backbone "
                            f"{getattr(backbone, 'name', '?')} has {backbone.hidden_size}")
 
     def to(self, device) -> "Thermometer":
+        """Move the network to `device`.
+
+        Args:
+            device: a torch device or its name.
+
+        Returns:
+            self.
+        """
         self.net.to(device)
         return self
 
     def config(self) -> dict:
+        """The constructor options, whether it is fitted, and the training history.
+
+        Returns:
+            {option: value, "fitted": bool, "history": [per-epoch dict]}.
+        """
         return {"hidden_size": self.hidden_size, "mlp_hidden": self.mlp_hidden, "epochs": self.epochs, "lr": self.lr,
                 "weight_decay": self.weight_decay, "batch_size": self.batch_size, "prior_alpha": self.prior_alpha,
                 "prior_beta": self.prior_beta, "prior_weight": self.prior_weight, "chunk_size": self.chunk_size,
                 "seed": self.seed, "fitted": self.fitted, "history": self.history}
 
     def state_tensors(self) -> dict[str, Tensor]:
+        """The network's weights.
+
+        Returns:
+            The network's state dict.
+        """
         return dict(self.net.state_dict())
 
     def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
+        """Rebuild the network from the saved options and load its weights.
+
+        Args:
+            config: the saved config (without "type"); `hidden_size` is required.
+            tensors: the network's state dict.
+
+        Raises:
+            ATSError: if `hidden_size` is missing, an option is invalid, or the weights do not match.
+        """
         options = {k: config[k] for k in ("hidden_size", "mlp_hidden", "epochs", "lr", "weight_decay", "batch_size",
                                           "prior_alpha", "prior_beta", "prior_weight", "chunk_size", "seed")
                    if k in config}

@@ -19,7 +19,15 @@ from .base import Calibrator, LogitChunks
 
 
 class VectorScaling(Calibrator):
-    """Per-class affine map of the logits, fitted by minibatch Adam over the chunks with an identity-pulling penalty."""
+    """Per-class affine map of the logits, fitted by minibatch Adam over the chunks with an identity-pulling penalty.
+
+    Args:
+        epochs: passes over the chunks.
+        lr: Adam's learning rate.
+        weight_decay: the weight of the penalty pulling (a, b) back to (1, 0) (see the module docstring).
+        batch_size: tokens per Adam step (minibatches are drawn within a chunk).
+        seed: the seed of the shuffling.
+    """
 
     name = "vector"
 
@@ -34,6 +42,17 @@ class VectorScaling(Calibrator):
         self.bias: Tensor | None = None  # (V,) b
 
     def fit(self, chunks: LogitChunks) -> "VectorScaling":
+        """Fit a (V,) and b (V,) from the identity; V comes from the first chunk.
+
+        Args:
+            chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
+
+        Returns:
+            self, with `scale` and `bias` set (on the CPU).
+
+        Raises:
+            ATSError: if a chunk is malformed, chunks differ in V, or there is no fitting token.
+        """
         gen = torch.Generator().manual_seed(self.seed)
         a = b = opt = None
         for _ in range(self.epochs):
@@ -69,7 +88,20 @@ class VectorScaling(Calibrator):
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
-        """a * z + b over the last axis; same shape and dtype as `logits` (computed in float32)."""
+        """a * z + b over the last axis; same shape and dtype as `logits` (computed in float32).
+
+        Args:
+            logits: (B, K, V) or (N, V).
+            hidden: unused (the `Calibrator.calibrate` signature).
+            attention_mask: unused.
+            index: unused.
+
+        Returns:
+            a * z + b, same shape and dtype.
+
+        Raises:
+            ATSError: if not fitted or V differs from the fitted vocabulary size.
+        """
         a, b = self._check_fitted()
         if logits.shape[-1] != a.numel():
             raise ATSError(f"logits: vocabulary size {logits.shape[-1]} does not match the fitted {a.numel()}")
@@ -77,15 +109,40 @@ class VectorScaling(Calibrator):
         return (logits.float() * a + b).to(logits.dtype)
 
     def config(self) -> dict:
+        """The options and the vocabulary size.
+
+        Returns:
+            {"epochs", "lr", "weight_decay", "batch_size", "seed", "vocab_size"}.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         a, _ = self._check_fitted()
         return {"epochs": self.epochs, "lr": self.lr, "weight_decay": self.weight_decay,
                 "batch_size": self.batch_size, "seed": self.seed, "vocab_size": a.numel()}
 
     def state_tensors(self) -> dict[str, Tensor]:
+        """The fitted vectors.
+
+        Returns:
+            {"scale": a (V,), "bias": b (V,)}.
+
+        Raises:
+            ATSError: if not fitted.
+        """
         a, b = self._check_fitted()
         return {"scale": a, "bias": b}
 
     def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
+        """Restore the options and the fitted vectors (as float32).
+
+        Args:
+            config: the saved config (without "type").
+            tensors: {"scale": (V,), "bias": (V,)}.
+
+        Raises:
+            ATSError: if an option is invalid, or a tensor is missing or not of shape (vocab_size,).
+        """
         self.epochs = check_positive_int("epochs", config.get("epochs", 5))
         self.lr = check_positive_float("lr", config.get("lr", 1e-2))
         self.weight_decay = check_nonnegative_float("weight_decay", config.get("weight_decay", 1e-4))

@@ -14,7 +14,7 @@ from ..evaluation.token_eval import gathered_token_confidences
 from ..model.backbone import load_backbone
 from ..model.heads import HeadConfig
 from ..training.distributed import init_distributed
-from ..workflows.pipeline import online_features, prepare_features, train_head
+from ..workflows.pipeline import check_before_loading, online_features, prepare_features, train_head
 from . import options
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,10 @@ def run(args) -> int:
     head = HeadConfig.from_args(args)
     max_scale = ATSConfig.from_args(args).max_scale
     out = Path(args.out)
+    features = Path(args.features) if args.features else out / "features"
+    if not args.online:
+        check_before_loading(features, out / "head", data, head_type=head.head_type, max_scale=max_scale,
+                             training=training, overwrite=args.overwrite)
 
     dist = init_distributed()
     if dist.distributed:
@@ -58,12 +62,13 @@ def run(args) -> int:
     if args.online:
         train_store, val_store = online_features(backbone, data)
     else:
-        train_store, val_store = prepare_features(backbone, args.features or out / "features", data,
+        train_store, val_store = prepare_features(backbone, features, data,
                                                   overwrite=args.overwrite, progress=progress, dist=dist)
-    calibrator = train_head(backbone, train_store, val_store, out / "head", head_type=head.head_type,
+    trained = train_head(backbone, train_store, val_store, out / "head", head_type=head.head_type,
                             max_scale=max_scale, training=training, overwrite=args.overwrite, resume=args.resume,
                             progress=progress, dist=dist)
     calibrator = options.load_calibrator_folder(out / "head", backbone)  # reload: what users will load
+    calibrator.reused = trained.reused
     results = gathered_token_confidences(val_store, backbone, {"uncalibrated": Uncalibrated(), "ats": calibrator},
                                          dist, progress=progress)
     if dist.is_main:
@@ -71,9 +76,14 @@ def run(args) -> int:
         print(f"Token-level calibration on the held-out split ({len(val_store)} sequences, "
               f"{len(results['ats'][0])} response tokens):")
         print(token_table(rows))
+        record = calibrator.config_.training
+        how = "automatic for" if record.get("lr_automatic") else "given, for"
+        print(f"\nhead: {calibrator.config_.head.head_type}, {record.get('loss_type')} loss, lr {record.get('lr'):.3g} "
+              f"({how} {record.get('optimizer_steps')} optimizer steps)")
         moved = abs(rows["ats"]["mean_confidence"] - rows["uncalibrated"]["mean_confidence"])
         if moved < 0.005:
             print(f"warning: the head barely moved (mean confidence changed by {moved:.4f}); with "
-                  f"{training.epochs} epoch(s) at lr {training.lr:g} it may be undertrained: see --lr, --epochs")
-        print(f"\nhead saved to {out / 'head'}")
+                  f"{record.get('optimizer_steps')} steps at lr {record.get('lr'):.3g} it may be undertrained: "
+                  f"raise --lr or --epochs")
+        print(f"\nhead {'reused from' if calibrator.reused else 'saved to'} {out / 'head'}")
     return 0

@@ -74,7 +74,25 @@ def _save(path: Path, settings: dict, digests: dict[str, str], results: dict[str
 def run_tasks(backbone, calibrators: dict[str, Calibrator], tasks: list[str | Task], out_dir: str | Path, *,
               seed: int = 0, limit: int | None = None, overwrite: bool = False, progress: bool = True
               ) -> dict[str, dict[str, TaskResult]]:
-    """Per-example results, task name -> method -> TaskResult, reusing finished task files under out_dir/tasks."""
+    """Per-example results, task name -> method -> TaskResult, reusing finished task files under out_dir/tasks.
+
+    Args:
+        backbone: the frozen backbone every calibrator is applied to.
+        calibrators: method name -> fitted calibrator.
+        tasks: task specs (see `build_task`) or Task objects.
+        out_dir: the results folder; per-example files go to `out_dir/tasks/<task>.json`.
+        seed: the seed of the tasks' subsets.
+        limit: questions per task (per subject for MMLU); None: all.
+        overwrite: replace stored results made with other settings instead of refusing.
+        progress: show progress bars.
+
+    Returns:
+        task name -> method -> per-example `TaskResult`, methods in the order of `calibrators`.
+
+    Raises:
+        ATSError: if no calibrator is given, a task name repeats, a calibrator does not match the backbone, stored
+            results were made with other settings (without `overwrite`), or a task returns no results for a method.
+    """
     if not calibrators:
         raise ATSError("evaluate: no calibrators given")
     out_dir = Path(out_dir)
@@ -106,7 +124,21 @@ def run_tasks(backbone, calibrators: dict[str, Calibrator], tasks: list[str | Ta
 def summarize_task(by_method: dict[str, TaskResult], *, references: tuple[str, ...] = ("ats",), n_bins: int = 15,
                    bootstrap: int = 0, seed: int = 0) -> dict:
     """method -> metrics of one task; with bootstrap > 0 also intervals and, for each reference method present,
-    `paired[reference]` = reference minus this method (ECE, Brier, AUROC, mean confidence) on the same examples."""
+    `paired[reference]` = reference minus this method (ECE, Brier, AUROC, mean confidence) on the same examples.
+
+    Args:
+        by_method: method -> per-example results, all on the same examples.
+        references: the methods every other method is compared with (those absent are skipped).
+        n_bins: equal-width bins of the ECE.
+        bootstrap: bootstrap resamples; 0: no intervals and no paired differences.
+        seed: the seed of the resampling.
+
+    Returns:
+        method -> the `summarize` dict, plus "paired" -> reference -> `paired_differences` dict when bootstrapped.
+
+    Raises:
+        ATSError: if a method has no examples or its results are invalid.
+    """
     out = {}
     for method, r in by_method.items():
         if len(r) == 0:
@@ -126,7 +158,30 @@ def summarize_task(by_method: dict[str, TaskResult], *, references: tuple[str, .
 def evaluate(backbone, calibrators: dict[str, Calibrator], tasks: list[str | Task], out_dir: str | Path, *,
              n_bins: int = 15, bootstrap: int = 0, seed: int = 0, limit: int | None = None,
              references: tuple[str, ...] = ("ats",), overwrite: bool = False, progress: bool = True) -> dict:
-    """Evaluate every calibrator on every task; returns task -> method -> metrics (also written to out_dir)."""
+    """Evaluate every calibrator on every task; returns task -> method -> metrics (also written to out_dir).
+
+    Writes the layout of the module docstring: per-example task files, results.json, results.md and the
+    reliability diagrams.
+
+    Args:
+        backbone: the frozen backbone every calibrator is applied to.
+        calibrators: method name -> fitted calibrator.
+        tasks: task specs (see `build_task`) or Task objects.
+        out_dir: the results folder.
+        n_bins: equal-width bins of the ECE and the reliability diagrams.
+        bootstrap: bootstrap resamples for intervals and paired differences; 0: none.
+        seed: the seed of the tasks' subsets and the resampling.
+        limit: questions per task (per subject for MMLU); None: all.
+        references: the methods every other method is compared with.
+        overwrite: replace stored results made with other settings instead of refusing.
+        progress: show progress bars.
+
+    Returns:
+        task -> method -> metrics, JSON-safe (non-finite values as None).
+
+    Raises:
+        ATSError: as `run_tasks`, or if a task's results cannot be summarised (named in the message).
+    """
     out_dir = Path(out_dir)
     per_example = run_tasks(backbone, calibrators, tasks, out_dir, seed=seed, limit=limit, overwrite=overwrite,
                             progress=progress)
@@ -153,7 +208,15 @@ def evaluate(backbone, calibrators: dict[str, Calibrator], tasks: list[str | Tas
 def format_paired(results: dict, keys: tuple[tuple[str, str], ...] = (("ECE", "ece"), ("Brier", "brier"),
                                                                        ("AUROC", "auroc"))) -> str:
     """Markdown: for each reference R, rows = other methods, columns = task x (R - method) with 95% intervals; a
-    difference whose interval excludes 0 is marked with *. Empty when there are no paired differences."""
+    difference whose interval excludes 0 is marked with *. Empty when there are no paired differences.
+
+    Args:
+        results: task -> method -> metrics, as `evaluate` returns them.
+        keys: (column label, metric key) pairs to show.
+
+    Returns:
+        One markdown table per reference, separated by blank lines; "" when there is none.
+    """
     references = list(dict.fromkeys(ref for by_method in results.values() for m in by_method.values()
                                     for ref in m.get("paired", {})))
     blocks = []

@@ -57,7 +57,15 @@ def _check_bins(n_bins: int) -> None:
 
 
 def bin_index(confidence: np.ndarray, n_bins: int) -> np.ndarray:
-    """Equal-width bin of each confidence: bin k is [k/B, (k+1)/B), the last bin also holds 1.0.  (N,) int."""
+    """Equal-width bin of each confidence: bin k is [k/B, (k+1)/B), the last bin also holds 1.0.  (N,) int.
+
+    Args:
+        confidence: (N,) confidences in [0, 1] (not checked).
+        n_bins: B, the number of bins.
+
+    Returns:
+        (N,) bin indices in [0, B).
+    """
     edges = np.linspace(0.0, 1.0, n_bins + 1)
     return np.clip(np.searchsorted(edges, confidence, side="right") - 1, 0, n_bins - 1)
 
@@ -75,7 +83,20 @@ class ReliabilityStats:
 
 
 def reliability_bins(confidence, correct, *, n_bins: int = 15) -> ReliabilityStats:
-    """Counts, mean confidence and accuracy per equal-width bin, and the ECE they give."""
+    """Counts, mean confidence and accuracy per equal-width bin, and the ECE they give.
+
+    Args:
+        confidence: (N,) top-1 confidences in [0, 1] (array, list or tensor; flattened).
+        correct: (N,) correctness, 0/1 or bool.
+        n_bins: B, the number of equal-width bins.
+
+    Returns:
+        The per-bin statistics ((B,) arrays, nan for empty bins), the ECE and N.
+
+    Raises:
+        ATSError: if `n_bins` is not a positive integer, the inputs are empty or differ in length, a confidence is
+            outside [0, 1] (or nan), or a correctness value is not 0/1.
+    """
     _check_bins(n_bins)
     conf, corr = _check(confidence, correct)
     idx = bin_index(conf, n_bins)
@@ -89,12 +110,38 @@ def reliability_bins(confidence, correct, *, n_bins: int = 15) -> ReliabilitySta
 
 
 def ece(confidence, correct, *, n_bins: int = 15) -> float:
-    """Expected calibration error: sum_b |B_b|/N * |acc_b - conf_b| over equal-width bins (top bin holds 1.0)."""
+    """Expected calibration error: sum_b |B_b|/N * |acc_b - conf_b| over equal-width bins (top bin holds 1.0).
+
+    Args:
+        confidence: (N,) top-1 confidences in [0, 1] (array, list or tensor; flattened).
+        correct: (N,) correctness, 0/1 or bool.
+        n_bins: the number of equal-width bins.
+
+    Returns:
+        The ECE, in [0, 1].
+
+    Raises:
+        ATSError: if `n_bins` is not a positive integer, the inputs are empty or differ in length, a confidence is
+            outside [0, 1] (or nan), or a correctness value is not 0/1.
+    """
     return reliability_bins(confidence, correct, n_bins=n_bins).ece
 
 
 def adaptive_ece(confidence, correct, *, n_bins: int = 15) -> float:
-    """ECE over equal-mass bins: examples sorted by confidence, split into n_bins groups whose sizes differ by <= 1."""
+    """ECE over equal-mass bins: examples sorted by confidence, split into n_bins groups whose sizes differ by <= 1.
+
+    Args:
+        confidence: (N,) top-1 confidences in [0, 1] (array, list or tensor; flattened).
+        correct: (N,) correctness, 0/1 or bool.
+        n_bins: the number of equal-mass groups (empty ones, when N < n_bins, are skipped).
+
+    Returns:
+        The adaptive ECE, in [0, 1].
+
+    Raises:
+        ATSError: if `n_bins` is not a positive integer, the inputs are empty or differ in length, a confidence is
+            outside [0, 1] (or nan), or a correctness value is not 0/1.
+    """
     _check_bins(n_bins)
     conf, corr = _check(confidence, correct)
     order = np.argsort(conf, kind="stable")
@@ -106,20 +153,54 @@ def adaptive_ece(confidence, correct, *, n_bins: int = 15) -> float:
 
 
 def brier_score(confidence, correct) -> float:
-    """Mean squared error of the top-1 confidence as a forecast of correctness."""
+    """Mean squared error of the top-1 confidence as a forecast of correctness.
+
+    Args:
+        confidence: (N,) top-1 confidences in [0, 1] (array, list or tensor; flattened).
+        correct: (N,) correctness, 0/1 or bool.
+
+    Returns:
+        The Brier score, in [0, 1].
+
+    Raises:
+        ATSError: if the inputs are empty, differ in length, a confidence is outside [0, 1] (or nan), or a
+            correctness value is not 0/1.
+    """
     conf, corr = _check(confidence, correct)
     return float(np.mean((conf - corr) ** 2))
 
 
 def nll(confidence, correct) -> float:
-    """Binary negative log-likelihood of correctness under the confidence (clipped to [1e-12, 1 - 1e-12])."""
+    """Binary negative log-likelihood of correctness under the confidence (clipped to [1e-12, 1 - 1e-12]).
+
+    Args:
+        confidence: (N,) top-1 confidences in [0, 1] (array, list or tensor; flattened).
+        correct: (N,) correctness, 0/1 or bool.
+
+    Returns:
+        The mean NLL in nats (at most about 27.6).
+
+    Raises:
+        ATSError: if the inputs are empty, differ in length, a confidence is outside [0, 1] (or nan), or a
+            correctness value is not 0/1.
+    """
     conf, corr = _check(confidence, correct)
     p = np.clip(conf, _EPS, 1.0 - _EPS)
     return float(-np.mean(corr * np.log(p) + (1.0 - corr) * np.log1p(-p)))
 
 
 def accuracy(correct) -> float:
-    """Fraction of correct examples."""
+    """Fraction of correct examples.
+
+    Args:
+        correct: (N,) correctness, 0/1 or bool.
+
+    Returns:
+        The accuracy, in [0, 1].
+
+    Raises:
+        ATSError: if `correct` is empty or holds a value other than 0/1.
+    """
     corr = _to_numpy(correct, "correct")
     if corr.size == 0:
         raise ATSError("correct: empty; need at least one example")
@@ -128,7 +209,19 @@ def accuracy(correct) -> float:
 
 
 def auroc(confidence, correct) -> float:
-    """Area under the ROC curve of confidence separating correct from wrong; nan if only one class is present."""
+    """Area under the ROC curve of confidence separating correct from wrong; nan if only one class is present.
+
+    Args:
+        confidence: (N,) top-1 confidences in [0, 1] (array, list or tensor; flattened).
+        correct: (N,) correctness, 0/1 or bool.
+
+    Returns:
+        The AUROC, in [0, 1], or nan.
+
+    Raises:
+        ATSError: if the inputs are empty, differ in length, a confidence is outside [0, 1] (or nan), or a
+            correctness value is not 0/1.
+    """
     conf, corr = _check(confidence, correct)
     if corr.min() == corr.max():
         return math.nan
@@ -151,7 +244,22 @@ def _all_metrics(conf: np.ndarray, corr: np.ndarray, n_bins: int, keys=METRIC_KE
 
 
 def summarize(confidence, correct, *, n_bins: int = 15, bootstrap: int = 0, seed: int = 0) -> dict:
-    """All metrics as a JSON-ready dict; with bootstrap > 0 also `<key>_ci: [lo, hi]` (95% percentile, seeded)."""
+    """All metrics as a JSON-ready dict; with bootstrap > 0 also `<key>_ci: [lo, hi]` (95% percentile, seeded).
+
+    Args:
+        confidence: (N,) top-1 confidences in [0, 1] (array, list or tensor; flattened).
+        correct: (N,) correctness, 0/1 or bool.
+        n_bins: equal-width bins of the ECE (and equal-mass groups of the adaptive ECE).
+        bootstrap: resamples of the examples for the intervals; 0: none.
+        seed: the seed of the resampling.
+
+    Returns:
+        {"n": N, one float per key of `METRIC_KEYS`, and with bootstrap `<key>_ci`: [lo, hi] (nan, nan when every
+        resample gave nan)}.
+
+    Raises:
+        ATSError: if `n_bins` or `bootstrap` is invalid, or the inputs are (see `ece`).
+    """
     _check_bins(n_bins)
     if not isinstance(bootstrap, (int, np.integer)) or isinstance(bootstrap, bool) or bootstrap < 0:
         raise ATSError(f"bootstrap: expected a non-negative integer, got {bootstrap!r}")
@@ -178,8 +286,21 @@ def paired_differences(a: tuple, b: tuple, *, n_bins: int = 15, bootstrap: int =
 
     a, b: (confidence (N,), correct (N,)) of two methods on the SAME N examples (correctness may differ when a
     method changes predictions). Each resample draws one set of example indices and scores both methods on it, so
-    the interval reflects the difference, not the two methods' separate noise. Returns
-    key -> {"diff": float, "ci": [lo, hi], "excludes_zero": bool}.
+    the interval reflects the difference, not the two methods' separate noise.
+
+    Args:
+        a: (confidence (N,), correct (N,)) of the first method.
+        b: (confidence (N,), correct (N,)) of the second method, on the same N examples.
+        n_bins: equal-width bins of the ECE.
+        bootstrap: paired resamples (at least 1).
+        seed: the seed of the resampling.
+        keys: the metrics to compare (keys of `METRIC_KEYS`).
+
+    Returns:
+        key -> {"diff": metric(a) - metric(b), "ci": [lo, hi], "excludes_zero": bool}.
+
+    Raises:
+        ATSError: if `n_bins`, `bootstrap` or a key is invalid, the two differ in N, or an input is invalid.
     """
     _check_bins(n_bins)
     conf_a, corr_a = _check(*a)

@@ -30,7 +30,14 @@ _GAP = "#d62728"
 
 
 def plot_reliability(ax, stats: ReliabilityStats, *, title: str = "", count_ax=None) -> None:
-    """Draw accuracy bars per confidence bin, the diagonal, the gap to mean confidence (red hatched) and the ECE."""
+    """Draw accuracy bars per confidence bin, the diagonal, the gap to mean confidence (red hatched) and the ECE.
+
+    Args:
+        ax: the matplotlib axes of the reliability panel.
+        stats: the per-bin statistics from `reliability_bins`.
+        title: the panel's title; "" for none.
+        count_ax: axes below for a log-scale count histogram; None: no histogram.
+    """
     left = stats.edges[:-1]  # (B,)
     width = np.diff(stats.edges)  # (B,)
     full = stats.counts > 0
@@ -67,7 +74,19 @@ def plot_reliability(ax, stats: ReliabilityStats, *, title: str = "", count_ax=N
 
 def make_reliability_figure(results: dict[str, tuple[np.ndarray, np.ndarray]], *, title: str = "",
                             n_bins: int = 15) -> Figure:
-    """One column per method: reliability panel on top, count histogram below (2 * len(results) axes)."""
+    """One column per method: reliability panel on top, count histogram below (2 * len(results) axes).
+
+    Args:
+        results: method -> (confidence (N,), correct (N,)).
+        title: the figure's title; "" for none.
+        n_bins: equal-width bins.
+
+    Returns:
+        The figure (not saved).
+
+    Raises:
+        ATSError: if `results` is empty or a method's inputs are invalid.
+    """
     if not results:
         raise ATSError("results: empty; need at least one method's (confidence, correct)")
     stats = {name: reliability_bins(conf, corr, n_bins=n_bins) for name, (conf, corr) in results.items()}
@@ -91,6 +110,13 @@ def save_figure(fig: Figure, path_stem: str | Path) -> list[Path]:
     """Write `<stem>.png` (dpi 200) and `<stem>.pdf` atomically, in the house style; returns both paths.
 
     Both are rendered to temporaries first, then swapped in: a failure leaves neither a partial nor a stray file.
+
+    Args:
+        fig: the figure.
+        path_stem: the path without suffix; its folder is created if missing.
+
+    Returns:
+        [the .png path, the .pdf path].
     """
     stem = Path(path_stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -115,5 +141,18 @@ def save_figure(fig: Figure, path_stem: str | Path) -> list[Path]:
 
 def reliability_figure(results: dict[str, tuple[np.ndarray, np.ndarray]], path_stem: str | Path, *,
                        title: str = "", n_bins: int = 15) -> list[Path]:
-    """Reliability diagrams of every method side by side, written as `<stem>.png` and `<stem>.pdf`."""
+    """Reliability diagrams of every method side by side, written as `<stem>.png` and `<stem>.pdf`.
+
+    Args:
+        results: method -> (confidence (N,), correct (N,)).
+        path_stem: the path without suffix.
+        title: the figure's title; "" for none.
+        n_bins: equal-width bins.
+
+    Returns:
+        [the .png path, the .pdf path].
+
+    Raises:
+        ATSError: if `results` is empty or a method's inputs are invalid.
+    """
     return save_figure(make_reliability_figure(results, title=title, n_bins=n_bins), path_stem)

@@ -11,7 +11,14 @@ TASK_LABELS = {"mmlu": "MMLU", "triviaqa": "TriviaQA", "truthfulqa_mc1": "Truthf
 
 
 def jsonable(value):
-    """JSON-safe copy: NaN / inf -> None (strict JSON), tuples -> lists, numpy scalars -> Python numbers."""
+    """JSON-safe copy: NaN / inf -> None (strict JSON), tuples -> lists, numpy scalars -> Python numbers.
+
+    Args:
+        value: a nested structure of dicts, lists, tuples and scalars.
+
+    Returns:
+        The copy.
+    """
     if isinstance(value, dict):
         return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -27,7 +34,16 @@ def jsonable(value):
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, text_columns: int = 1) -> str:
-    """A markdown table; the first `text_columns` columns are left-aligned, the rest right-aligned (numbers)."""
+    """A markdown table; the first `text_columns` columns are left-aligned, the rest right-aligned (numbers).
+
+    Args:
+        header: the column names.
+        rows: the rows' cells (converted with `str`).
+        text_columns: how many leading columns are left-aligned.
+
+    Returns:
+        The table, without a trailing newline.
+    """
     align = ["---"] * text_columns + ["---:"] * (len(header) - text_columns)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -35,7 +51,16 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, text
 
 
 def cell(metrics: dict | None, key: str, *, ci: bool = True) -> str:
-    """A metric with 3 decimals ("-" when absent or not finite), with its 95% interval when present."""
+    """A metric with 3 decimals ("-" when absent or not finite), with its 95% interval when present.
+
+    Args:
+        metrics: a method's metrics (with optional `<key>_ci` intervals), or None.
+        key: the metric to show.
+        ci: show the interval `<key>_ci` when it is present.
+
+    Returns:
+        The cell's text, e.g. "0.123 [0.101, 0.145]".
+    """
     value = None if metrics is None else metrics.get(key)
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
@@ -48,12 +73,27 @@ def cell(metrics: dict | None, key: str, *, ci: bool = True) -> str:
 
 
 def methods_of(results: dict) -> list[str]:
-    """Every method of a task -> method -> metrics dict, in first-seen order."""
+    """Every method of a task -> method -> metrics dict, in first-seen order.
+
+    Args:
+        results: task -> method -> metrics.
+
+    Returns:
+        The method names.
+    """
     return list(dict.fromkeys(m for by_method in results.values() for m in by_method))
 
 
 def format_table(results: dict, metrics=TABLE_METRICS) -> str:
-    """Rows = methods, columns = task x metric, 3 decimals (with 95% intervals when present)."""
+    """Rows = methods, columns = task x metric, 3 decimals (with 95% intervals when present).
+
+    Args:
+        results: task -> method -> metrics.
+        metrics: (column label, metric key) pairs to show per task.
+
+    Returns:
+        The markdown table.
+    """
     tasks = list(results)
     header = ["method"] + [f"{TASK_LABELS.get(t, t)} {label}" for t in tasks for label, _ in metrics]
     rows = [[m] + [cell(results[t].get(m, {}), key) for t in tasks for _, key in metrics] for m in methods_of(results)]
@@ -61,7 +101,37 @@ def format_table(results: dict, metrics=TABLE_METRICS) -> str:
 
 
 def token_table(rows: dict[str, dict]) -> str:
-    """Token-level calibration: method | Acc | ECE | Brier | NLL | mean confidence."""
+    """Token-level calibration: method | Acc | ECE | Brier | NLL | mean confidence.
+
+    Args:
+        rows: method -> metrics (as `summarize` returns them); intervals are not shown.
+
+    Returns:
+        The markdown table.
+    """
     body = [[name] + [cell(m, key, ci=False) for key in ("accuracy", "ece", "brier", "nll", "mean_confidence")]
             for name, m in rows.items()]
     return markdown_table(["method", "Acc", "ECE", "Brier", "NLL", "mean conf"], body)
+
+
+FULL_METRICS = (("Acc", "accuracy"), ("mean conf", "mean_confidence"), ("ECE", "ece"), ("Brier", "brier"),
+                ("AUROC", "auroc"))
+
+
+def task_tables(results: dict, metrics=FULL_METRICS) -> str:
+    """One markdown table per task (rows = methods, columns = metrics with 95% intervals when present).
+
+    Args:
+        results: task -> method -> metrics (each with "n", shown in the task's heading).
+        metrics: (column label, metric key) pairs to show.
+
+    Returns:
+        The tables, each under a "### <task> (n = N)" heading, separated by blank lines.
+    """
+    blocks = []
+    for task, by_method in results.items():
+        rows = [[m] + [cell(summary, key) for _, key in metrics] for m, summary in by_method.items()]
+        n = next(iter(by_method.values())).get("n", "?")
+        blocks.append(f"### {TASK_LABELS.get(task, task)} (n = {n})\n\n"
+                      + markdown_table(["method"] + [label for label, _ in metrics], rows))
+    return "\n\n".join(blocks)

@@ -27,7 +27,20 @@ def token_confidences(
     *,
     progress: bool = True,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per calibrator: (top-1 confidence (N,) float64, correct (N,) bool) over all response tokens of `store`."""
+    """Per calibrator: (top-1 confidence (N,) float64, correct (N,) bool) over all response tokens of `store`.
+
+    Logits are recomputed one sequence at a time, only at the response positions (K, V); every calibrator is
+    applied to them with the whole sequence's hidden states.
+
+    Args:
+        store: a FeatureStore, OnlineFeatures or ShardView: anything with `sequences()` and `len()`.
+        backbone: gives the output layer and the device.
+        calibrators: method name -> fitted calibrator.
+        progress: show a progress bar.
+
+    Returns:
+        method -> (confidence (N,) float64, correct (N,) bool), N the response tokens of `store`.
+    """
     conf: dict[str, list] = {name: [] for name in calibrators}
     correct: dict[str, list] = {name: [] for name in calibrators}
     for hidden, labels in tqdm(store.sequences(), total=len(store), desc="token-level eval", disable=not progress):
@@ -45,7 +58,12 @@ def token_confidences(
 
 
 class ShardView:
-    """A feature source restricted to some shards (what one rank evaluates)."""
+    """A feature source restricted to some shards (what one rank evaluates).
+
+    Args:
+        store: a FeatureStore or OnlineFeatures.
+        shard_ids: the shards in view.
+    """
 
     def __init__(self, store, shard_ids: list[int]) -> None:
         self.store, self.shard_ids = store, shard_ids
@@ -54,13 +72,32 @@ class ShardView:
         return sum(self.store.meta["shards"][k]["sequences"] for k in self.shard_ids)
 
     def sequences(self, shard_ids=None):
+        """(hidden (T, H), labels (T,)) per sequence of the shards in view.
+
+        Args:
+            shard_ids: other shards to read instead; None: those in view.
+
+        Returns:
+            An iterator over (hidden (T, H), labels (T,)) pairs, as the store's `sequences`.
+        """
         return self.store.sequences(self.shard_ids if shard_ids is None else shard_ids)
 
 
 def gathered_token_confidences(store, backbone, calibrators: dict, dist: Dist | None = None, *, progress: bool = True
                                ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """token_confidences over all ranks: rank r evaluates shards r, r+W, ... and (conf, correct) are gathered, so
-    every rank gets the metrics of the whole split."""
+    every rank gets the metrics of the whole split.
+
+    Args:
+        store: a FeatureStore or OnlineFeatures.
+        backbone: gives the output layer and the device.
+        calibrators: method name -> fitted calibrator.
+        dist: the process's place in the job; None or a single process: plain `token_confidences`.
+        progress: show a progress bar (main process only when distributed).
+
+    Returns:
+        method -> (confidence (N,) float64, correct (N,) bool) over the whole split, in rank order.
+    """
     if dist is None or not dist.distributed:
         return token_confidences(store, backbone, calibrators, progress=progress)
     view = ShardView(store, dist.my_shards(store.n_shards))
@@ -78,7 +115,16 @@ def gathered_token_confidences(store, backbone, calibrators: dict, dist: Dist | 
 
 def token_validator(store, backbone: Backbone, dist: Dist | None = None) -> Callable[[Calibrator], dict]:
     """A trainer's `validate` callback: token-level metrics (ECE, Brier, ...) of a calibrator on `store`, computed
-    over every process's shards."""
+    over every process's shards.
+
+    Args:
+        store: the held-out features.
+        backbone: gives the output layer and the device.
+        dist: the process's place in the job; None: one process.
+
+    Returns:
+        A function calibrator -> the `summarize` dict of its token-level confidences.
+    """
     from .metrics import summarize
 
     def validate(calibrator: Calibrator) -> dict:

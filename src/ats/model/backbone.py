@@ -211,8 +211,12 @@ def load_backbone(
         if path.exists() and not (path / "config.json").is_file():
             raise ATSError(f"{path}: not a model folder (no config.json)")
         kwargs = dict(revision=revision, trust_remote_code=trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
+        except (OSError, ValueError) as err:  # not found locally or on the Hub, no network, a broken folder
+            first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+            raise ATSError(f"{name_or_path}: cannot load the model ({first})") from None
         name = name_or_path
         rev = revision or getattr(model.config, "_commit_hash", None) or "local"
     if device is not None:

@@ -89,7 +89,7 @@ class HeadConfig(ConfigMixin):
 def build_head(config: HeadConfig) -> nn.Module:
     """The head described by `config`, at identity (tau == 0)."""
     if config.head_type == "constant":
-        return ConstantHead()
+        return ConstantHead(config.hidden_size)
     if config.head_type == "linear":
         return LinearHead(config.hidden_size)
     if config.head_type == "mlp":
@@ -128,14 +128,20 @@ def _finish(tau: Tensor, attention_mask: Tensor | None) -> Tensor:
 
 
 class ConstantHead(nn.Module):
-    """tau = c for every token: one global temperature, trained like any head (the "no adaptivity" control)."""
+    """tau = gain * c for every token: one global temperature, trained like any head (the "no adaptivity" control).
 
-    def __init__(self) -> None:
+    Adam moves a parameter by about lr per step whatever its gradient, so a bare scalar could move tau by only
+    lr x steps (0.2 in 200 steps at lr 1e-3) while a linear head's output moves by up to lr x sum_i |h_i| per step.
+    The gain sqrt(hidden_size) lets the control reach its optimum within the same steps and schedule.
+    """
+
+    def __init__(self, hidden_size: int) -> None:
         super().__init__()
+        self.gain = math.sqrt(hidden_size)
         self.tau = nn.Parameter(torch.zeros(1))
 
     def forward(self, hidden: Tensor, attention_mask: Tensor | None = None, cache: "HeadCache | None" = None) -> Tensor:
-        tau = self.tau.to(hidden.device).expand(*hidden.shape[:2], 1)  # (B, T, 1)
+        tau = (self.gain * self.tau).to(hidden.device).expand(*hidden.shape[:2], 1)  # (B, T, 1)
         return _finish(tau, attention_mask)  # (B, T)
 
 

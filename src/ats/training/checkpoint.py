@@ -21,7 +21,18 @@ POINTER = "latest.json"
 
 
 def save_checkpoint(path: Path, calibrator: ATSCalibrator, optimizer, scheduler, state: dict) -> None:
-    """Write one checkpoint folder; `state` is the trainer's JSON-ready position and logs."""
+    """Write one checkpoint folder; `state` is the trainer's JSON-ready position and logs.
+
+    The folder holds `calibrator/` (the head), `optimizer.safetensors` and `trainer_state.json` (`state`, the
+    optimizer's param groups and the scheduler's state).
+
+    Args:
+        path: the checkpoint folder; an existing one is replaced.
+        calibrator: the calibrator being trained.
+        optimizer: its torch optimizer.
+        scheduler: its learning-rate scheduler.
+        state: the trainer's JSON-ready position and logs.
+    """
     with atomic_dir(path) as tmp:
         calibrator.save_pretrained(tmp / "calibrator")
         opt = optimizer.state_dict()
@@ -35,7 +46,20 @@ def save_checkpoint(path: Path, calibrator: ATSCalibrator, optimizer, scheduler,
 
 
 def load_checkpoint(path: Path, calibrator: ATSCalibrator, optimizer, scheduler) -> dict:
-    """Restore the head, optimizer and scheduler in place; returns the trainer state that was saved."""
+    """Restore the head, optimizer and scheduler in place; returns the trainer state that was saved.
+
+    Args:
+        path: the checkpoint folder, as written by `save_checkpoint`.
+        calibrator: the calibrator whose head weights are replaced.
+        optimizer: the optimizer whose state is replaced.
+        scheduler: the scheduler whose state is replaced.
+
+    Returns:
+        The `state` given to `save_checkpoint`.
+
+    Raises:
+        ATSError: if the saved head or trainer state is missing or invalid.
+    """
     loaded = ATSCalibrator.from_pretrained(path / "calibrator")
     calibrator.head.load_state_dict(loaded.head.state_dict())
     trainer = read_json(path / "trainer_state.json")
@@ -50,7 +74,14 @@ def load_checkpoint(path: Path, calibrator: ATSCalibrator, optimizer, scheduler)
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The newest checkpoint folder of a run, or None."""
+    """The newest checkpoint folder of a run, or None.
+
+    Args:
+        out_dir: the run folder (checkpoints are under `out_dir/checkpoints`).
+
+    Returns:
+        The folder `latest.json` points at, or None if there is no pointer or the folder is gone.
+    """
     pointer = Path(out_dir) / "checkpoints" / POINTER
     if not pointer.exists():
         return None
@@ -61,7 +92,16 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 def checkpoint_and_prune(out_dir: Path, name: str, calibrator: ATSCalibrator, optimizer, scheduler,
                          state: dict) -> None:
-    """Save checkpoint `name`, point `latest.json` at it, and delete the previous one."""
+    """Save checkpoint `name`, point `latest.json` at it, and delete the previous one.
+
+    Args:
+        out_dir: the run folder.
+        name: the new checkpoint's folder name under `out_dir/checkpoints`.
+        calibrator: the calibrator being trained.
+        optimizer: its torch optimizer.
+        scheduler: its learning-rate scheduler.
+        state: the trainer's JSON-ready position and logs.
+    """
     previous = latest_checkpoint(out_dir)
     save_checkpoint(out_dir / "checkpoints" / name, calibrator, optimizer, scheduler, state)
     write_json(out_dir / "checkpoints" / POINTER, {"checkpoint": name})

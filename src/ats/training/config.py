@@ -25,7 +25,8 @@ class TrainingConfig(ConfigMixin):
     alpha: float = option(0.5, "smoothing weight of the selective / full losses", low=0.0, high=1.0)
     weighting: str = option("token", "selective loss: mean over tokens, or the reference code's group weighting "
                             "(-100 positions counted as it counts them)", choices=WEIGHTINGS)
-    lr: float = option(5e-5, "peak learning rate (AdamW)", low=0, low_open=True)
+    lr: float | None = option(None, "peak learning rate (AdamW); automatic: from the number of optimizer steps "
+                              "(AUTO_LR in ats.training.config)", low=0, low_open=True)
     epochs: int = option(2, "passes over the training split", low=1)
     batch_size: int = option(8, "sequences per optimizer step (effective batch)", low=1)
     micro_batch_size: int = option(4, "sequences per forward pass; batch_size must be a multiple", low=1)
@@ -47,3 +48,31 @@ class TrainingConfig(ConfigMixin):
     def accumulation(self) -> int:
         """Micro-batches per optimizer step."""
         return self.batch_size // self.micro_batch_size
+
+    def learning_rate(self, total_steps: int) -> float:
+        """The peak learning rate: `lr` if given, else `auto_lr(total_steps)`.
+
+        Args:
+            total_steps: the number of optimizer steps of the run.
+
+        Returns:
+            The peak learning rate.
+        """
+        return self.lr if self.lr is not None else auto_lr(total_steps)
+
+
+# The automatic learning rate keeps lr x steps near the paper's (5e-5 x ~13k steps = 0.65), within [5e-5, LR_MAX]:
+# with the few hundred steps a CPU run affords, the paper's 5e-5 leaves the head where it started (docs/method.md).
+LR_BUDGET, LR_MIN, LR_MAX = 0.65, 5e-5, 3e-3
+
+
+def auto_lr(total_steps: int) -> float:
+    """LR_BUDGET / steps, clipped to [LR_MIN, LR_MAX].
+
+    Args:
+        total_steps: the number of optimizer steps (values below 1 count as 1).
+
+    Returns:
+        The peak learning rate.
+    """
+    return min(LR_MAX, max(LR_MIN, LR_BUDGET / max(1, total_steps)))

@@ -43,7 +43,10 @@ class DataConfig(ConfigMixin):
     source: str = option("alpaca_gpt4", "alpaca_gpt4, alpaca_cleaned, a .json/.jsonl file of "
                          "{instruction,input,output}, or a Hub id", flag="--data")
     limit: int | None = option(None, "use a seeded random subset of this many examples", unset="all", low=1)
-    max_length: int = option(512, "tokens per training sequence (prompt + response)", low=2)
+    max_length: int = option(512, "tokens per example (prompt + response); longer ones are cut", low=2)
+    pack: int | None = option(None, "pack examples end to end into sequences of up to this many tokens, so the head "
+                              "sees the positions of long task prompts (e.g. 2048 for 5-shot MMLU)", unset="off",
+                              low=2)
     val_fraction: float = option(0.1, "held-out fraction (token-level validation)", low=0.0, high=1.0,
                                  low_open=True, high_open=True)
     seed: int = option(0, "seed of the subset and the split", cli=False)
@@ -55,6 +58,8 @@ class DataConfig(ConfigMixin):
 
 @dataclass(frozen=True)
 class Instruction:
+    """One Alpaca record: the instruction, an optional input ("" when absent) and the reference output."""
+
     instruction: str
     input: str
     output: str
@@ -79,7 +84,18 @@ def _check_record(record, where: str) -> Instruction:
 
 
 def read_instruction_file(path: str | Path) -> list[Instruction]:
-    """Read a `.json` list or a `.jsonl` file of Alpaca records, with file/line in every error."""
+    """Read a `.json` list or a `.jsonl` file of Alpaca records, with file/line in every error.
+
+    Args:
+        path: the file; `.jsonl` is read line by line, anything else as one JSON list.
+
+    Returns:
+        The records, in file order.
+
+    Raises:
+        ATSError: if the file is missing, not valid JSON, not a list, empty, or a record lacks a non-empty
+            instruction or output, or has a non-string field.
+    """
     path = Path(path)
     if not path.is_file():
         raise ATSError(f"{path}: file not found")
@@ -102,7 +118,16 @@ def read_instruction_file(path: str | Path) -> list[Instruction]:
 def load_instructions(source: str = "alpaca_gpt4", *, limit: int | None = None, seed: int = 0) -> list[Instruction]:
     """Load instruction data from a file, a known name (local when ATS_DATA_DIR is set) or a Hub dataset id.
 
-    limit: keep a seeded random subset of this many records.
+    Args:
+        source: a `.json` / `.jsonl` path, a name in `KNOWN_SOURCES`, or a Hub dataset id (its "train" split).
+        limit: keep a seeded random subset of this many records.
+        seed: the seed of the subset.
+
+    Returns:
+        The records.
+
+    Raises:
+        ATSError: if a file is missing or invalid, or a record is malformed.
     """
     path = Path(source)
     if path.suffix in (".json", ".jsonl") or path.is_file():
@@ -121,7 +146,15 @@ def load_instructions(source: str = "alpaca_gpt4", *, limit: int | None = None, 
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, example: Instruction) -> tuple[str, str]:
-    """(prompt text, response text): the chat template when the tokenizer has one, else the plain template."""
+    """(prompt text, response text): the chat template when the tokenizer has one, else the plain template.
+
+    Args:
+        tokenizer: the backbone's tokenizer.
+        example: the record; its input, if not blank, follows the instruction.
+
+    Returns:
+        (prompt, response); with the plain template the response ends with the EOS token.
+    """
     user = example.instruction if not example.input.strip() else f"{example.instruction}\n\n{example.input}"
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": user}]
@@ -137,12 +170,16 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, example: Instruction) -> t
 
 @dataclass
 class TokenizedExample:
+    """One example as token ids, with next-token labels on the response only."""
+
     input_ids: list[int]
     labels: list[int]  # labels[t] = input_ids[t + 1] on response positions, IGNORE_INDEX elsewhere
 
 
 @dataclass
 class TokenizeStats:
+    """Counts of what tokenization kept, cut and dropped (dropped_indices: positions in the input list)."""
+
     examples: int = 0
     truncated: int = 0  # kept, response cut at max_length
     dropped: int = 0  # prompt alone filled max_length: no response token left
@@ -150,13 +187,27 @@ class TokenizeStats:
     dropped_indices: list[int] = field(default_factory=list)
 
     def summary(self) -> str:
+        """The counts as one line, for the log.
+
+        Returns:
+            "N examples, M response tokens; a truncated at max_length, b dropped (prompt fills max_length)".
+        """
         return (f"{self.examples} examples, {self.response_tokens} response tokens; "
                 f"{self.truncated} truncated at max_length, {self.dropped} dropped (prompt fills max_length)")
 
 
 def tokenize_example(tokenizer: PreTrainedTokenizerBase, example: Instruction, max_length: int
                      ) -> tuple[TokenizedExample | None, bool]:
-    """Tokenize one example; returns (example or None if no response token fits, truncated?)."""
+    """Tokenize one example; returns (example or None if no response token fits, truncated?).
+
+    Args:
+        tokenizer: the backbone's tokenizer; special tokens are added to the prompt unless it has a chat template.
+        example: the record.
+        max_length: the most tokens kept (prompt + response).
+
+    Returns:
+        (the tokenized example, or None when the prompt fills `max_length`; whether the ids were cut).
+    """
     prompt, response = render_prompt(tokenizer, example)
     chat = bool(getattr(tokenizer, "chat_template", None))
     prompt_ids = tokenizer(prompt, add_special_tokens=not chat).input_ids
@@ -175,7 +226,19 @@ def tokenize_example(tokenizer: PreTrainedTokenizerBase, example: Instruction, m
 
 def tokenize_instructions(tokenizer: PreTrainedTokenizerBase, examples: list[Instruction], *, max_length: int = 512
                           ) -> tuple[list[TokenizedExample], TokenizeStats]:
-    """Tokenize all examples; truncation and drops are counted, never silent."""
+    """Tokenize all examples; truncation and drops are counted, never silent.
+
+    Args:
+        tokenizer: the backbone's tokenizer.
+        examples: the records.
+        max_length: the most tokens per example.
+
+    Returns:
+        (the kept examples, in order; the counts).
+
+    Raises:
+        ATSError: if `max_length` < 2 or no example keeps a response token.
+    """
     if max_length < 2:
         raise ATSError(f"max_length must be at least 2, got {max_length}")
     stats = TokenizeStats()
@@ -196,7 +259,19 @@ def tokenize_instructions(tokenizer: PreTrainedTokenizerBase, examples: list[Ins
 
 
 def train_val_split(items: list, *, val_fraction: float = 0.1, seed: int = 0) -> tuple[list, list]:
-    """A seeded random split; the validation part gets at least one item."""
+    """A seeded random split; the validation part gets at least one item.
+
+    Args:
+        items: what to split (at least 2).
+        val_fraction: the validation share, in (0, 1); rounded, at least one item.
+        seed: the seed of the split.
+
+    Returns:
+        (train, val), each in the original order.
+
+    Raises:
+        ATSError: if `val_fraction` is not in (0, 1) or there are fewer than 2 items.
+    """
     if not 0 < val_fraction < 1:
         raise ATSError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if len(items) < 2:
@@ -211,12 +286,53 @@ def train_val_split(items: list, *, val_fraction: float = 0.1, seed: int = 0) ->
 
 def prepare_examples(tokenizer: PreTrainedTokenizerBase, config: DataConfig | None = None
                      ) -> tuple[list[TokenizedExample], list[TokenizedExample], dict]:
-    """Tokenized (train, val) examples and the description of the data stored beside their features."""
+    """Tokenized (train, val) examples and the description of the data stored beside their features.
+
+    Args:
+        tokenizer: the backbone's tokenizer.
+        config: the data options; default `DataConfig()`.
+
+    Returns:
+        (train examples, val examples, packed when `config.pack` is set; {"data_source", "max_length", "pack",
+        "truncated", "dropped"}).
+
+    Raises:
+        ATSError: if the data cannot be read or too little is left to split.
+    """
     config = config or DataConfig()
     records = load_instructions(config.source, limit=config.limit, seed=config.seed)
     examples, stats = tokenize_instructions(tokenizer, records, max_length=config.max_length)
     logger.info("instruction data %s: %s", config.source, stats.summary())
     train, val = train_val_split(examples, val_fraction=config.val_fraction, seed=config.seed)
-    meta = {"data_source": config.source, "max_length": config.max_length, "truncated": stats.truncated,
-            "dropped": stats.dropped}
+    if config.pack:
+        train, val = pack_examples(train, config.pack), pack_examples(val, config.pack)
+    meta = {"data_source": config.source, "max_length": config.max_length, "pack": config.pack,
+            "truncated": stats.truncated, "dropped": stats.dropped}
     return train, val, meta
+
+
+def pack_examples(examples: list[TokenizedExample], length: int) -> list[TokenizedExample]:
+    """Examples joined end to end, in order, into sequences of at most `length` tokens (an example longer than
+    `length` stays alone). Each keeps its own labels: the last position of an example predicts nothing (its next
+    token starts another example), so no label crosses a boundary; the backbone sees the earlier examples as
+    context, as a few-shot prompt shows earlier questions.
+
+    Args:
+        examples: the examples, in order.
+        length: the most tokens per packed sequence.
+
+    Returns:
+        The packed sequences.
+    """
+    packed: list[TokenizedExample] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    for example in examples:
+        if ids and len(ids) + len(example.input_ids) > length:
+            packed.append(TokenizedExample(input_ids=ids, labels=labels))
+            ids, labels = [], []
+        ids = ids + example.input_ids
+        labels = labels + example.labels
+    if ids:
+        packed.append(TokenizedExample(input_ids=ids, labels=labels))
+    return packed

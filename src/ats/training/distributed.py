@@ -26,7 +26,11 @@ from torch import Tensor
 
 
 def launched() -> bool:
-    """True when started by a multi-process launcher (torchrun / accelerate launch set WORLD_SIZE)."""
+    """True when started by a multi-process launcher (torchrun / accelerate launch set WORLD_SIZE).
+
+    Returns:
+        Whether the environment's WORLD_SIZE is above 1.
+    """
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
@@ -38,34 +42,54 @@ class Dist:
 
     @property
     def distributed(self) -> bool:
+        """True when there is more than one process."""
         return self.accelerator is not None and self.accelerator.num_processes > 1
 
     @property
     def rank(self) -> int:
+        """This process's index (0 for a single process)."""
         return self.accelerator.process_index if self.accelerator is not None else 0
 
     @property
     def world_size(self) -> int:
+        """The number of processes, W."""
         return self.accelerator.num_processes if self.accelerator is not None else 1
 
     @property
     def is_main(self) -> bool:
+        """True on rank 0, the process that writes."""
         return self.rank == 0
 
     @property
     def device(self) -> torch.device | None:
+        """The accelerator's device for this process, or None for a plain single-process run."""
         return self.accelerator.device if self.accelerator is not None else None
 
     def barrier(self) -> None:
+        """Wait for every process (a no-op on a single process)."""
         if self.distributed:
             self.accelerator.wait_for_everyone()
 
     def my_shards(self, n_shards: int) -> list[int]:
-        """Round-robin shard ids of this rank: r, r + W, r + 2W, ..."""
+        """Round-robin shard ids of this rank: r, r + W, r + 2W, ...
+
+        Args:
+            n_shards: the total number of shards.
+
+        Returns:
+            This rank's shard ids, increasing.
+        """
         return list(range(self.rank, n_shards, self.world_size))
 
     def all_sum(self, values: list[float]) -> list[float]:
-        """Element-wise sum over ranks (float64)."""
+        """Element-wise sum over ranks (float64).
+
+        Args:
+            values: this rank's values; the same length on every rank.
+
+        Returns:
+            The sums, one per value (a copy of `values` on a single process).
+        """
         if not self.distributed:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -73,7 +97,11 @@ class Dist:
         return t.tolist()
 
     def average_gradients(self, parameters) -> None:
-        """Mean of .grad over ranks (a missing grad counts as zeros), for steps taken outside DDP's sync."""
+        """Mean of .grad over ranks (a missing grad counts as zeros), for steps taken outside DDP's sync.
+
+        Args:
+            parameters: the parameters whose `.grad` is averaged in place.
+        """
         if not self.distributed:
             return
         for p in parameters:
@@ -83,7 +111,14 @@ class Dist:
             p.grad.div_(self.world_size)
 
     def gather_cat(self, values: Tensor) -> Tensor:
-        """Concatenate a 1-D tensor of any length over ranks, in rank order (float64 on the wire)."""
+        """Concatenate a 1-D tensor of any length over ranks, in rank order (float64 on the wire).
+
+        Args:
+            values: (n_r,) this rank's values (flattened if not 1-D); n_r may differ between ranks.
+
+        Returns:
+            (sum of n_r,) on the CPU in `values`' dtype (`values` itself on a single process).
+        """
         if not self.distributed:
             return values
         acc = self.accelerator
@@ -100,7 +135,14 @@ SINGLE = Dist()
 
 
 def init_distributed(cpu: bool | None = None) -> Dist:
-    """A `Dist` for this process: an Accelerator when launched on several processes, else the no-op SINGLE."""
+    """A `Dist` for this process: an Accelerator when launched on several processes, else the no-op SINGLE.
+
+    Args:
+        cpu: force (True) or forbid (False) CPU processes; None: CPU only when CUDA is unavailable.
+
+    Returns:
+        The process's `Dist`.
+    """
     if not launched():
         return SINGLE
     from accelerate import Accelerator

@@ -58,7 +58,15 @@ def _token_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 
 def shard_plan(examples: list[TokenizedExample], shard_sequences: int) -> list[list[int]]:
-    """Deterministic assignment of example indices to shards: longest first, `shard_sequences` per shard."""
+    """Deterministic assignment of example indices to shards: longest first, `shard_sequences` per shard.
+
+    Args:
+        examples: the tokenized examples.
+        shard_sequences: sequences per shard (the last shard may hold fewer).
+
+    Returns:
+        One list of example indices per shard (ties in length broken by index).
+    """
     order = sorted(range(len(examples)), key=lambda i: (-len(examples[i].input_ids), i))
     return [order[k:k + shard_sequences] for k in range(0, len(order), shard_sequences)]
 
@@ -70,6 +78,16 @@ def micro_batch_plan(shard_sizes: list[int], batch_size: int, *, shuffle: bool =
     Shards are visited in a seeded order, and the rows of each shard in a seeded order, cut into `batch_size` pieces
     (the last piece of a shard may be smaller). Shards hold sequences of similar length (they are cut from the
     length-sorted data), so a micro-batch wastes little padding. Cached and online features use the same plan.
+
+    Args:
+        shard_sizes: the number of sequences in each shard.
+        batch_size: sequences per micro-batch.
+        shuffle: shuffle the shard order and the rows within each shard; otherwise both in order.
+        seed: the seed of the shuffling.
+        shard_ids: the shards to visit; default all.
+
+    Returns:
+        [(shard id, row indices within the shard)] per micro-batch, in order.
     """
     rng = random.Random(seed)
     shard_ids = list(range(len(shard_sizes))) if shard_ids is None else list(shard_ids)
@@ -85,7 +103,15 @@ def micro_batch_plan(shard_sizes: list[int], batch_size: int, *, shuffle: bool =
 
 
 def pad_batch(ids: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Right-padded input_ids (B, T_max) and attention mask (B, T_max)."""
+    """Right-padded input_ids (B, T_max) and attention mask (B, T_max).
+
+    Args:
+        ids: B token-id lists (at least one).
+        pad_id: the id placed on padding.
+
+    Returns:
+        (input_ids (B, T_max) long, attention_mask (B, T_max) long, 1 on real tokens).
+    """
     t_max = max(len(x) for x in ids)
     input_ids = torch.full((len(ids), t_max), pad_id, dtype=torch.long)
     mask = torch.zeros((len(ids), t_max), dtype=torch.long)
@@ -110,8 +136,26 @@ def extract_features(
 ) -> "FeatureStore":
     """Run the backbone over `examples` once and write hidden states + labels as shards.
 
-    shards: which shard indices this process writes (distributed extraction); default all. Finished shards (their
-    `.json` marker present and the checksum matching) are skipped, so a killed extraction resumes where it stopped.
+    Finished shards (their `.json` marker present and the checksum matching) are skipped, so a killed extraction
+    resumes where it stopped. The layout is the module docstring's.
+
+    Args:
+        backbone: the frozen backbone.
+        examples: the tokenized examples.
+        out_dir: the feature folder (created if missing).
+        batch_tokens: the most padded tokens (B x T_max) per forward pass.
+        shard_sequences: sequences per shard.
+        dtype: the stored hidden states' dtype: "float16", "bfloat16" or "float32".
+        shards: which shard indices this process writes (distributed extraction); default all.
+        progress: show a progress bar.
+        extra_meta: more entries for meta.json (e.g. the data's description).
+
+    Returns:
+        The `FeatureStore` of the folder; None when `shards` is given (the main process writes meta.json with
+        `write_meta` once every rank has finished).
+
+    Raises:
+        ATSError: if `dtype` is not one of the three.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -165,7 +209,18 @@ def _serialize(tensors: dict[str, Tensor]) -> bytes:
 
 
 def write_meta(out_dir: Path, backbone: Backbone, *, n_shards: int, dtype: str, extra: dict | None = None) -> None:
-    """Write meta.json from the finished shard markers (fails if a shard is missing)."""
+    """Write meta.json from the finished shard markers (fails if a shard is missing).
+
+    Args:
+        out_dir: the feature folder.
+        backbone: the backbone whose identity (`describe()`) is recorded.
+        n_shards: the number of shards of the plan.
+        dtype: the stored hidden states' dtype name.
+        extra: more entries for meta.json.
+
+    Raises:
+        ATSError: if a shard's marker is missing.
+    """
     shards = []
     for k in range(n_shards):
         marker = out_dir / f"shard-{k:05d}.json"
@@ -181,13 +236,22 @@ def write_meta(out_dir: Path, backbone: Backbone, *, n_shards: int, dtype: str, 
 
 @dataclass
 class SequenceBatch:
+    """A right-padded batch of whole sequences of hidden states."""
+
     hidden: Tensor  # (B, T, H) float32, right-padded with zeros
     attention_mask: Tensor  # (B, T) 1 on real tokens
     labels: Tensor  # (B, T) next-token ids on response positions, IGNORE_INDEX elsewhere
 
 
 class FeatureStore:
-    """Read access to an extracted feature folder; streams one shard at a time."""
+    """Read access to an extracted feature folder; streams one shard at a time.
+
+    Args:
+        directory: the feature folder, as written by `extract_features`.
+
+    Raises:
+        ATSError: if meta.json is missing or invalid, or of another format version.
+    """
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
@@ -202,21 +266,41 @@ class FeatureStore:
 
     @property
     def n_shards(self) -> int:
+        """The number of shards."""
         return len(self.meta["shards"])
 
     @property
     def hidden_size(self) -> int:
+        """H, the backbone's hidden size the features were extracted with."""
         return int(self.meta["hidden_size"])
 
     def check_backbone(self, backbone: Backbone) -> None:
-        """Refuse features extracted from another backbone."""
+        """Refuse features extracted from another backbone.
+
+        Args:
+            backbone: the backbone the features are to be used with.
+
+        Raises:
+            ATSError: naming the first identity field (`backbone.describe()`) that differs.
+        """
         for key, value in backbone.describe().items():
             if self.meta.get(key) != value:
                 raise ATSError(f"{self.directory}: features were extracted with {key}={self.meta.get(key)!r}, "
                                f"but the backbone has {key}={value!r}")
 
     def load_shard(self, k: int) -> dict[str, Tensor]:
-        """One shard's tensors (memory-mapped by safetensors), its checksum verified on first read."""
+        """One shard's tensors (memory-mapped by safetensors), its checksum verified on first read.
+
+        Args:
+            k: the shard index.
+
+        Returns:
+            {"hidden": (N_tok, H), "input_ids": (N_tok,), "labels": (N_tok,), "offsets": (S+1,),
+            "example_index": (S,)}.
+
+        Raises:
+            ATSError: if the shard file is missing or its checksum does not match.
+        """
         entry = self.meta["shards"][k]
         path = self.directory / Path(entry["file"]).name  # a config can never point outside its folder
         if k not in self._verified:
@@ -228,7 +312,14 @@ class FeatureStore:
         return load_file(str(path))
 
     def sequences(self, shard_ids: list[int] | None = None) -> Iterator[tuple[Tensor, Tensor]]:
-        """(hidden (T, H), labels (T,)) per sequence, shard by shard."""
+        """(hidden (T, H), labels (T,)) per sequence, shard by shard.
+
+        Args:
+            shard_ids: the shards to read; default all, in order.
+
+        Yields:
+            (hidden (T, H) in the stored dtype, labels (T,)) per sequence.
+        """
         for k in range(self.n_shards) if shard_ids is None else shard_ids:
             shard = self.load_shard(k)
             offsets = shard["offsets"].tolist()
@@ -243,6 +334,18 @@ class FeatureStore:
         Distributed training: the global sequence of micro-batches (see `micro_batch_plan`) is dealt round-robin,
         this process gets those with index % world_size == rank; `start` skips the first global micro-batches
         without reading them (resuming). A shard is read only if one of this process's micro-batches is in it.
+
+        Args:
+            batch_size: sequences per micro-batch.
+            shuffle: seeded shard and sequence order; otherwise in stored order.
+            seed: the seed of the order.
+            shard_ids: the shards to read; default all.
+            rank: this process's rank.
+            world_size: the number of processes, W.
+            start: the number of global micro-batches to skip.
+
+        Yields:
+            `SequenceBatch`es: hidden (B, T, H) float32, attention_mask (B, T), labels (B, T).
         """
         plan = micro_batch_plan([s["sequences"] for s in self.meta["shards"]], batch_size, shuffle=shuffle,
                                 seed=seed, shard_ids=shard_ids)
@@ -256,20 +359,59 @@ class FeatureStore:
             yield collate([(shard["hidden"][offsets[i]:offsets[i + 1]], shard["labels"][offsets[i]:offsets[i + 1]])
                            for i in rows])
 
-    def response_tokens(self, chunk_tokens: int = 4096) -> Iterator[tuple[Tensor, Tensor]]:
-        """(hidden (n, H) float32, labels (n,)) chunks over response tokens only."""
+    def response_tokens(self, chunk_tokens: int = 4096, *, max_tokens: int | None = None,
+                        seed: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
+        """(hidden (n, H) float32, labels (n,)) chunks over response tokens only; with `max_tokens`, over a seeded
+        random subset of that many of them (the same subset on every call).
+
+        Args:
+            chunk_tokens: the most tokens per chunk (chunks do not cross shards).
+            max_tokens: use a random subset of this many response tokens; None: all.
+            seed: the seed of the subset.
+
+        Yields:
+            (hidden (n, H) float32, labels (n,)) chunks, in shard order.
+        """
+        keep_subset = self._token_subset(max_tokens, seed)
+        offset = 0
         for k in range(self.n_shards):
             shard = self.load_shard(k)
             keep = shard["labels"] != IGNORE_INDEX
             hidden, labels = shard["hidden"][keep], shard["labels"][keep]
+            if keep_subset is not None:
+                mine = keep_subset[offset:offset + len(labels)]
+                offset += len(labels)
+                hidden, labels = hidden[mine], labels[mine]
             for start in range(0, len(labels), chunk_tokens):
                 yield hidden[start:start + chunk_tokens].float(), labels[start:start + chunk_tokens]
 
-    def logit_chunks(self, logits_fn: Callable[[Tensor], Tensor], chunk_tokens: int = 2048):
-        """A re-iterable source of (logits (n, V) float32, labels (n,)) for fitting token-level calibrators."""
+    def _token_subset(self, max_tokens: int | None, seed: int) -> Tensor | None:
+        """A boolean mask over all response tokens (in shard order) selecting `max_tokens` of them, or None."""
+        total = int(self.meta["response_tokens"])
+        if max_tokens is None or max_tokens >= total:
+            return None
+        chosen = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:max_tokens]
+        mask = torch.zeros(total, dtype=torch.bool)
+        mask[chosen] = True
+        return mask
+
+    def logit_chunks(self, logits_fn: Callable[[Tensor], Tensor], chunk_tokens: int = 2048, *,
+                     max_tokens: int | None = None, seed: int = 0):
+        """A re-iterable source of (logits (n, V) float32, labels (n,)) for fitting token-level calibrators; with
+        `max_tokens`, over a fixed seeded random subset of that many response tokens.
+
+        Args:
+            logits_fn: the output layer, h (n, H) -> z (n, V); run without gradients.
+            chunk_tokens: the most tokens per chunk.
+            max_tokens: use a random subset of this many response tokens; None: all.
+            seed: the seed of the subset.
+
+        Returns:
+            A `LogitChunks` callable: each call starts a new pass over the chunks.
+        """
 
         def chunks() -> Iterator[tuple[Tensor, Tensor]]:
-            for hidden, labels in self.response_tokens(chunk_tokens):
+            for hidden, labels in self.response_tokens(chunk_tokens, max_tokens=max_tokens, seed=seed):
                 with torch.no_grad():  # closed before the yield: grad mode is global, the consumer may train
                     logits = logits_fn(hidden).float()
                 yield logits, labels
@@ -278,7 +420,15 @@ class FeatureStore:
 
 
 def collate(seqs: list[tuple[Tensor, Tensor]]) -> SequenceBatch:
-    """Right-pad (hidden (T_i, H), labels (T_i,)) sequences into one batch."""
+    """Right-pad (hidden (T_i, H), labels (T_i,)) sequences into one batch.
+
+    Args:
+        seqs: B pairs (hidden (T_i, H), labels (T_i,)), at least one.
+
+    Returns:
+        The batch: hidden (B, T_max, H) float32 with zeros on padding, attention_mask (B, T_max), labels (B, T_max)
+        with -100 on padding.
+    """
     t_max = max(h.shape[0] for h, _ in seqs)
     width = seqs[0][0].shape[1]
     hidden = torch.zeros(len(seqs), t_max, width)
@@ -289,76 +439,3 @@ def collate(seqs: list[tuple[Tensor, Tensor]]) -> SequenceBatch:
         mask[row, : len(y)] = 1
         labels[row, : len(y)] = y
     return SequenceBatch(hidden=hidden, attention_mask=mask, labels=labels)
-
-
-class OnlineFeatures:
-    """Features computed on the fly (large backbones): the same interface as FeatureStore, nothing cached.
-
-    The tokenized examples are cut into the same length-sorted shards as an extraction would write (`shard_plan`),
-    and micro-batches follow the same seeded plan, so a head trained online sees exactly the batches it would see
-    from a cache. Each micro-batch runs the frozen backbone (no grad) on its padded token ids; hidden states live
-    only for that micro-batch, so memory does not grow with the data set (only the token ids are held).
-    """
-
-    def __init__(self, backbone: Backbone, examples: list[TokenizedExample], *, shard_sequences: int = 256,
-                 batch_tokens: int = 8192, extra_meta: dict | None = None) -> None:
-        self.backbone = backbone
-        self.examples = examples
-        self.batch_tokens = batch_tokens
-        self.plan = shard_plan(examples, shard_sequences)
-        shards = []
-        for indices in self.plan:
-            shards.append({"sequences": len(indices), "tokens": sum(len(examples[i].input_ids) for i in indices),
-                           "response_tokens": sum(sum(y != IGNORE_INDEX for y in examples[i].labels)
-                                                  for i in indices)})
-        self.meta = {"online": True, **backbone.describe(), "shards": shards,
-                     "sequences": len(examples), "tokens": sum(s["tokens"] for s in shards),
-                     "response_tokens": sum(s["response_tokens"] for s in shards), **(extra_meta or {})}
-        self.directory = None
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    @property
-    def n_shards(self) -> int:
-        return len(self.plan)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.backbone.hidden_size
-
-    def check_backbone(self, backbone: Backbone) -> None:
-        if backbone.describe() != self.backbone.describe():
-            raise ATSError("online features: the training backbone differs from the one computing the features")
-
-    @torch.no_grad()
-    def _forward(self, indices: list[int]) -> SequenceBatch:
-        ids = [self.examples[i].input_ids for i in indices]
-        input_ids, mask = pad_batch(ids, self.backbone.tokenizer.pad_token_id or 0)
-        labels = torch.full(mask.shape, IGNORE_INDEX, dtype=torch.long)
-        for row, i in enumerate(indices):
-            labels[row, : len(ids[row])] = torch.tensor(self.examples[i].labels)
-        device = self.backbone.device
-        hidden, _ = self.backbone.forward(input_ids.to(device), mask.to(device))  # (B, T, H)
-        hidden = hidden.float() * mask.to(device)[..., None]  # zeros on padding, as a cached batch
-        return SequenceBatch(hidden=hidden, attention_mask=mask, labels=labels)
-
-    def batches(self, batch_size: int, *, shuffle: bool = False, seed: int = 0,
-                shard_ids: list[int] | None = None, rank: int = 0, world_size: int = 1,
-                start: int = 0) -> Iterator[SequenceBatch]:
-        """As FeatureStore.batches, with the backbone run on each of this process's micro-batches."""
-        plan = micro_batch_plan([len(p) for p in self.plan], batch_size, shuffle=shuffle, seed=seed,
-                                shard_ids=shard_ids)
-        for m, (k, rows) in enumerate(plan):
-            if m >= start and m % world_size == rank:
-                yield self._forward([self.plan[k][i] for i in rows])
-
-    def sequences(self, shard_ids: list[int] | None = None) -> Iterator[tuple[Tensor, Tensor]]:
-        """(hidden (T, H) float32, labels (T,)) per sequence, forward passes of at most `batch_tokens` tokens."""
-        for k in range(self.n_shards) if shard_ids is None else shard_ids:
-            indices = self.plan[k]
-            for batch in _token_batches([len(self.examples[i].input_ids) for i in indices], self.batch_tokens):
-                out = self._forward([indices[j] for j in batch])
-                for row in range(len(batch)):
-                    n = int(out.attention_mask[row].sum())
-                    yield out.hidden[row, :n], out.labels[row, :n]

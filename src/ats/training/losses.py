@@ -57,14 +57,34 @@ def _group_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def log_loss_of_top(log_p_top: Tensor, correct: Tensor) -> Tensor:
-    """Per-token binary log loss of the top-1 confidence exp(log_p_top) (N,) against correctness (N,) bool."""
+    """Per-token binary log loss of the top-1 confidence exp(log_p_top) (N,) against correctness (N,) bool.
+
+    Args:
+        log_p_top: (N,) log of the calibrated top-1 confidence (clamped just below 0 so log(1 - p) is finite).
+        correct: (N,) bool, argmax z == y.
+
+    Returns:
+        (N,) -log p where correct, -log(1 - p) elsewhere.
+    """
     log_p = log_p_top.clamp(max=-1e-7)  # p < 1, so log(1 - p) stays finite
     log_not_p = torch.log(-torch.expm1(log_p))  # log(1 - p), accurate near p = 1
     return -torch.where(correct, log_p, log_not_p)
 
 
 def reference_selective(ce_y: Tensor, ce_u: Tensor, correct: Tensor, alpha: float, ignored: int) -> Tensor:
-    """The authors' weighted selective loss, -100 positions counted as wrong tokens with zero smoothing loss."""
+    """The authors' weighted selective loss, -100 positions counted as wrong tokens with zero smoothing loss.
+
+    Args:
+        ce_y: (N,) CE(q, y) per token.
+        ce_u: (N,) CE(q, uniform) per token.
+        correct: (N,) bool, argmax z == y.
+        alpha: the smoothing weight.
+        ignored: the number of -100 positions counted as wrong tokens.
+
+    Returns:
+        The scalar loss of the module docstring's "reference" weighting; 0 (in the graph) when both group weights
+        vanish.
+    """
     c = correct.to(ce_y.dtype)  # (N,)
     n = c.numel() + ignored
     n_correct = c.sum()
@@ -92,7 +112,22 @@ def calibration_loss(
 ) -> LossOutput:
     """The head's training loss on N response tokens (see the module docstring for loss types and weightings).
 
-    ignored: positions labelled -100 in the batch; only the reference weighting uses it.
+    Args:
+        hidden: (N, H) response-token hidden states, no grad.
+        scale: (N,) s = exp(tau) clamped, > 0; the only input with a gradient.
+        labels: (N,) next-token ids.
+        logits_fn: the output layer, h (n, H) -> z (n, V), run without gradients.
+        loss_type: one of `LOSS_TYPES`.
+        alpha: the smoothing weight, in [0, 1].
+        weighting: "token" or "reference"; used by the selective loss only.
+        chunk_size: tokens per logits chunk.
+        ignored: positions labelled -100 in the batch; only the reference weighting uses it.
+
+    Returns:
+        The scalar loss (with grad w.r.t. `scale`) and counts; N == 0 gives a zero loss still in the graph.
+
+    Raises:
+        ATSError: if an option is invalid or the shapes do not match.
     """
     check_choice("loss_type", loss_type, LOSS_TYPES)
     check_choice("weighting", weighting, WEIGHTINGS)

@@ -37,31 +37,64 @@ Validator = Callable[[ATSCalibrator], dict]  # calibrator -> metrics on held-out
 
 @dataclass
 class TrainResult:
+    """What a training run logs: the loss per optimizer step and the validation metrics per epoch."""
+
     history: list[dict] = field(default_factory=list)  # one row per optimizer step
     epochs: list[dict] = field(default_factory=list)  # validation metrics after each epoch
 
 
 def micro_per_epoch(store, config: TrainingConfig) -> int:
-    """Micro-batches in one pass over `store`."""
+    """Micro-batches in one pass over `store`.
+
+    Args:
+        store: a FeatureStore or OnlineFeatures (its `meta["shards"]` sizes are read).
+        config: gives the micro-batch size.
+
+    Returns:
+        The number of micro-batches per epoch (each shard's last one may be partial).
+    """
     return sum(math.ceil(s["sequences"] / config.micro_batch_size) for s in store.meta["shards"])
 
 
 def steps_per_epoch(store, config: TrainingConfig) -> int:
-    """Optimizer steps in one pass (a last partial accumulation counts as a step of the schedule)."""
+    """Optimizer steps in one pass (a last partial accumulation counts as a step of the schedule).
+
+    Args:
+        store: a FeatureStore or OnlineFeatures.
+        config: gives the micro-batch size and the accumulation.
+
+    Returns:
+        The number of optimizer steps per epoch.
+    """
     return math.ceil(micro_per_epoch(store, config) / config.accumulation)
 
 
 class Trainer:
     """Trains `calibrator.head` in place; `run()` returns the loss history and per-epoch validation metrics.
 
-    train_store: a FeatureStore (cached features) or OnlineFeatures (backbone run per batch).
-    validate: called after each epoch with the calibrator; its dict is logged (e.g. token-level ECE).
-    dist: the process's place in a multi-process job (default: one process). With W processes the global
-        micro-batch sequence is dealt round-robin (micro-batch m goes to rank m % W), each rank accumulates
-        accumulation / W micro-batches per step and DDP averages the gradients, so each step applies the update of
-        one process with the same batch_size (up to float rounding in the reduction). A last partial step of an
-        epoch is applied as in one process (loss / accumulation per micro-batch), some ranks contributing zeros.
-    on_step: called with the global optimizer step after each step (and its checkpoint).
+    Construction seeds torch's global RNG with `config.seed`, builds the optimizer and schedule (the learning rate
+    chosen is recorded in `calibrator.config_.training`) and, with `resume`, restores the last checkpoint.
+
+    Args:
+        calibrator: the ATS calibrator whose head is trained.
+        train_store: a FeatureStore (cached features) or OnlineFeatures (backbone run per batch).
+        backbone: the frozen backbone (output layer and device).
+        config: the loss and optimisation settings.
+        validate: called after each epoch with the calibrator; its dict is logged (e.g. token-level ECE).
+        out_dir: the run folder for checkpoints; None: no checkpoints.
+        resume: continue from the last checkpoint in `out_dir`, if any.
+        progress: show a progress bar (main process only).
+        on_step: called with the global optimizer step after each step (and its checkpoint).
+        dist: the process's place in a multi-process job (default: one process). With W processes the global
+            micro-batch sequence is dealt round-robin (micro-batch m goes to rank m % W), each rank accumulates
+            accumulation / W micro-batches per step and DDP averages the gradients, so each step applies the update
+            of one process with the same batch_size (up to float rounding in the reduction). A last partial step of
+            an epoch is applied as in one process (loss / accumulation per micro-batch), some ranks contributing
+            zeros.
+
+    Raises:
+        ATSError: if the accumulation is not a multiple of W, or the features or the calibrator belong to another
+            backbone.
     """
 
     def __init__(self, calibrator: ATSCalibrator, train_store, backbone: Backbone, config: TrainingConfig, *,
@@ -86,14 +119,18 @@ class Trainer:
         config = self.config
         torch.manual_seed(config.seed)
         self.head = head = self.calibrator.head.to(self.backbone.device).train()
-        self.calibrator.config_.training = config.to_dict()
-        decay = [p for p in head.parameters() if p.dim() >= 2]
-        no_decay = [p for p in head.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}], lr=config.lr)
         self.full_steps, self.remainder = divmod(micro_per_epoch(self.store, config), config.accumulation)
         self.steps_per_epoch = steps_per_epoch(self.store, config)
         total = self.steps_per_epoch * config.epochs
+        self.lr = config.learning_rate(total)
+        if config.lr is None:
+            logger.info("learning rate %.3g, automatic for %d optimizer steps (set --lr to choose)", self.lr, total)
+        self.calibrator.config_.training = {**config.to_dict(), "lr": self.lr, "lr_automatic": config.lr is None,
+                                            "optimizer_steps": total}
+        decay = [p for p in head.parameters() if p.dim() >= 2]
+        no_decay = [p for p in head.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}], lr=self.lr)
         self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, round(config.warmup_ratio * total), total)
         self.start = self._resume() if resume else (0, 0)  # (epoch, step in epoch)
         self.forward = self.calibrator.temperature
@@ -203,7 +240,14 @@ class Trainer:
             "ece" in self.result.epochs[-1] else {}
 
     def run(self) -> TrainResult:
-        """Train for `config.epochs` (from the last checkpoint when resuming); the head is left in eval mode."""
+        """Train for `config.epochs` (from the last checkpoint when resuming); the head is left in eval mode.
+
+        Returns:
+            The loss history and per-epoch validation metrics (those of earlier runs included when resuming).
+
+        Raises:
+            ATSError: on a non-finite loss or gradient (the last good checkpoint is kept).
+        """
         start_epoch, skip_steps = self.start
         bar = tqdm(total=self.steps_per_epoch * self.config.epochs,
                    initial=start_epoch * self.steps_per_epoch + skip_steps, desc="train head",
@@ -228,7 +272,26 @@ def train_ats(calibrator: ATSCalibrator, train_store, backbone: Backbone, *, con
               progress: bool = True, on_step: Callable[[int], None] | None = None,
               dist: Dist | None = None) -> TrainResult:
     """Train `calibrator.head` in place on `train_store` (see `Trainer`); returns the loss history and the
-    per-epoch validation metrics."""
+    per-epoch validation metrics.
+
+    Args:
+        calibrator: the ATS calibrator whose head is trained.
+        train_store: a FeatureStore or OnlineFeatures.
+        backbone: the frozen backbone.
+        config: the training settings; default `TrainingConfig()`.
+        validate: called after each epoch with the calibrator; returns metrics to log.
+        out_dir: the run folder for checkpoints; None: no checkpoints.
+        resume: continue from the last checkpoint in `out_dir`.
+        progress: show a progress bar.
+        on_step: called with the global optimizer step after each step.
+        dist: the process's place in a multi-process job; default one process.
+
+    Returns:
+        The loss history and the per-epoch validation metrics.
+
+    Raises:
+        ATSError: as `Trainer` and `Trainer.run`.
+    """
     trainer = Trainer(calibrator, train_store, backbone, config or TrainingConfig(), validate=validate,
                       out_dir=out_dir, resume=resume, progress=progress, on_step=on_step, dist=dist)
     return trainer.run()

@@ -57,12 +57,23 @@ class HeadRun:
 
     @property
     def name(self) -> str:
+        """The folder and method name: "<head>-<loss>-a<alpha>" ("<head>-<loss>" for losses without alpha)."""
         base = f"{self.head_type}-{self.loss_type}"
         return base if self.loss_type in ("none", "top-label") else f"{base}-a{self.alpha:g}"  # alpha unused there
 
 
 def ablation_plan(ablations=ABLATIONS) -> dict[str, list[tuple[str, HeadRun]]]:
-    """Ablation -> its rows as (row label, configuration), in table order."""
+    """Ablation -> its rows as (row label, configuration), in table order.
+
+    Args:
+        ablations: names from `ABLATIONS`, as a sequence or a comma-separated string.
+
+    Returns:
+        ablation -> [(row label, configuration)], ablations in the given order (repeats dropped).
+
+    Raises:
+        ATSError: if a name is unknown or none is given.
+    """
     if isinstance(ablations, str):
         ablations = [a for a in ablations.split(",") if a]
     ablations = list(ablations)
@@ -78,17 +89,40 @@ def ablation_plan(ablations=ABLATIONS) -> dict[str, list[tuple[str, HeadRun]]]:
 
 
 def unique_runs(plan: dict[str, list[tuple[str, HeadRun]]]) -> list[HeadRun]:
-    """Every configuration the plan needs, each once, in first-appearance order."""
+    """Every configuration the plan needs, each once, in first-appearance order.
+
+    Args:
+        plan: as `ablation_plan` returns it.
+
+    Returns:
+        The distinct configurations.
+    """
     return list(dict.fromkeys(run for rows in plan.values() for _, run in rows))
 
 
 def task_order(results: dict) -> list[str]:
-    """Tasks first, the token-level column last."""
+    """Tasks first, the token-level column last.
+
+    Args:
+        results: task -> method -> metrics (may hold `VAL_TASK`).
+
+    Returns:
+        The task names.
+    """
     return [t for t in results if t != VAL_TASK] + ([VAL_TASK] if VAL_TASK in results else [])
 
 
 def format_ablation_table(rows: list[tuple[str, str]], results: dict, *, first: str = "setting") -> str:
-    """Markdown: one row per (label, method) plus the uncalibrated reference; ECE / Brier per task."""
+    """Markdown: one row per (label, method) plus the uncalibrated reference; ECE / Brier per task.
+
+    Args:
+        rows: (row label, method name) pairs.
+        results: task -> method -> metrics.
+        first: the first column's header.
+
+    Returns:
+        The markdown table.
+    """
     tasks = task_order(results)
     header = [first, "run"] + [f"{TASK_LABELS.get(t, t)} {label}" for t in tasks for label, _ in ABLATION_METRICS]
     body = []
@@ -99,7 +133,16 @@ def format_ablation_table(rows: list[tuple[str, str]], results: dict, *, first: 
 
 
 def alpha_figure(rows: list[tuple[str, str]], results: dict, stem: str | Path) -> list[Path]:
-    """ECE against alpha, one line per task (dashed, same colour: the uncalibrated model); PNG + PDF."""
+    """ECE against alpha, one line per task (dashed, same colour: the uncalibrated model); PNG + PDF.
+
+    Args:
+        rows: (alpha as text, method name) pairs.
+        results: task -> method -> metrics.
+        stem: the figure's path without suffix.
+
+    Returns:
+        [the .png path, the .pdf path].
+    """
     alphas = [float(label) for label, _ in rows]
     with matplotlib.rc_context(STYLE):
         fig = Figure(figsize=(4.2, 3.0), layout="constrained")
@@ -124,7 +167,25 @@ def alpha_figure(rows: list[tuple[str, str]], results: dict, stem: str | Path) -
 
 def train_runs(backbone, train_store, val_store, out_dir: Path, runs: list[HeadRun], training: TrainingConfig, *,
                overwrite: bool = False, progress: bool = True) -> tuple[dict, dict]:
-    """Train (or reuse) every configuration; returns (method -> calibrator, method -> run record)."""
+    """Train (or reuse) every configuration; returns (method -> calibrator, method -> run record).
+
+    Args:
+        backbone: the frozen backbone.
+        train_store: the training features.
+        val_store: the held-out features.
+        out_dir: the run folder (heads go to `out_dir/heads/<name>`).
+        runs: the configurations.
+        training: the base training options (loss type and alpha replaced per configuration).
+        overwrite: replace heads made with other options instead of refusing.
+        progress: show progress bars.
+
+    Returns:
+        (method -> calibrator, the uncalibrated reference included; method -> {configuration, "dir", "trained_now",
+        "training"}).
+
+    Raises:
+        ATSError: if a saved head was made with other options (without `overwrite`) or training fails.
+    """
     calibrators: dict = {REFERENCE: Uncalibrated()}
     info: dict = {}
     for run in runs:
@@ -144,9 +205,28 @@ def run_ablations(backbone, train_store, val_store, out_dir: str | Path, *, task
     """Train every configuration the ablations need (each once, reused from out_dir/heads on a rerun), evaluate
     them on `tasks` and token by token on `val_store`, and write the tables, ablations.json and the alpha figure.
 
-    tasks: task specs ('mmlu', 'triviaqa', 'truthfulqa_mc1', 'mc:PATH', ...) or Task objects; task_limit: an int for
-    every task, or spec -> int ('mc' for every mc:PATH). training: the TrainingConfig of every head (its loss type
-    and alpha replaced per configuration). Returns what ablations.json holds, plus the tables' markdown ("tables").
+    Args:
+        backbone: the frozen backbone.
+        train_store: the training features.
+        val_store: the held-out features, or None (no token-level column).
+        out_dir: the run folder (layout in the module docstring).
+        tasks: task specs ('mmlu', 'triviaqa', 'truthfulqa_mc1', 'mc:PATH', ...) or Task objects.
+        task_limit: an int for every task, or spec -> int ('mc' for every mc:PATH).
+        ablations: which ablations, as for `ablation_plan`.
+        training: the TrainingConfig of every head (its loss type and alpha replaced per configuration).
+        n_bins: equal-width bins of the ECE.
+        bootstrap: bootstrap resamples for the task metrics; 0: none.
+        seed: the seed of the task subsets.
+        mmlu_options: constructor options for MMLU.
+        overwrite: replace results made with other options instead of refusing.
+        progress: show progress bars.
+
+    Returns:
+        What ablations.json holds, plus the tables' markdown ("tables").
+
+    Raises:
+        ATSError: if an ablation is unknown, stored results were made with other options (without `overwrite`),
+            or a step fails.
     """
     out_dir = Path(out_dir)
     plan = ablation_plan(ablations)

@@ -30,7 +30,14 @@ ALIGNMENT_METRICS = (("Acc", "accuracy"), ("ECE", "ece"), ("Brier", "brier"))
 
 
 def format_alignment_table(results: dict) -> str:
-    """Rows = model x method, columns = task x {Acc, ECE, Brier}."""
+    """Rows = model x method, columns = task x {Acc, ECE, Brier}.
+
+    Args:
+        results: model -> task -> method -> metrics.
+
+    Returns:
+        The markdown table (tasks first, the token-level column last).
+    """
     tasks = list(dict.fromkeys(t for per_model in results.values() for t in task_order(per_model)))
     header = ["model", "method"] + [f"{TASK_LABELS.get(t, t)} {label}" for t in tasks
                                     for label, _ in ALIGNMENT_METRICS]
@@ -47,7 +54,29 @@ def run_alignment(models: list, out_dir: str | Path, *, tasks: list, task_limit=
                   n_bins: int = 15, seed: int = 0, mmlu_options: dict | None = None, overwrite: bool = False,
                   progress: bool = True) -> dict:
     """Per backbone (an embedded name, a path or Hub id, or a loaded Backbone): uncalibrated vs. ATS on `tasks` and
-    on held-out tokens. Writes out_dir/alignment.md and alignment.json."""
+    on held-out tokens. Writes out_dir/alignment.md and alignment.json.
+
+    Args:
+        models: backbone names / paths / Hub ids, or loaded Backbones.
+        out_dir: the folder holding one subfolder per model.
+        tasks: task specs or Task objects.
+        task_limit: an int for every task, or spec -> int (see `build_tasks`).
+        data: the data options; default `DataConfig()`.
+        training: the training options of every head; default `TrainingConfig()`.
+        device: where a backbone given by name is loaded.
+        n_bins: equal-width bins of the ECE.
+        seed: the seed of the task subsets.
+        mmlu_options: constructor options for MMLU.
+        overwrite: replace results made with other options instead of refusing.
+        progress: show progress bars.
+
+    Returns:
+        What alignment.json holds ({"settings", "results": model -> task -> method -> metrics}) plus "table",
+        the markdown table.
+
+    Raises:
+        ATSError: if a step's stored results were made with other options (without `overwrite`) or a step fails.
+    """
     out_dir = Path(out_dir)
     training = training or TrainingConfig()
     results: dict = {}

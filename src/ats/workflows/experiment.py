@@ -58,6 +58,8 @@ SIZES = {
 
 @dataclass
 class ExperimentResult:
+    """What `run_experiment` returns: token-level and task-level metrics per method, and the seconds per step."""
+
     token_level: dict[str, dict] = field(default_factory=dict)  # method -> summarize() on held-out tokens
     tasks: dict[str, dict] = field(default_factory=dict)  # task -> method -> summarize()
     seconds: dict[str, float] = field(default_factory=dict)
@@ -65,7 +67,23 @@ class ExperimentResult:
 
 def run_experiment(backbone: Backbone, out_dir: str | Path, size: ExperimentSize, *, head_type: str = "transformer",
                    overwrite: bool = False, progress: bool = True, bootstrap: int = 0) -> ExperimentResult:
-    """Features -> ATS head -> controls and baselines -> token-level and task-level evaluation, under `out_dir`."""
+    """Features -> ATS head -> controls and baselines -> token-level and task-level evaluation, under `out_dir`.
+
+    Args:
+        backbone: the frozen backbone.
+        out_dir: the run folder (features/, ats-<head_type>/, baselines/, eval/).
+        size: how much data each step uses.
+        head_type: the ATS head's type.
+        overwrite: replace results made with other options instead of refusing.
+        progress: show progress bars.
+        bootstrap: bootstrap resamples for the task metrics; 0: none.
+
+    Returns:
+        The metrics and timings.
+
+    Raises:
+        ATSError: if a step's stored results were made with other options (without `overwrite`) or a step fails.
+    """
     out = Path(out_dir)
     result = ExperimentResult()
     clock = time.time()
@@ -104,4 +122,12 @@ def run_experiment(backbone: Backbone, out_dir: str | Path, size: ExperimentSize
 
 
 def size_record(size: ExperimentSize) -> dict:
+    """The size as a JSON-ready record.
+
+    Args:
+        size: the experiment size.
+
+    Returns:
+        Its fields as a dict.
+    """
     return asdict(size)

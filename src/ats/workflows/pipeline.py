@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +24,10 @@ from ..model.heads import HeadConfig
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig, load_instructions, prepare_examples
 from ..training.distributed import SINGLE, Dist
-from ..training.features import META_NAME, FeatureStore, OnlineFeatures, extract_features, shard_plan, write_meta
+from ..training.features import META_NAME, FeatureStore, extract_features, shard_plan, write_meta
+from ..training.online import OnlineFeatures
 from ..training.trainer import train_ats
+from ..training.validation import heldout_objective
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +38,36 @@ _NOT_IN_FINGERPRINT = {"batch_tokens", "save_every"}
 
 
 def data_fingerprint(config: DataConfig) -> dict:
-    """The data options that determine the examples, and a checksum of the records they select."""
+    """The data options that determine the examples, and a checksum of the records they select.
+
+    Loads the records (so a changed data file changes the fingerprint).
+
+    Args:
+        config: the data options.
+
+    Returns:
+        The options (less those that never change the result), "records" (their number) and "checksum".
+
+    Raises:
+        ATSError: if the data cannot be read.
+    """
     records = load_instructions(config.source, limit=config.limit, seed=config.seed)
     options = {k: v for k, v in config.to_dict().items() if k not in _NOT_IN_FINGERPRINT}
     return {**options, "records": len(records), "checksum": digest([vars(r) for r in records])}
 
 
 def features_fingerprint(backbone: Backbone, config: DataConfig, split: str, *, data: dict | None = None) -> dict:
+    """The fingerprint of one split's feature cache.
+
+    Args:
+        backbone: the backbone the features come from (its `describe()` is recorded).
+        config: the data options.
+        split: "train" or "val".
+        data: `data_fingerprint(config)` if already computed.
+
+    Returns:
+        A "features" fingerprint of the backbone, the data and the split.
+    """
     return make_fingerprint("features", backbone=backbone.describe(), data=data or data_fingerprint(config),
                             split=split)
 
@@ -52,8 +78,23 @@ def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataC
     """Tokenize the instruction data, split it, and extract (or reuse) the train / val feature caches.
 
     Finished features are reused only for the same backbone, data and options; a partial extraction resumes only with
-    them. dist: with several processes, rank r extracts shards r, r+W, ... of each split; the main process writes
-    meta.json once every rank has finished (a barrier), then every rank opens the stores.
+    them.
+
+    Args:
+        backbone: the frozen backbone.
+        features_dir: the folder holding `train/` and `val/`.
+        config: the data options; default `DataConfig()`.
+        overwrite: replace features made with other options instead of refusing.
+        progress: show progress bars (main process only).
+        dist: with several processes, rank r extracts shards r, r+W, ... of each split; the main process writes
+            meta.json once every rank has finished (a barrier), then every rank opens the stores.
+
+    Returns:
+        (train store, val store).
+
+    Raises:
+        ATSError: if a split holds features made with other options (without `overwrite`), the stored features
+            belong to another backbone, or the data cannot be read or split.
     """
     config = config or DataConfig()
     dist = dist or SINGLE
@@ -102,7 +143,18 @@ def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataC
 
 
 def online_features(backbone: Backbone, config: DataConfig | None = None) -> tuple[OnlineFeatures, OnlineFeatures]:
-    """Train/val feature sources that run the backbone inside the training loop (no cache; large models)."""
+    """Train/val feature sources that run the backbone inside the training loop (no cache; large models).
+
+    Args:
+        backbone: the frozen backbone.
+        config: the data options; default `DataConfig()`.
+
+    Returns:
+        (train source, val source), each with its `fingerprint` set as for cached features.
+
+    Raises:
+        ATSError: if the data cannot be read or split.
+    """
     config = config or DataConfig()
     train, val, meta = prepare_examples(backbone.tokenizer, config)
     data = data_fingerprint(config)
@@ -138,29 +190,64 @@ class FeatureSource:
     resume: bool = False
     progress: bool = True
     dist: Dist = field(default_factory=lambda: SINGLE)
+    fit_tokens: int | None = None  # token-level methods fit on a fixed seeded subset of this many tokens
+    fitted: dict = field(default_factory=dict)  # name -> calibrator fitted on this source (reusable by others)
     history: object = None  # the TrainResult of the last head trained
 
     @property
     def hidden_size(self) -> int:
+        """H, the backbone's hidden size."""
         return self.backbone.hidden_size
 
     @property
     def logits_fn(self):
+        """The backbone's output layer, h (n, H) -> z (n, V)."""
         return self.backbone.logits
 
     @property
     def logit_chunks(self):
-        return self.store.logit_chunks(self.backbone.logits)
+        """The training split's `LogitChunks` (over `fit_tokens` seeded response tokens when set)."""
+        return self.store.logit_chunks(self.backbone.logits, max_tokens=self.fit_tokens)
 
     def train_head(self, calibrator: ATSCalibrator) -> None:
-        validate = token_validator(self.val_store, self.backbone, self.dist) if self.val_store is not None else None
-        result = train_ats(calibrator, self.store, self.backbone, config=self.training or TrainingConfig(),
+        """Train `calibrator.head` in place with the run's training config; the result goes to `history`.
+
+        With a held-out split, each epoch is validated by token-level metrics and the held-out training objective.
+
+        Args:
+            calibrator: the ATS-family calibrator to train.
+
+        Raises:
+            ATSError: as `train_ats`.
+        """
+        training = self.training or TrainingConfig()
+        validate = None
+        if self.val_store is not None:
+            token_metrics = token_validator(self.val_store, self.backbone, self.dist)
+
+            def validate(cal: ATSCalibrator) -> dict:  # token-level metrics and the held-out training objective
+                return {**token_metrics(cal),
+                        "objective": heldout_objective(cal, self.val_store, self.backbone, training, self.dist)}
+
+        result = train_ats(calibrator, self.store, self.backbone, config=training,
                            validate=validate, out_dir=self.work_dir, resume=self.resume, progress=self.progress,
                            dist=self.dist)
         self.history = result
 
 
 def head_fingerprint(store, head: HeadConfig, max_scale: float, method: str, training: TrainingConfig) -> dict:
+    """The fingerprint of a trained head.
+
+    Args:
+        store: the training features (their fingerprint, or the digest of their meta.json, is recorded).
+        head: the head's config.
+        max_scale: the clamp on exp(tau).
+        method: the method's name in tables.
+        training: the training options (less those that never change the result).
+
+    Returns:
+        A "head" fingerprint.
+    """
     options = {k: v for k, v in training.to_dict().items() if k not in _NOT_IN_FINGERPRINT}
     return make_fingerprint("head", features=_store_fingerprint(store), head=head.to_dict(), max_scale=max_scale,
                             method=method, training=options)
@@ -168,13 +255,36 @@ def head_fingerprint(store, head: HeadConfig, max_scale: float, method: str, tra
 
 def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, *, method: str = "ats",
                head_type: str | None = None, max_scale: float = 10.0, training: TrainingConfig | None = None,
-               overwrite: bool = False, resume: bool = False, progress: bool = True,
+               label: str | None = None, overwrite: bool = False, resume: bool = False, progress: bool = True,
                dist: Dist | None = None) -> ATSCalibrator:
     """Train an ATS-family head (`method`: ats, selective-temperature, selective-linear) and save it to `out_dir`.
 
     A head saved there with the same fingerprint is reused; another is refused unless `overwrite`. `resume`
     continues the checkpoints in `out_dir.work` only if they were made with the same fingerprint. Only the main
     process writes.
+
+    Args:
+        backbone: the frozen backbone.
+        train_store: the training features.
+        val_store: the held-out features for per-epoch validation, or None.
+        out_dir: the head's folder (checkpoints go to `<out_dir>.work`).
+        method: a registry name whose `trains_head` is set.
+        head_type: overrides the method's head type.
+        max_scale: the clamp on exp(tau).
+        training: the training options; default `TrainingConfig()`.
+        label: the method's name in tables (default: `method`), e.g. "ats-top-label" for ATS trained with another
+            loss.
+        overwrite: replace a head made with other options instead of refusing.
+        resume: continue the checkpoints of an interrupted run with the same fingerprint.
+        progress: show progress bars.
+        dist: the process's place in a multi-process job; default one process.
+
+    Returns:
+        The trained (or reused) calibrator; its `reused` attribute says which.
+
+    Raises:
+        ATSError: if `method` is unknown, the saved head or interrupted training was made with other options
+            (without `overwrite`), or training fails.
     """
     dist = dist or SINGLE
     out_dir = Path(out_dir)
@@ -182,7 +292,7 @@ def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, 
     preset = dict(entry(method).preset)
     if head_type is not None:
         preset["head_type"] = head_type
-    preset.setdefault("method", method)
+    preset["method"] = label or preset.get("method", method)
     calibrator = ATSCalibrator.for_backbone(backbone, max_scale=max_scale, seed=training.seed, **preset)
     fp = head_fingerprint(train_store, calibrator.config_.head, max_scale, calibrator.config_.method, training)
     if (out_dir / CONFIG_NAME).exists() and check_reuse(out_dir, "head", stored_fingerprint(out_dir), fp,
@@ -212,34 +322,106 @@ def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, 
     return calibrator
 
 
-def calibrator_fingerprint(name: str, store, training: TrainingConfig | None) -> dict:
-    return make_fingerprint("calibrator", name=name, features=_store_fingerprint(store),
-                            training=None if training is None else training.to_dict())
+def check_before_loading(features_dir: str | Path, head_dir: str | Path | None, data: DataConfig, *,
+                         head_type: str | None = None, max_scale: float = 10.0, method: str = "ats",
+                         training: TrainingConfig | None = None, overwrite: bool = False) -> None:
+    """Refuse, before the backbone loads, a rerun whose data or head options differ from those of the features and
+    head already in the run folder (the backbone's identity is compared once it is loaded).
+
+    Args:
+        features_dir: the run's features folder.
+        head_dir: the run's head folder, or None.
+        data: the data options of the rerun.
+        head_type: the head type of the rerun (the method's preset wins).
+        max_scale: the clamp on exp(tau) of the rerun.
+        method: the registry name of the rerun.
+        training: the training options of the rerun; None: the head is not checked.
+        overwrite: check nothing (the old results will be replaced).
+
+    Raises:
+        ATSError: naming the options that differ, or if the data cannot be read.
+    """
+    if overwrite:
+        return
+    data_now = data_fingerprint(data)
+    for split in SPLITS:
+        old = stored_fingerprint(Path(features_dir) / split) if (Path(features_dir) / split).is_dir() else None
+        if old is not None and old.get("data") != data_now:
+            raise refusal(Path(features_dir) / split, "features", {"data": old.get("data")}, {"data": data_now})
+    old = stored_fingerprint(head_dir) if head_dir is not None and Path(head_dir).is_dir() else None
+    if old is None or training is None:
+        return
+    options = {k: v for k, v in training.to_dict().items() if k not in _NOT_IN_FINGERPRINT}
+    preset = entry(method).preset
+    now = {"head_type": preset.get("head_type", head_type or "transformer"), "max_scale": max_scale,
+           "method": method, "training": options}
+    before = {"head_type": old.get("head", {}).get("head_type"), "max_scale": old.get("max_scale"),
+              "method": old.get("method"), "training": old.get("training")}
+    if before != now:
+        raise refusal(head_dir, "head", before, now)
+
+
+def calibrator_fingerprint(name: str, store, fit_tokens: int | None) -> dict:
+    """The fingerprint of a fitted (non-head) calibrator.
+
+    Args:
+        name: its registry name.
+        store: the training features.
+        fit_tokens: the size of the token subset it is fitted on, or None for all.
+
+    Returns:
+        A "calibrator" fingerprint.
+    """
+    return make_fingerprint("calibrator", name=name, features=_store_fingerprint(store), fit_tokens=fit_tokens)
 
 
 def fit_calibrators(backbone: Backbone, train_store, out_dir: str | Path, names: tuple[str, ...] = BASELINES, *,
-                    val_store=None, training: TrainingConfig | None = None, overwrite: bool = False,
-                    progress: bool = True) -> dict[str, Calibrator]:
+                    val_store=None, training: TrainingConfig | None = None, fit_tokens: int | None = None,
+                    overwrite: bool = False, progress: bool = True) -> dict[str, Calibrator]:
     """Fit each named calibrator on the same response tokens ATS trains on; saved under `out_dir/<name>` with its
     fingerprint and reused on a rerun with the same options. ATS-family names (the controls) are trained with
-    `training`, exactly like the ATS head."""
+    `training`, exactly like the ATS head. fit_tokens: token-level methods fit on a fixed seeded subset of this many
+    training tokens (their one or two parameters need far fewer tokens than a head; the cost of each pass over the
+    full vocabulary shrinks in proportion).
+
+    Args:
+        backbone: the frozen backbone.
+        train_store: the training features.
+        out_dir: the folder holding one subfolder per calibrator.
+        names: registry names, in fitting order (scaling-binning reuses an earlier temperature fit).
+        val_store: the held-out features, for the ATS-family names.
+        training: the training options of the ATS-family names.
+        fit_tokens: fit token-level methods on a fixed seeded subset of this many training tokens; None: all.
+        overwrite: replace calibrators made with other options instead of refusing.
+        progress: show progress bars.
+
+    Returns:
+        name -> fitted (or reused) calibrator, in the order of `names`.
+
+    Raises:
+        ATSError: if a name is unknown, a saved calibrator was made with other options (without `overwrite`), or a
+            fit fails.
+    """
     out_dir = Path(out_dir)
     fitted = {}
+    source = FeatureSource(backbone, train_store, progress=progress, fit_tokens=fit_tokens)
     for name in names:
         target = out_dir / name
         if calibrator_class(name).trains_head:  # ATS and its controls: trained like the ATS head
             fitted[name] = train_head(backbone, train_store, val_store, target, method=name, training=training,
                                       overwrite=overwrite, progress=progress)
             continue
-        fp = calibrator_fingerprint(name, train_store, None)
+        fp = calibrator_fingerprint(name, train_store, fit_tokens)
         if (target / CONFIG_NAME).exists() and check_reuse(target, f"calibrator {name!r}", stored_fingerprint(target),
                                                            fp, overwrite=overwrite):
-            fitted[name] = load_calibrator(target, backbone=backbone)
+            fitted[name] = source.fitted[name] = load_calibrator(target, backbone=backbone)
             continue
-        logger.info("fitting %s on %s response tokens", name, train_store.meta["response_tokens"])
-        source = FeatureSource(backbone, train_store, progress=progress)
+        logger.info("fitting %s on %s of %s response tokens", name, fit_tokens or "all",
+                    train_store.meta["response_tokens"])
+        start = time.time()
         calibrator = calibrator_for(name, source).fit_source(source)
         calibrator.save_pretrained(target)
         write_fingerprint(target, fp)
-        fitted[name] = calibrator
+        write_json(target / "fit_seconds.json", {"seconds": round(time.time() - start, 2)})
+        fitted[name] = source.fitted[name] = calibrator
     return fitted

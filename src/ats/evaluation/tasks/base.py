@@ -26,6 +26,10 @@ class TaskResult:
     """Per-example results of one method on one task: confidence in [0, 1] and whether the answer was correct.
 
     `extra` holds further per-example arrays of the same length (e.g. TriviaQA's `confidence_product`).
+    Inputs are flattened to (N,) float64 / bool.
+
+    Raises:
+        ATSError: if `confidence` and `correct` differ in length.
     """
 
     confidence: np.ndarray  # (N,) float
@@ -44,11 +48,28 @@ class TaskResult:
         return int(self.confidence.size)
 
     def to_dict(self) -> dict:
+        """A JSON-ready dict of lists.
+
+        Returns:
+            {"confidence": [N floats], "correct": [N bools], "extra": {name: list}}.
+        """
         return {"confidence": self.confidence.tolist(), "correct": self.correct.tolist(),
                 "extra": {k: v.tolist() for k, v in self.extra.items()}}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "task result") -> "TaskResult":
+        """The result from `to_dict`'s output.
+
+        Args:
+            data: {"confidence", "correct", optional "extra"}.
+            where: what the data came from, quoted in the error.
+
+        Returns:
+            The result.
+
+        Raises:
+            ATSError: if a field is missing or malformed, or the lengths differ.
+        """
         try:
             return cls(confidence=np.asarray(data["confidence"], dtype=np.float64),
                        correct=np.asarray(data["correct"], dtype=bool),
@@ -64,10 +85,23 @@ class Task(ABC):
 
     @abstractmethod
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
-        """Evaluate every calibrator on the same backbone forward passes."""
+        """Evaluate every calibrator on the same backbone forward passes.
+
+        Args:
+            backbone: the frozen backbone (its tokenizer encodes the prompts).
+            calibrators: method name -> fitted calibrator, all applied to the same forward passes.
+            progress: show progress bars.
+
+        Returns:
+            method -> per-example results, one entry per calibrator.
+        """
 
     def describe(self) -> dict:
-        """The settings that determine the results (stored beside them, so stale results are never reused)."""
+        """The settings that determine the results (stored beside them, so stale results are never reused).
+
+        Returns:
+            A JSON-ready dict with at least "name".
+        """
         return {"name": self.name}
 
     def __repr__(self) -> str:
@@ -76,18 +110,51 @@ class Task(ABC):
 
 # --- small helpers ---------------------------------------------------------------------------------------------------
 def progress_bar(iterable: Iterable, *, enabled: bool, desc: str, total: int | None = None):
+    """`iterable` wrapped in a tqdm bar that disappears when done.
+
+    Args:
+        iterable: what to iterate.
+        enabled: show the bar; otherwise it is disabled (the items still pass through).
+        desc: the bar's label.
+        total: the number of items, when `iterable` has no length.
+
+    Returns:
+        The tqdm iterator.
+    """
     from tqdm.auto import tqdm
 
     return tqdm(iterable, desc=desc, total=total, disable=not enabled, leave=False, dynamic_ncols=True)
 
 
 def chunks(items: Sequence, size: int) -> list[Sequence]:
+    """Consecutive slices of `items` of `size` (the last may be shorter).
+
+    Args:
+        items: a sliceable sequence.
+        size: the slice length (at least 1 is used).
+
+    Returns:
+        The slices, in order.
+    """
     size = max(1, int(size))
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def seeded_subset(n: int, limit: int | None, seed: int, *, salt: str = "") -> list[int]:
-    """Sorted indices of a seeded random subset of `range(n)` of size `limit` (all of them when None)."""
+    """Sorted indices of a seeded random subset of `range(n)` of size `limit` (all of them when None).
+
+    Args:
+        n: the number of items.
+        limit: the subset's size; None or >= n: all.
+        seed: the seed of the subset.
+        salt: mixed into the seed, so different subjects or tasks get different subsets.
+
+    Returns:
+        The indices, increasing.
+
+    Raises:
+        ATSError: if `limit` < 0.
+    """
     if limit is None or limit >= n:
         return list(range(n))
     if limit < 0:
@@ -97,5 +164,15 @@ def seeded_subset(n: int, limit: int | None, seed: int, *, salt: str = "") -> li
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """All rows of a JSONL file (errors name the file and line)."""
+    """All rows of a JSONL file (errors name the file and line).
+
+    Args:
+        path: the file.
+
+    Returns:
+        The parsed rows, blank lines skipped.
+
+    Raises:
+        ATSError: on a line that is not valid JSON.
+    """
     return [row for _, row in io.read_jsonl(path)]

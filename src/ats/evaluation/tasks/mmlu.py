@@ -33,14 +33,39 @@ LETTERS = "ABCD"
 
 
 def format_subject(subject: str) -> str:
+    """The subject as it reads in the header ("high_school_physics" -> "high school physics").
+
+    Args:
+        subject: the subject's name.
+
+    Returns:
+        The name with underscores as spaces.
+    """
     return subject.replace("_", " ")
 
 
 def header(subject: str) -> str:
+    """The first line of every prompt of `subject`, with the blank line after it.
+
+    Args:
+        subject: the subject's name.
+
+    Returns:
+        "The following are multiple choice questions (with answers) about {subject}.\\n\\n".
+    """
     return f"The following are multiple choice questions (with answers) about {format_subject(subject)}.\n\n"
 
 
 def format_example(row: dict, *, with_answer: bool) -> str:
+    """One question in the letter layout, ending with "Answer:" (and its letter, for a few-shot example).
+
+    Args:
+        row: {question, choices[4], answer}.
+        with_answer: append " {letter}\\n\\n" (a few-shot example).
+
+    Returns:
+        The question's text.
+    """
     text = letter_prompt(row["question"], list(row["choices"]))
     if with_answer:
         text += f" {LETTERS[int(row['answer'])]}\n\n"
@@ -48,12 +73,29 @@ def format_example(row: dict, *, with_answer: bool) -> str:
 
 
 def few_shot_prefix(subject: str, shots: list[dict]) -> str:
-    """The part of every prompt of `subject` before its question."""
+    """The part of every prompt of `subject` before its question.
+
+    Args:
+        subject: the subject's name.
+        shots: the few-shot examples, with their answers.
+
+    Returns:
+        The header followed by the answered examples.
+    """
     return header(subject) + "".join(format_example(r, with_answer=True) for r in shots)
 
 
 def render_prompt(subject: str, shots: list[dict], row: dict) -> str:
-    """The full prompt of one question, ending with "Answer:"."""
+    """The full prompt of one question, ending with "Answer:".
+
+    Args:
+        subject: the subject's name.
+        shots: the few-shot examples.
+        row: the question.
+
+    Returns:
+        The prompt.
+    """
     return few_shot_prefix(subject, shots) + format_example(row, with_answer=False)
 
 
@@ -69,7 +111,17 @@ def _check_row(row: dict, where: str) -> dict:
 
 
 def load_mmlu(split: str) -> list[dict]:
-    """Rows {subject, question, choices[4], answer} of split 'dev' / 'validation' / 'test'."""
+    """Rows {subject, question, choices[4], answer} of split 'dev' / 'validation' / 'test'.
+
+    Args:
+        split: the split's name.
+
+    Returns:
+        The validated rows (answer: 0-3).
+
+    Raises:
+        ATSError: if the data cannot be read or a row is malformed.
+    """
     path = local_file(f"mmlu/{split}.jsonl")
     if path is not None:
         return [_check_row(r, f"{path}: row {i + 1}") for i, r in enumerate(read_jsonl(path))]
@@ -78,7 +130,19 @@ def load_mmlu(split: str) -> list[dict]:
 
 
 class MMLUTask(Task):
-    """MMLU letter scoring; `limit` = questions per subject (a seeded subset), `subjects` = which subjects."""
+    """MMLU letter scoring; `limit` = questions per subject (a seeded subset), `subjects` = which subjects.
+
+    Args:
+        limit: questions per subject; None: all.
+        seed: the seed of the subsets.
+        n_shots: few-shot examples per prompt, the first of the subject's dev split.
+        subjects: a subject or a list of them; None: all.
+        batch_size: questions per forward pass.
+        split: the evaluated split ("test", "validation" or "dev").
+
+    Raises:
+        ATSError: if `n_shots` < 0.
+    """
 
     name = "mmlu"
 
@@ -94,11 +158,23 @@ class MMLUTask(Task):
         self.split = split
 
     def describe(self) -> dict:
+        """The settings that determine the results.
+
+        Returns:
+            {"name", "limit", "seed", "n_shots", "subjects", "split"}.
+        """
         return {"name": self.name, "limit": self.limit, "seed": self.seed, "n_shots": self.n_shots,
                 "subjects": self.subjects, "split": self.split}
 
     def load(self) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
-        """(questions per subject, few-shot examples per subject), subjects sorted, questions subsampled."""
+        """(questions per subject, few-shot examples per subject), subjects sorted, questions subsampled.
+
+        Returns:
+            (subject -> evaluated questions, subject -> few-shot examples).
+
+        Raises:
+            ATSError: if the data cannot be read, a subject is unknown, or one has fewer than `n_shots` dev examples.
+        """
         test = defaultdict(list)
         for row in load_mmlu(self.split):
             test[row["subject"]].append(row)
@@ -122,6 +198,19 @@ class MMLUTask(Task):
         return questions, shots
 
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
+        """Score every selected question by its letters, subject by subject (each prefix encoded once).
+
+        Args:
+            backbone: the frozen backbone (its tokenizer encodes the prompts).
+            calibrators: method name -> fitted calibrator, all applied to the same forward passes.
+            progress: show progress bars.
+
+        Returns:
+            method -> per-question results, subjects in sorted order (extra: "prediction", "answer").
+
+        Raises:
+            ATSError: if the data cannot be loaded or the letters are not single tokens.
+        """
         tok = backbone.tokenizer
         letters = letter_token_ids(tok, 4)
         questions, shots = self.load()

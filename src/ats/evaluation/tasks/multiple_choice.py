@@ -30,7 +30,15 @@ MODES = ("letters", "likelihood")
 
 
 def letter_prompt(question: str, choices: list[str]) -> str:
-    """"{question}\\nA. {c0}\\nB. {c1}...\\nAnswer:" (the MMLU layout)."""
+    """"{question}\\nA. {c0}\\nB. {c1}...\\nAnswer:" (the MMLU layout).
+
+    Args:
+        question: the question.
+        choices: the choices, lettered A, B, ... in order.
+
+    Returns:
+        The prompt, ending with "Answer:".
+    """
     lines = [question] + [f"{chr(ord('A') + i)}. {c}" for i, c in enumerate(choices)]
     return "\n".join(lines) + "\nAnswer:"
 
@@ -41,7 +49,19 @@ def _short(value, limit: int = 60) -> str:
 
 
 def read_mc_file(path: str | Path) -> list[dict]:
-    """Read and validate a multiple-choice JSONL file."""
+    """Read and validate a multiple-choice JSONL file.
+
+    Repeated choices are logged as a warning and kept.
+
+    Args:
+        path: the JSONL file (the line format is the module docstring's).
+
+    Returns:
+        The rows {question, choices, answer}, in file order.
+
+    Raises:
+        ATSError: if the file is missing or empty, or a line is invalid (naming the line, field and value).
+    """
     path = Path(path)
     if not path.is_file():
         raise ATSError(f"{path}: multiple-choice file not found")
@@ -77,11 +97,33 @@ def read_mc_file(path: str | Path) -> list[dict]:
 
 
 def safe_stem(path: str | Path) -> str:
+    """The file's stem made safe for a task (and file) name.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The stem with every run of other characters than letters, digits, "_", "." and "-" replaced by "_";
+        "file" if nothing is left.
+    """
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(path).stem).strip("._") or "file"
 
 
 class MultipleChoiceTask(Task):
-    """A JSONL multiple-choice set scored by letters (zero-shot) or by choice likelihood."""
+    """A JSONL multiple-choice set scored by letters (zero-shot) or by choice likelihood.
+
+    The file is read and validated on construction; the task's name is `mc_<stem>` (plus `_likelihood`).
+
+    Args:
+        path: the JSONL file.
+        mode: "letters" or "likelihood".
+        limit: a seeded subset of this many questions; None: all.
+        seed: the seed of the subset.
+        batch_size: questions per forward pass (letters mode).
+
+    Raises:
+        ATSError: if `mode` is unknown or the file is invalid.
+    """
 
     def __init__(self, path: str | Path, mode: str = "letters", *, limit: int | None = None, seed: int = 0,
                  batch_size: int = 8) -> None:
@@ -96,12 +138,35 @@ class MultipleChoiceTask(Task):
         self.name = f"mc_{safe_stem(self.path)}" + ("" if mode == "letters" else f"_{mode}")
 
     def describe(self) -> dict:
+        """The settings that determine the results.
+
+        Returns:
+            {"name", "path", "mode", "limit", "seed"}.
+        """
         return {"name": self.name, "path": str(self.path), "mode": self.mode, "limit": self.limit, "seed": self.seed}
 
     def selected(self) -> list[dict]:
+        """The evaluated rows: a seeded subset of `limit` rows, in file order.
+
+        Returns:
+            The rows {question, choices, answer}.
+        """
         return [self.rows[i] for i in seeded_subset(len(self.rows), self.limit, self.seed, salt=self.name)]
 
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
+        """Score the selected questions by letters or by choice likelihood (see the module docstring).
+
+        Args:
+            backbone: the frozen backbone (its tokenizer encodes the prompts).
+            calibrators: method name -> fitted calibrator, all applied to the same forward passes.
+            progress: show progress bars.
+
+        Returns:
+            method -> per-question results (extra: "prediction", "answer").
+
+        Raises:
+            ATSError: if the letters are not single tokens (letters mode) or a choice has no tokens.
+        """
         tok = backbone.tokenizer
         rows = self.selected()
         if self.mode == "letters":

@@ -25,11 +25,29 @@ from .base import TaskResult, chunks, progress_bar
 
 
 def encode(tokenizer, text: str, *, special: bool) -> list[int]:
-    """Token ids of `text`; `special` adds the tokenizer's BOS (for the start of a prompt)."""
+    """Token ids of `text`; `special` adds the tokenizer's BOS (for the start of a prompt).
+
+    Args:
+        tokenizer: the backbone's tokenizer.
+        text: the text to encode.
+        special: add the tokenizer's special tokens.
+
+    Returns:
+        The token ids.
+    """
     return list(tokenizer(text, add_special_tokens=special).input_ids)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share.
+
+    Args:
+        a: token ids.
+        b: token ids.
+
+    Returns:
+        The length of their common prefix.
+    """
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -38,7 +56,21 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def continuation_token_id(tokenizer, context: str, continuation: str) -> int:
-    """The single token that `continuation` adds after `context` (e.g. " A" after "Answer:"); error if not one."""
+    """The single token that `continuation` adds after `context` (e.g. " A" after "Answer:"); error if not one.
+
+    Falls back to `continuation` encoded alone when that is one token.
+
+    Args:
+        tokenizer: the backbone's tokenizer.
+        context: the text before.
+        continuation: the text whose token is wanted.
+
+    Returns:
+        The token id.
+
+    Raises:
+        ATSError: if `continuation` is not a single token, in context or alone.
+    """
     base = encode(tokenizer, context, special=False)
     full = encode(tokenizer, context + continuation, special=False)
     if full[:len(base)] != base or len(full) != len(base) + 1:
@@ -51,7 +83,19 @@ def continuation_token_id(tokenizer, context: str, continuation: str) -> int:
 
 
 def letter_token_ids(tokenizer, n: int, context: str = "Answer:") -> list[int]:
-    """Token ids of " A", " B", ... (n letters) as they follow "Answer:"; each must be one distinct token."""
+    """Token ids of " A", " B", ... (n letters) as they follow "Answer:"; each must be one distinct token.
+
+    Args:
+        tokenizer: the backbone's tokenizer.
+        n: the number of letters, 2 to 26.
+        context: the text the letters follow.
+
+    Returns:
+        n token ids, in letter order.
+
+    Raises:
+        ATSError: if `n` is out of range or a letter is not one token, or two letters share a token.
+    """
     if not 2 <= n <= 26:
         raise ATSError(f"letter scoring supports 2 to 26 choices, got {n}")
     ids = [continuation_token_id(tokenizer, context, " " + chr(ord("A") + i)) for i in range(n)]
@@ -61,13 +105,31 @@ def letter_token_ids(tokenizer, n: int, context: str = "Answer:") -> list[int]:
 
 
 def gather_logits(backbone, hidden: Tensor, index: Tensor) -> Tensor:
-    """Logits (B, K, V) float32 at positions `index` (B, K) of `hidden` (B, T, H), and nowhere else."""
+    """Logits (B, K, V) float32 at positions `index` (B, K) of `hidden` (B, T, H), and nowhere else.
+
+    Args:
+        backbone: gives the output layer.
+        hidden: (B, T, H) hidden states.
+        index: (B, K) long positions into T.
+
+    Returns:
+        (B, K, V) float32 logits.
+    """
     h = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
     return backbone.logits(h).float()
 
 
 def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
-    """(ids (B, T), mask (B, T)) with right padding: positions of the real tokens are unaffected."""
+    """(ids (B, T), mask (B, T)) with right padding: positions of the real tokens are unaffected.
+
+    Args:
+        rows: B token-id sequences (at least one).
+        pad_id: the id placed on padding.
+        device: where the tensors go.
+
+    Returns:
+        (ids (B, T_max) long, mask (B, T_max) long, 1 on real tokens).
+    """
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -86,6 +148,10 @@ class PrefixCache:
 
     The cache is never mutated: each batch gets a copy cropped to the shared length and repeated over the batch
     (transformers' DynamicCache is extended in place by a forward).
+
+    Args:
+        backbone: the frozen backbone.
+        prefix_ids: the prefix's token ids; empty: no cache (every batch runs in full).
     """
 
     def __init__(self, backbone, prefix_ids: Sequence[int]) -> None:
@@ -107,11 +173,25 @@ class PrefixCache:
         return cache
 
     def shared_length(self, row: Sequence[int]) -> int:
-        """How many of `row`'s first tokens the cache covers (at least one token is left to run)."""
+        """How many of `row`'s first tokens the cache covers (at least one token is left to run).
+
+        Args:
+            row: a full token sequence.
+
+        Returns:
+            The shared length, at most len(row) - 1.
+        """
         return min(common_prefix_length(self.ids, row), len(row) - 1)
 
     def forward(self, rows: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
-        """Hidden states (B, T, H) and attention mask (B, T) of the right-padded full sequences `rows`."""
+        """Hidden states (B, T, H) and attention mask (B, T) of the right-padded full sequences `rows`.
+
+        Args:
+            rows: B full token sequences (prefix included).
+
+        Returns:
+            (hidden (B, T, H), attention_mask (B, T)), T the longest row; positions are those of the full rows.
+        """
         backbone = self.backbone
         device = backbone.device
         pad = backbone.tokenizer.pad_token_id
@@ -143,7 +223,22 @@ class LetterItem:
 def score_letters(backbone, calibrators: dict[str, Calibrator], items: Sequence[LetterItem], *,
                   prefix: PrefixCache | None = None, batch_size: int = 8, progress: bool = False,
                   desc: str = "letters") -> dict[str, TaskResult]:
-    """Confidence = softmax over the letter tokens of the calibrated logits at the answer position."""
+    """Confidence = softmax over the letter tokens of the calibrated logits at the answer position.
+
+    Correct = the argmax letter is the answer; binning calibrators map the confidence.
+
+    Args:
+        backbone: the frozen backbone.
+        calibrators: method name -> fitted calibrator.
+        items: the questions.
+        prefix: a shared prompt prefix encoded once; None: none.
+        batch_size: questions per forward pass.
+        progress: show a progress bar.
+        desc: the progress bar's label.
+
+    Returns:
+        method -> per-question results (extra: "prediction", "answer").
+    """
     prefix = prefix or PrefixCache(backbone, [])
     conf: dict[str, list[np.ndarray]] = {m: [] for m in calibrators}
     pred: dict[str, list[np.ndarray]] = {m: [] for m in calibrators}
@@ -182,6 +277,20 @@ def score_choices(backbone, calibrators: dict[str, Calibrator], items: Sequence[
     """Each choice scored by its summed log-likelihood under the calibrated logits; softmax over the choices.
 
     The choices of one question run as one batch (they share the context, and the prefix cache when given).
+
+    Args:
+        backbone: the frozen backbone.
+        calibrators: method name -> fitted calibrator.
+        items: the questions.
+        prefix: a shared prompt prefix encoded once; None: none.
+        progress: show a progress bar.
+        desc: the progress bar's label.
+
+    Returns:
+        method -> per-question results (extra: "prediction", "answer").
+
+    Raises:
+        ATSError: if a choice has no tokens.
     """
     prefix = prefix or PrefixCache(backbone, [])
     conf: dict[str, list[np.ndarray]] = {m: [] for m in calibrators}
@@ -224,7 +333,15 @@ def _collect(conf: dict[str, list[np.ndarray]], pred: dict[str, list[np.ndarray]
 
 
 def concat_results(parts: list[dict[str, TaskResult]], methods: Iterable[str]) -> dict[str, TaskResult]:
-    """Join per-group results (e.g. MMLU subjects) in order."""
+    """Join per-group results (e.g. MMLU subjects) in order.
+
+    Args:
+        parts: per group, method -> results; every part has every method and the same extra keys.
+        methods: the method names.
+
+    Returns:
+        method -> the concatenated results (empty when there is no part).
+    """
     out = {}
     for m in methods:
         rs = [p[m] for p in parts]

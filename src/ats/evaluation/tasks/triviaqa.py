@@ -12,7 +12,8 @@ Protocol (the paper's reference evaluator, with its defects fixed):
    token's probability under each calibrator's calibrated distribution (hidden state t-1 predicts token t). At least
    one token is scored: for an empty answer, the first generated token. Binning calibrators map each token's
    probability. Confidence = the mean of those probabilities (reference protocol); their product (the sequence
-   probability) is returned as the extra array `confidence_product`.
+   probability) is returned as the extra array `confidence_product`. Steps 2 and 4 are shared with TruthfulQA (gen)
+   (`generative.py`).
 
 Every calibrator scores the backbone's own greedy answer. ATS and temperature scaling never change the argmax, but
 vector scaling can: its own greedy answer could differ, and we still score the backbone's answer under its
@@ -28,20 +29,27 @@ import re
 import string
 
 import numpy as np
-import torch
 
 from ...calibrators.base import Calibrator
 from ...errors import ATSError
 from ...sources import hub_dataset, local_file
-from .base import Task, TaskResult, chunks, progress_bar, read_jsonl
-from .scoring import PrefixCache, encode, gather_logits
+from .base import TaskResult, read_jsonl
+from .generative import GenerativeTask
+from .scoring import PrefixCache, encode
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
 
 
 def normalize_answer(text: str) -> str:
-    """SQuAD normalisation: lowercase, remove punctuation, remove articles, collapse whitespace."""
+    """SQuAD normalisation: lowercase, remove punctuation, remove articles, collapse whitespace.
+
+    Args:
+        text: an answer.
+
+    Returns:
+        The normalised text.
+    """
     text = text.lower()
     text = "".join(ch for ch in text if ch not in _PUNCT)
     text = _ARTICLES.sub(" ", text)
@@ -49,11 +57,28 @@ def normalize_answer(text: str) -> str:
 
 
 def exact_match(prediction: str, aliases: list[str]) -> bool:
+    """Whether the normalised prediction equals a normalised alias (an empty prediction never matches).
+
+    Args:
+        prediction: the model's answer.
+        aliases: the accepted answers.
+
+    Returns:
+        True on a match.
+    """
     pred = normalize_answer(prediction)
     return bool(pred) and any(pred == normalize_answer(a) for a in aliases)
 
 
 def answer_aliases(row: dict) -> list[str]:
+    """The accepted answers of a TriviaQA row: its aliases, normalised aliases and value.
+
+    Args:
+        row: a TriviaQA row with an "answer" dict.
+
+    Returns:
+        The aliases (duplicates kept).
+    """
     answer = row["answer"]
     out = list(answer.get("aliases") or []) + list(answer.get("normalized_aliases") or [])
     if answer.get("value"):
@@ -62,6 +87,14 @@ def answer_aliases(row: dict) -> list[str]:
 
 
 def load_triviaqa() -> list[dict]:
+    """The validation questions (local file under ATS_DATA_DIR, else the Hub).
+
+    Returns:
+        Rows {question, value, aliases}.
+
+    Raises:
+        ATSError: if the data cannot be read or a row is malformed.
+    """
     path = local_file("triviaqa/validation.jsonl")
     rows = read_jsonl(path) if path is not None else [dict(r) for r in
                                                        hub_dataset("mandarjoshi/trivia_qa", "rc.nocontext",
@@ -78,35 +111,40 @@ def load_triviaqa() -> list[dict]:
 
 
 def few_shot_prefix(shots: list[dict]) -> str:
+    """The few-shot part of every prompt.
+
+    Args:
+        shots: rows {question, value}.
+
+    Returns:
+        "Q: {question}\\nA: {value}\\n\\n" per shot ("" for none).
+    """
     return "".join(f"Q: {s['question']}\nA: {s['value']}\n\n" for s in shots)
 
 
 def render_prompt(shots: list[dict], question: str) -> str:
+    """The full prompt of one question, ending with "A:".
+
+    Args:
+        shots: the few-shot rows.
+        question: the question.
+
+    Returns:
+        The prompt.
+    """
     return few_shot_prefix(shots) + f"Q: {question}\nA:"
 
 
-def cut_answer(tokenizer, generated: list[int], stop_ids: set[int]) -> tuple[str, int]:
-    """(answer text, number of tokens to score) of a greedy continuation: cut at end-of-sequence and first newline.
+class TriviaQATask(GenerativeTask):
+    """TriviaQA generation; `limit` = a seeded subset of questions (the few-shot examples are never among them).
 
-    The scored tokens are those whose decoded text holds no newline yet (at least one token).
+    Args:
+        limit: questions to evaluate; None: all but the few-shot examples.
+        seed: the seed of the few-shot examples and the subset.
+        n_shots: few-shot examples per prompt.
+        max_new_tokens: the longest greedy answer.
+        batch_size: questions per generation batch.
     """
-    tokens = []
-    for t in generated:
-        if t in stop_ids:
-            break
-        tokens.append(int(t))
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    answer = text.split("\n")[0].strip()
-    n = 0
-    for k in range(1, len(tokens) + 1):
-        if "\n" in tokenizer.decode(tokens[:k], skip_special_tokens=True):
-            break
-        n = k
-    return answer, max(n, 1)
-
-
-class TriviaQATask(Task):
-    """TriviaQA generation; `limit` = a seeded subset of questions (the few-shot examples are never among them)."""
 
     name = "triviaqa"
 
@@ -119,11 +157,23 @@ class TriviaQATask(Task):
         self.batch_size = batch_size
 
     def describe(self) -> dict:
+        """The settings that determine the results.
+
+        Returns:
+            {"name", "limit", "seed", "n_shots", "max_new_tokens"}.
+        """
         return {"name": self.name, "limit": self.limit, "seed": self.seed, "n_shots": self.n_shots,
                 "max_new_tokens": self.max_new_tokens}
 
     def load(self) -> tuple[list[dict], list[dict]]:
-        """(few-shot examples, evaluated questions)."""
+        """(few-shot examples, evaluated questions).
+
+        Returns:
+            (the `n_shots` examples of a seeded permutation; the next `limit` questions, in file order).
+
+        Raises:
+            ATSError: if the data cannot be read or holds no more than `n_shots` questions.
+        """
         rows = load_triviaqa()
         if len(rows) <= self.n_shots:
             raise ATSError(f"triviaqa: {len(rows)} questions, not more than n_shots={self.n_shots}")
@@ -134,63 +184,24 @@ class TriviaQATask(Task):
             rest = rest[:self.limit]
         return shots, [rows[i] for i in sorted(rest)]
 
-    @torch.no_grad()
-    def generate(self, backbone, prompts: list[list[int]]) -> list[list[int]]:
-        """Greedy continuations (new tokens only) of a batch of prompts, left-padded for generation."""
-        tok = backbone.tokenizer
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        kwargs = dict(input_ids=ids.to(backbone.device), attention_mask=mask.to(backbone.device),
-                      max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        try:  # stop once every answer has reached a newline (the answer is cut there anyway)
-            out = backbone.model.generate(**kwargs, stop_strings=["\n"], tokenizer=tok)
-        except (TypeError, ValueError, NotImplementedError):  # a model or tokenizer without stop-string support
-            out = backbone.model.generate(**kwargs)
-        return [row[width:].tolist() for row in out.cpu()]
-
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
+        """Greedy answers judged by exact match, scored by every calibrator (see the module docstring).
+
+        Args:
+            backbone: the frozen backbone (its tokenizer encodes the prompts).
+            calibrators: method name -> fitted calibrator, all applied to the same forward passes.
+            progress: show progress bars.
+
+        Returns:
+            method -> per-question results (extra: "confidence_product", "n_tokens", "prediction").
+
+        Raises:
+            ATSError: if the data cannot be loaded.
+        """
         tok = backbone.tokenizer
         shots, questions = self.load()
         prefix_text = few_shot_prefix(shots)
         prefix = PrefixCache(backbone, encode(tok, prefix_text, special=True) if prefix_text else [])
-        eos = backbone.model.generation_config.eos_token_id
-        stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if tok.eos_token_id is not None:
-            stop_ids.add(tok.eos_token_id)
-        mean = {m: [] for m in calibrators}
-        prod = {m: [] for m in calibrators}
-        correct, predictions, n_tokens = [], [], []
-        for batch in progress_bar(chunks(questions, self.batch_size), enabled=progress, desc="triviaqa"):
-            prompts = [encode(tok, render_prompt(shots, q["question"]), special=True) for q in batch]
-            generated = self.generate(backbone, prompts)
-            cuts = [cut_answer(tok, g, stop_ids) for g in generated]
-            answers = [g[:k] for g, (_, k) in zip(generated, cuts)]
-            for q, (text, k) in zip(batch, cuts):
-                predictions.append(text)
-                correct.append(exact_match(text, q["aliases"]))
-                n_tokens.append(k)
-            hidden, mask = prefix.forward([p + a for p, a in zip(prompts, answers)])
-            K = max(len(a) for a in answers)
-            index = torch.tensor([[len(p) - 1 + min(j, len(a) - 1) for j in range(K)]
-                                  for p, a in zip(prompts, answers)], device=hidden.device)  # (B, K)
-            targets = torch.tensor([[a[min(j, len(a) - 1)] for j in range(K)] for a in answers],
-                                   device=hidden.device)
-            valid = np.array([[j < len(a) for j in range(K)] for a in answers])
-            z = gather_logits(backbone, hidden, index)  # (B, K, V)
-            for method, calibrator in calibrators.items():
-                q = calibrator.apply(z, hidden, attention_mask=mask, index=index)
-                p = torch.softmax(q, dim=-1).gather(2, targets[..., None])[..., 0]  # (B, K)
-                p = calibrator.map_confidence(p)
-                mean[method].extend((p * valid).sum(1) / valid.sum(1))
-                prod[method].extend(np.prod(np.where(valid, p, 1.0), axis=1))
-        out = {}
-        for method in calibrators:
-            out[method] = TaskResult(np.asarray(mean[method]), np.asarray(correct, dtype=bool),
-                                     {"confidence_product": np.asarray(prod[method]),
-                                      "n_tokens": np.asarray(n_tokens, dtype=np.int64),
-                                      "prediction": np.asarray(predictions, dtype=str)})
-        return out
+        prompts = [encode(tok, render_prompt(shots, q["question"]), special=True) for q in questions]
+        answers = self.answer(backbone, calibrators, prompts, prefix, progress=progress)
+        return answers.results([exact_match(text, q["aliases"]) for text, q in zip(answers.text, questions)])

@@ -38,6 +38,14 @@ QA_PRIMER = (
 
 
 def render_context(question: str) -> str:
+    """The primer followed by the question, ending with "A:".
+
+    Args:
+        question: the question.
+
+    Returns:
+        The prompt.
+    """
     return f"{QA_PRIMER}\n\nQ: {question}\nA:"
 
 
@@ -49,7 +57,14 @@ def _normalize(question, choices, labels, where: str) -> dict:
 
 
 def load_truthfulqa_mc1() -> list[dict]:
-    """Rows {question, choices, answer} (answer = index of the one true choice)."""
+    """Rows {question, choices, answer} (answer = index of the one true choice).
+
+    Returns:
+        The rows, from the local file under ATS_DATA_DIR or from the Hub.
+
+    Raises:
+        ATSError: if the data cannot be read or a row does not have >= 2 choices and exactly one true answer.
+    """
     path = local_file("truthfulqa/mc_task.json")
     if path is not None:
         data = read_json(path)
@@ -67,7 +82,12 @@ def load_truthfulqa_mc1() -> list[dict]:
 
 
 class TruthfulQAMC1Task(Task):
-    """TruthfulQA MC1 by choice likelihood; `limit` = a seeded subset of questions."""
+    """TruthfulQA MC1 by choice likelihood; `limit` = a seeded subset of questions.
+
+    Args:
+        limit: questions to evaluate; None: all.
+        seed: the seed of the subset.
+    """
 
     name = "truthfulqa_mc1"
 
@@ -76,13 +96,39 @@ class TruthfulQAMC1Task(Task):
         self.seed = seed
 
     def describe(self) -> dict:
+        """The settings that determine the results.
+
+        Returns:
+            {"name", "limit", "seed"}.
+        """
         return {"name": self.name, "limit": self.limit, "seed": self.seed}
 
     def load(self) -> list[dict]:
+        """The evaluated questions: a seeded subset, in data order.
+
+        Returns:
+            Rows {question, choices, answer}.
+
+        Raises:
+            ATSError: if the data cannot be read or a row is malformed.
+        """
         rows = load_truthfulqa_mc1()
         return [rows[i] for i in seeded_subset(len(rows), self.limit, self.seed, salt=self.name)]
 
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
+        """Score each question's choices by likelihood after the primer (encoded once).
+
+        Args:
+            backbone: the frozen backbone (its tokenizer encodes the prompts).
+            calibrators: method name -> fitted calibrator, all applied to the same forward passes.
+            progress: show progress bars.
+
+        Returns:
+            method -> per-question results (extra: "prediction", "answer").
+
+        Raises:
+            ATSError: if the data cannot be loaded or a choice has no tokens.
+        """
         tok = backbone.tokenizer
         prefix = PrefixCache(backbone, encode(tok, QA_PRIMER, special=True))
         items = [ChoiceItem(context=encode(tok, render_context(r["question"]), special=True),

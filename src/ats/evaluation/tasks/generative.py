@@ -1,0 +1,171 @@
+"""Greedy answers and their calibrated confidence: what the generation tasks (TriviaQA, TruthfulQA gen) share.
+
+1. `GenerativeTask.generate`: greedy continuations (`do_sample=False`) of a batch of raw prompts, left-padded, at most
+   `max_new_tokens` new tokens (generation stops early once every answer holds a newline).
+2. `cut_answer`: the answer is cut at end-of-sequence and at the first newline; its scored tokens are those whose
+   decoded text holds no newline yet (at least one: for an empty answer, the first generated token).
+3. `GenerativeTask.answer`: ONE forward over prompt + scored answer tokens (through the prompt prefix's KV cache);
+   each scored token's probability under each calibrator's calibrated distribution (hidden state t-1 predicts token
+   t), through its confidence map (binning methods). Confidence = the mean of those probabilities; their product (the
+   sequence probability) is kept as `confidence_product`.
+
+Every calibrator scores the backbone's own greedy answer, so that all methods judge the same answers (vector scaling
+can move the argmax; its own greedy answer could differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ...calibrators.base import Calibrator
+from .base import Task, TaskResult, chunks, progress_bar
+from .scoring import PrefixCache, gather_logits
+
+
+def stop_token_ids(backbone) -> set[int]:
+    """End-of-sequence ids of the backbone (its generation config's and its tokenizer's).
+
+    Args:
+        backbone: the backbone.
+
+    Returns:
+        The ids.
+    """
+    eos = backbone.model.generation_config.eos_token_id
+    stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if backbone.tokenizer.eos_token_id is not None:
+        stop.add(backbone.tokenizer.eos_token_id)
+    return stop
+
+
+def cut_answer(tokenizer, generated: list[int], stop_ids: set[int]) -> tuple[str, int]:
+    """(answer text, number of tokens to score) of a greedy continuation: cut at end-of-sequence and first newline.
+
+    The scored tokens are those whose decoded text holds no newline yet (at least one token).
+
+    Args:
+        tokenizer: the backbone's tokenizer.
+        generated: the new token ids.
+        stop_ids: end-of-sequence ids.
+
+    Returns:
+        (the answer's first line, stripped; the number of leading tokens to score, >= 1).
+    """
+    tokens = []
+    for t in generated:
+        if t in stop_ids:
+            break
+        tokens.append(int(t))
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    answer = text.split("\n")[0].strip()
+    n = 0
+    for k in range(1, len(tokens) + 1):
+        if "\n" in tokenizer.decode(tokens[:k], skip_special_tokens=True):
+            break
+        n = k
+    return answer, max(n, 1)
+
+
+@dataclass
+class Answers:
+    """Greedy answers of a task's questions and, per calibrator, their mean and product token probability."""
+
+    text: list[str] = field(default_factory=list)
+    n_tokens: list[int] = field(default_factory=list)
+    mean: dict[str, list[float]] = field(default_factory=dict)
+    product: dict[str, list[float]] = field(default_factory=dict)
+
+    def results(self, correct: Sequence[bool], extra: dict[str, np.ndarray] | None = None) -> dict[str, TaskResult]:
+        """One TaskResult per calibrator; `extra` (per-question arrays shared by all methods) is added to each.
+
+        Args:
+            correct: (N,) whether each answer is right.
+            extra: name -> (N,) arrays to add.
+
+        Returns:
+            method -> results: confidence = the mean token probability; extra: "confidence_product", "n_tokens",
+            "prediction" (the answer text) and `extra`.
+        """
+        shared = {"n_tokens": np.asarray(self.n_tokens, dtype=np.int64), "prediction": np.asarray(self.text, dtype=str),
+                  **(extra or {})}
+        return {m: TaskResult(np.asarray(self.mean[m]), np.asarray(correct, dtype=bool),
+                              {"confidence_product": np.asarray(self.product[m]), **shared}) for m in self.mean}
+
+
+class GenerativeTask(Task):
+    """A task judged on the backbone's greedy answers; subclasses set `max_new_tokens` and `batch_size`."""
+
+    max_new_tokens: int
+    batch_size: int
+
+    @torch.no_grad()
+    def generate(self, backbone, prompts: list[list[int]]) -> list[list[int]]:
+        """Greedy continuations (new tokens only) of a batch of prompts, left-padded for generation.
+
+        Args:
+            backbone: the backbone.
+            prompts: B prompts as token ids.
+
+        Returns:
+            B lists of new token ids (at most `max_new_tokens`, padding after an early stop included).
+        """
+        tok = backbone.tokenizer
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        kwargs = dict(input_ids=ids.to(backbone.device), attention_mask=mask.to(backbone.device),
+                      max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        try:  # stop once every answer has reached a newline (the answer is cut there anyway)
+            out = backbone.model.generate(**kwargs, stop_strings=["\n"], tokenizer=tok)
+        except (TypeError, ValueError, NotImplementedError):  # a model or tokenizer without stop-string support
+            out = backbone.model.generate(**kwargs)
+        return [row[width:].tolist() for row in out.cpu()]
+
+    def answer(self, backbone, calibrators: dict[str, Calibrator], prompts: list[list[int]], prefix: PrefixCache, *,
+               progress: bool = True) -> Answers:
+        """Greedy answers of `prompts` (token ids, each starting with the prefix's) scored by every calibrator.
+
+        Args:
+            backbone: the frozen backbone.
+            calibrators: method name -> fitted calibrator.
+            prompts: the prompts as token ids.
+            prefix: the prompts' shared prefix, encoded once.
+            progress: show a progress bar.
+
+        Returns:
+            The answers and, per method, their mean and product token probabilities.
+        """
+        stop_ids = stop_token_ids(backbone)
+        out = Answers(mean={m: [] for m in calibrators}, product={m: [] for m in calibrators})
+        for batch in progress_bar(chunks(prompts, self.batch_size), enabled=progress, desc=self.name):
+            generated = self.generate(backbone, list(batch))
+            cuts = [cut_answer(backbone.tokenizer, g, stop_ids) for g in generated]
+            out.text.extend(text for text, _ in cuts)
+            out.n_tokens.extend(k for _, k in cuts)
+            self._score(backbone, calibrators, prefix, batch, [g[:k] for g, (_, k) in zip(generated, cuts)], out)
+        return out
+
+    @torch.no_grad()
+    def _score(self, backbone, calibrators: dict[str, Calibrator], prefix: PrefixCache, prompts: Sequence[list[int]],
+               answers: list[list[int]], out: Answers) -> None:
+        """Append each calibrator's mean / product probability of the `answers` tokens after `prompts` to `out`."""
+        hidden, mask = prefix.forward([p + a for p, a in zip(prompts, answers)])
+        K = max(len(a) for a in answers)
+        index = torch.tensor([[len(p) - 1 + min(j, len(a) - 1) for j in range(K)]
+                              for p, a in zip(prompts, answers)], device=hidden.device)  # (B, K)
+        targets = torch.tensor([[a[min(j, len(a) - 1)] for j in range(K)] for a in answers], device=hidden.device)
+        valid = np.array([[j < len(a) for j in range(K)] for a in answers])
+        z = gather_logits(backbone, hidden, index)  # (B, K, V)
+        for method, calibrator in calibrators.items():
+            q = calibrator.apply(z, hidden, attention_mask=mask, index=index)
+            p = torch.softmax(q, dim=-1).gather(2, targets[..., None])[..., 0]  # (B, K)
+            p = calibrator.map_confidence(p)
+            out.mean[method].extend((p * valid).sum(1) / valid.sum(1))
+            out.product[method].extend(np.prod(np.where(valid, p, 1.0), axis=1))

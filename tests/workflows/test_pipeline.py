@@ -1,0 +1,85 @@
+"""The reusable steps on the tiny model: each result is reused only for the options that made it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ats.errors import ATSError
+from ats.fingerprint import stored_fingerprint
+from ats.training.config import TrainingConfig
+from ats.training.data import DataConfig
+from ats.workflows.pipeline import fit_calibrators, prepare_features, train_head
+
+DATA = DataConfig(limit=10, max_length=64, val_fraction=0.3)
+TRAINING = TrainingConfig(lr=1e-3, epochs=1, batch_size=2, micro_batch_size=2)
+
+
+def test_features_reuse_refuse_and_overwrite(tiny_backbone, tmp_path):
+    train, val = prepare_features(tiny_backbone, tmp_path / "f", DATA, progress=False)
+    fp = stored_fingerprint(train.directory)
+    assert fp["kind"] == "features" and fp["data"]["max_length"] == 64 and fp["split"] == "train"
+    assert fp["backbone"]["base_model"] == "tiny-llama" and len(fp["data"]["checksum"]) == 16
+    shard = train.directory / "shard-00000.safetensors"
+    mtime = shard.stat().st_mtime_ns
+    again, _ = prepare_features(tiny_backbone, tmp_path / "f", DATA, progress=False)
+    assert shard.stat().st_mtime_ns == mtime and len(again) == len(train)
+    with pytest.raises(ATSError, match=r"features made with other options: data.checksum .*data.limit 10 -> 12"):
+        prepare_features(tiny_backbone, tmp_path / "f", DATA.replace(limit=12), progress=False)
+    bigger, _ = prepare_features(tiny_backbone, tmp_path / "f", DATA.replace(limit=12), overwrite=True, progress=False)
+    assert stored_fingerprint(bigger.directory)["data"]["limit"] == 12
+
+
+def test_a_head_resumes_only_the_run_it_was(tiny_backbone, tmp_path):
+    train, val = prepare_features(tiny_backbone, tmp_path / "f", DATA, progress=False)
+    head = train_head(tiny_backbone, train, val, tmp_path / "head", head_type="linear", training=TRAINING,
+                      progress=False)
+    assert not head.reused and (tmp_path / "head.work" / "fingerprint.json").is_file()
+    # an interrupted run of OTHER options sits in head.work: resuming refuses to continue it
+    (tmp_path / "head" / "calibrator_config.json").unlink()
+    work = tmp_path / "head.work" / "fingerprint.json"
+    fp = json.loads(work.read_text())
+    work.write_text(json.dumps({**fp, "training": {**fp["training"], "lr": 0.5}}))
+    with pytest.raises(ATSError, match=r"head.work: interrupted training made with other options: training.lr 0.5 "
+                                       r"-> 0.001"):
+        train_head(tiny_backbone, train, val, tmp_path / "head", head_type="linear", training=TRAINING, resume=True,
+                   progress=False)
+    # without --resume the stale checkpoints are cleared and the head trained afresh
+    again = train_head(tiny_backbone, train, val, tmp_path / "head", head_type="linear", training=TRAINING,
+                       progress=False)
+    assert not again.reused and stored_fingerprint(tmp_path / "head.work")["training"]["lr"] == 0.001
+
+
+def test_controls_train_like_the_ats_head_and_baselines_refit_only_when_asked(tiny_backbone, tmp_path):
+    train, val = prepare_features(tiny_backbone, tmp_path / "f", DATA, progress=False)
+    fitted = fit_calibrators(tiny_backbone, train, tmp_path / "cal", ("temperature", "selective-linear"),
+                             val_store=val, training=TRAINING, progress=False)
+    control = fitted["selective-linear"]
+    assert control.label == "selective-linear" and control.config_.head.head_type == "linear"
+    assert control.config_.training["lr"] == TRAINING.lr and control.config_.training["loss_type"] == "selective"
+    again = fit_calibrators(tiny_backbone, train, tmp_path / "cal", ("temperature", "selective-linear"),
+                            val_store=val, training=TRAINING, progress=False)
+    assert again["temperature"].temperature == fitted["temperature"].temperature and again["selective-linear"].reused
+    with pytest.raises(ATSError, match=r"selective-linear: head made with other options: .*training.lr 0.001 -> 0.002"):
+        fit_calibrators(tiny_backbone, train, tmp_path / "cal", ("selective-linear",), val_store=val,
+                        training=TRAINING.replace(lr=2e-3), progress=False)
+
+
+def test_the_global_control_is_one_temperature_fitted_saved_and_applied(tiny_backbone, tmp_path):
+    import torch
+
+    from ats.calibrators import load_calibrator
+
+    train, val = prepare_features(tiny_backbone, tmp_path / "f", DATA, progress=False)
+    control = fit_calibrators(tiny_backbone, train, tmp_path / "cal", ("selective-temperature",), val_store=val,
+                              training=TRAINING.replace(lr=1e-2), progress=False)["selective-temperature"]
+    assert control.label == "selective-temperature" and control.config_.head.head_type == "constant"
+    tau = control.head.gain * control.head.tau.item()
+    assert tau != 0.0  # it moved (the random tiny model is over-confident: the selective loss lowers confidence)
+    loaded = load_calibrator(tmp_path / "cal" / "selective-temperature", backbone=tiny_backbone)
+    hidden = torch.randn(2, 5, tiny_backbone.hidden_size)
+    z = torch.randn(2, 5, tiny_backbone.vocab_size)
+    expected = z * min(torch.tensor(tau).exp().item(), control.config_.max_scale)
+    torch.testing.assert_close(loaded.apply(z, hidden), expected)  # the same factor for every token
+    assert loaded.label == "selective-temperature" and loaded.digest() == control.digest()
