@@ -64,6 +64,44 @@ def load_average() -> list[float] | None:
         return None
 
 
+def run_info(command: str, threads: int, load_start, load_end) -> dict:
+    """What a results file records about the run: command, machine (threads, load) and versions."""
+    return {"command": command,
+            "machine": {**machine(), "torch_threads": threads, "load_average_start": load_start,
+                        "load_average_end": load_end},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__}}
+
+
+def command_line(argv: list[str] | None) -> str:
+    """The command that ran this benchmark, as typed."""
+    return "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+
+
+def save_results(out: Path, result: dict, markdown: str) -> None:
+    """OUT.json, and OUT.md keeping the notes written below the `<!-- notes -->` marker of the previous one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    md = out.with_suffix(".md")
+    notes = md.read_text().split("<!-- notes -->", 1)[1] if md.is_file() and "<!-- notes -->" in md.read_text() else ""
+    md.write_text(markdown + "\n<!-- notes -->" + (notes or "\n"))
+
+
+def preamble(result: dict, title: str, threads: str) -> list[str]:
+    """The first lines of a results page: title, command, machine."""
+    m = result["machine"]
+    return [
+        f"# {title}",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores visible, torch threads {threads}; load average "
+        f"{m['load_average_start']} at start, {m['load_average_end']} at end. torch {result['versions']['torch']}, "
+        f"transformers {result['versions']['transformers']}.",
+        "",
+    ]
+
+
 def randomised_calibrator(backbone, head_type: str, seed: int = 0) -> ATSCalibrator:
     """A head away from identity (tau varies by token), as a trained one would be; timing does not depend on it."""
     torch.manual_seed(seed)
@@ -131,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="writes OUT.md and OUT.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    command = command_line(argv)
 
     backbone = load_backbone(args.model)
     calibrators = {head: randomised_calibrator(backbone, head) for head in METHODS[1:]}
@@ -196,11 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
     head_params = {h: sum(p.numel() for p in c.head.parameters()) for h, c in calibrators.items()}
     result = {
-        "command": command,
-        "machine": {**machine(), "torch_threads": args.threads, "load_average_start": load_start,
-                    "load_average_end": load_end},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
+        **run_info(command, args.threads, load_start, load_end),
         "model": {"name": backbone.name, "revision": backbone.revision, "hidden_size": backbone.hidden_size,
                   "vocab_size": backbone.vocab_size, "dtype": str(backbone.dtype),
                   "parameters": sum(p.numel() for p in backbone.model.parameters())},
@@ -212,12 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     table = format_table(result)
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    md = out.with_suffix(".md")
-    notes = md.read_text().split("<!-- notes -->", 1)[1] if md.is_file() and "<!-- notes -->" in md.read_text() else ""
-    md.write_text(format_markdown(result, table) + "\n<!-- notes -->" + (notes or "\n"))
+    save_results(Path(args.out), result, format_markdown(result, table))
     return 0
 
 
@@ -234,16 +263,9 @@ def format_table(result: dict) -> str:
 
 
 def format_markdown(result: dict, table: str) -> str:
-    m, model = result["machine"], result["model"]
+    model = result["model"]
     return "\n".join([
-        "# Calibrated generation: cost of the ATS head",
-        "",
-        f"Command: `{result['command']}`",
-        "",
-        f"Machine: {m['cpu']}, {m['cores']} cores visible, torch threads {m['torch_threads']}; load average "
-        f"{m['load_average_start']} at start, {m['load_average_end']} at end. torch {result['versions']['torch']}, "
-        f"transformers {result['versions']['transformers']}.",
-        "",
+        *preamble(result, "Calibrated generation: cost of the ATS head", str(result["machine"]["torch_threads"])),
         f"Model: {model['name']} ({model['parameters'] / 1e6:.1f}M parameters, hidden {model['hidden_size']}, "
         f"vocabulary {model['vocab_size']}, {model['dtype']}). Head parameters: "
         + ", ".join(f"{k} {v:,}" for k, v in result["head_parameters"].items()) + ".",

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from ats.model.backbone import Backbone, load_backbone
+
+from helpers import make_tiny_backbone
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -38,23 +39,6 @@ def smollm2() -> Backbone:
 @pytest.fixture(scope="session")
 def tokenizer(smollm2):
     return smollm2.tokenizer
-
-
-def make_tiny_backbone(tokenizer, *, hidden_size: int = 64, layers: int = 2, seed: int = 0,
-                       name: str = "tiny-llama") -> Backbone:
-    """A random Llama with SmolLM2's vocabulary, small enough for millisecond forward passes."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = LlamaForCausalLM(config)
-    # Sharpen the random model a little so that its top-1 confidence is not uniformly tiny.
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    return Backbone(model=model, tokenizer=tokenizer, name=name, revision=f"seed{seed}")
 
 
 @pytest.fixture(scope="session")

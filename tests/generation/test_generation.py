@@ -27,20 +27,9 @@ from ats.generation import (
     print_stream,
 )
 
+from helpers import calibrator_for
+
 PROMPTS = ["The capital of France is", "Write a short poem about the sea and the wind, please."]
-
-
-def calibrator_for(backbone, head_type: str = "transformer", seed: int = 0) -> ATSCalibrator:
-    """A head away from identity: random final projection, so tau varies by token (about -1..1)."""
-    torch.manual_seed(seed)
-    calibrator = ATSCalibrator.for_backbone(backbone, head_type=head_type)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        proj = calibrator.head.proj
-        proj.weight.copy_(0.1 * torch.randn(proj.weight.shape, generator=g))
-        proj.bias.fill_(0.1)
-    calibrator.head.eval()
-    return calibrator
 
 
 @pytest.fixture(scope="module")

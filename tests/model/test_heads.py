@@ -147,6 +147,35 @@ def test_cached_chunks_equal_full_forward(padded, chunks):
     assert torch.equal(full[mask == 0], torch.zeros(int((mask == 0).sum())))
 
 
+def test_cache_rows_padded_joined_and_trimmed_decode_as_alone():
+    """A server joins sequences of different lengths into one cache (pad_left + concat), drops finished rows
+    (select) and padding columns (trim_left): each row's next tau equals decoding it alone."""
+    head = transformer(5)
+    a, b = torch.randn(1, 7, H), torch.randn(1, 3, H)
+    step = torch.randn(2, 1, H)
+    with torch.no_grad():
+        alone = [head(torch.cat([x, s[None]], 1))[:, -1] for x, s in ((a, step[0]), (b, step[1]))]
+        ca, cb = HeadCache(), HeadCache()
+        head(a, cache=ca)
+        head(b, cache=cb)
+        cb.pad_left(4)
+        joined = HeadCache.concat([ca, cb])
+        mask = torch.tensor([[1] * 8, [0] * 4 + [1] * 4])
+        assert joined.length == 7 and joined.has_padding and torch.equal(joined.positions, torch.tensor([7, 3]))
+        tau = head(step, mask, cache=joined)[:, -1]
+        torch.testing.assert_close(tau, torch.cat(alone), rtol=0, atol=1e-5)
+        joined.select(torch.tensor([1]))  # the long row finished: columns 0-3 are padding in every row left
+        with pytest.raises(ATSError, match="not all padding"):
+            joined.trim_left(5)
+        joined.trim_left(4)
+        assert joined.length == 4 and not joined.has_padding
+        nxt = torch.randn(1, 1, H)
+        expected = head(torch.cat([b, step[1:2], nxt], 1))[:, -1]
+        torch.testing.assert_close(head(nxt, cache=joined)[:, -1], expected, rtol=0, atol=1e-5)
+    with pytest.raises(ATSError, match="different lengths"):
+        HeadCache.concat([ca, HeadCache()])
+
+
 def test_cache_mask_shape_is_checked_and_other_heads_accept_cache():
     head = transformer()
     cache = HeadCache()

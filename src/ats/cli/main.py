@@ -3,6 +3,7 @@
     ats train    --model M --data alpaca_gpt4 --head transformer --loss selective --alpha 0.5 --out DIR
     ats eval     --model M --calibrator DIR|temperature|... --tasks mmlu,triviaqa,truthfulqa_mc1 --out DIR
     ats generate --model M --calibrator DIR "prompt"
+    ats serve    --model M --calibrator DIR --port 8000      (OpenAI-compatible, calibrated logprobs)
     ats ablate   --out DIR
     ats demo     --out DIR         (the README's main job)
 
@@ -21,9 +22,9 @@ import os
 import sys
 
 from ..errors import ATSError
-from . import ablate, demo, eval, generate, train
+from . import ablate, demo, eval, generate, serve, train
 
-COMMANDS = (train, eval, generate, ablate, demo)
+COMMANDS = (train, eval, generate, ablate, demo, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

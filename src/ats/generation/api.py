@@ -105,7 +105,8 @@ def _mean(values: Sequence[float]) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
 
-def _eos_ids(backbone: Backbone) -> set[int]:
+def eos_ids(backbone: Backbone) -> set[int]:
+    """The end-of-sequence token ids of the generation config, the model config and the tokenizer."""
     ids: set[int] = set()
     for source in (getattr(backbone.model, "generation_config", None), backbone.model.config, backbone.tokenizer):
         eos = getattr(source, "eos_token_id", None)
@@ -179,7 +180,7 @@ def generate_calibrated(
         return []
     tok = backbone.tokenizer
     input_ids, attention_mask, texts = encode_prompts(backbone, prompts, chat_template)
-    eos = _eos_ids(backbone)
+    eos = eos_ids(backbone)
     repeats = int(generate_kwargs.get("num_return_sequences", 1) or 1)
     streamer = Streamer(stream, tok, len(prompts) * repeats, eos, stop_strings) if stream is not None else None
     processor = CalibrationProcessor(calibrator, attention_mask, softcap=backbone.softcap, on_record=streamer,
@@ -235,7 +236,7 @@ def _output(tok, ids: list[int], values: tuple[torch.Tensor, torch.Tensor, torch
     cut = first_stop(text, stop_strings)
     if cut is not None:
         text, reason = text[:cut], "stop"
-        length = _tokens_covering(tok, ids, cut)
+        length = tokens_covering(tok, ids, cut)
         ids = ids[:length]
     conf, raw, taus = (v[:length].tolist() for v in values)
     return CalibratedGeneration(prompt=prompt, prompt_text=text_in, text=text, token_ids=ids,
@@ -243,7 +244,7 @@ def _output(tok, ids: list[int], values: tuple[torch.Tensor, torch.Tensor, torch
                                 finish_reason=reason)
 
 
-def _tokens_covering(tokenizer, ids: list[int], chars: int) -> int:
+def tokens_covering(tokenizer, ids: list[int], chars: int) -> int:
     """The fewest leading tokens whose decoded text reaches `chars` characters (the tokens before a stop string)."""
     if chars <= 0:
         return 0

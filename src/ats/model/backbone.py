@@ -147,12 +147,15 @@ class Backbone:
         attention_mask: Tensor | None = None,  # (B, T)
         past_key_values=None,
         use_cache: bool = False,
+        position_ids: Tensor | None = None,  # (B, T); None: the model's default (0.. or after the cache)
     ) -> tuple[Tensor, object]:
-        """Final hidden states `h` (B, T, H), after the final norm, and the KV cache when `use_cache`."""
+        """Final hidden states `h` (B, T, H), after the final norm, and the KV cache when `use_cache`.
+        Left-padded batches decoded with a cache pass `position_ids` (each row's own positions)."""
         base = self.model.base_model
         cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        extra = {} if position_ids is None else {"position_ids": position_ids}
         out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache,
-                   **{cache_arg: past_key_values})
+                   **{cache_arg: past_key_values}, **extra)
         if not use_cache:
             return out.last_hidden_state, None
         cache = out.get("cache") if "cache" in out else out.get("past_key_values")

@@ -21,6 +21,7 @@ gets the same tau as the same sequence unpadded.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -253,6 +254,54 @@ class HeadCache:
             self.has_padding = not bool(self.real.all())
         if self.positions is not None:
             self.positions = self.positions.index_select(0, index)
+
+    def pad_left(self, n: int) -> None:
+        """Prepend `n` padding positions to every row, so that a shorter batch lines up with a longer one before
+        `concat` (a server joining new sequences to running ones); padding keys are never attended to."""
+        if n <= 0 or self._k is None:
+            return
+        length = self._length + n
+        capacity = max(2 * length, 64)
+        for name, view, dim in (("_k", self.keys, 2), ("_v", self.values, 2), ("_real", self.real, 1)):
+            buffer = _grown(None, view, capacity, dim, 0).zero_()
+            buffer.narrow(dim, n, self._length).copy_(view)
+            setattr(self, name, buffer)
+        self._length = length
+        self.has_padding = True
+
+    def trim_left(self, n: int) -> None:
+        """Drop the first `n` positions, which must be padding in every row (after the rows that needed them left)."""
+        if n <= 0 or self._k is None:
+            return
+        if n > self._length or bool(self._real[:, :n].any()):
+            raise ATSError(f"HeadCache.trim_left: the first {n} of {self._length} positions are not all padding")
+        self._k, self._v, self._real = self._k[:, :, n:], self._v[:, :, n:], self._real[:, n:]
+        self._length -= n
+        self.has_padding = not bool(self.real.all())
+
+    @classmethod
+    def concat(cls, caches: Sequence[HeadCache]) -> HeadCache:
+        """One cache holding the rows of `caches`, in order; they must have the same length (see `pad_left`)."""
+        lengths = sorted({c.length for c in caches})
+        if len(lengths) != 1:
+            raise ATSError(f"HeadCache.concat: caches of different lengths {lengths}; pad_left the shorter first")
+        out = cls()
+        filled = [c for c in caches if c._k is not None]
+        if filled:
+            if len(filled) != len(caches):
+                raise ATSError("HeadCache.concat: some caches hold positions and some are empty")
+            out._length = lengths[0]
+            capacity = max(2 * out._length, 64)
+            for name, dim in (("keys", 2), ("values", 2), ("real", 1)):
+                rows = torch.cat([getattr(c, name) for c in caches])
+                buffer = _grown(None, rows, capacity, dim, 0)
+                buffer.narrow(dim, 0, out._length).copy_(rows)
+                setattr(out, {"keys": "_k", "values": "_v", "real": "_real"}[name], buffer)
+        if all(c.positions is not None for c in caches):
+            out.positions = torch.cat([c.positions for c in caches])
+        out.has_padding = any(c.has_padding for c in caches)
+        out.weights = next((c.weights for c in caches if c.weights is not None), None)
+        return out
 
 
 def _grown(buffer: Tensor | None, like: Tensor, capacity: int, dim: int, length: int) -> Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["chosen_log_probs", "exp_floor", "logsumexp", "softmax_"]
+__all__ = ["chosen_log_probs", "exp_floor", "logsumexp", "softmax_", "token_log_probs"]
 
 
 def exp_floor(dtype: torch.dtype) -> float:
@@ -55,7 +55,15 @@ def softmax_(x: Tensor, lse: Tensor) -> Tensor:
 
 def chosen_log_probs(z: Tensor, scale: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
     """log softmax(z)[token] and log softmax(z * scale)[token] for logits z (..., V), scale (...) > 0 and token ids
-    (...): the uncalibrated and calibrated log-probabilities of chosen tokens, from one shared shift.
+    (...): the uncalibrated and calibrated log-probabilities of chosen tokens, from one shared shift (see
+    `token_log_probs`)."""
+    logp_z, logp_q = token_log_probs(z, scale, tokens[..., None])
+    return logp_z[..., 0], logp_q[..., 0]
+
+
+def token_log_probs(z: Tensor, scale: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """log softmax(z) and log softmax(z * scale) at token ids `tokens` (..., K), for logits z (..., V) and scale (...)
+    > 0: (..., K) each, e.g. the chosen token and the top-k alternatives of each row.
 
     Since scale > 0, max(z * scale) = scale * max(z), so one max over z shifts both: z - top and scale * (z - top)
     are exponentiated in one (2, ..., V) buffer (floored as in `logsumexp`).
@@ -67,6 +75,6 @@ def chosen_log_probs(z: Tensor, scale: Tensor, tokens: Tensor) -> tuple[Tensor, 
     if z.device.type == "cpu":
         spread = z.amin(-1) - top[..., 0]  # (...) <= 0, the lowest exponent of the z rows
         _floor_(shifted, torch.minimum(spread, spread * scale))
-    lse = shifted.exp_().sum(-1).log_()  # (2, ...) log-normalisers of the shifted rows
-    chosen = z.gather(-1, tokens[..., None])[..., 0] - top[..., 0]  # (...) z[token] - top
-    return chosen - lse[0], chosen * scale - lse[1]
+    lse = shifted.exp_().sum(-1, keepdim=True).log_()  # (2, ..., 1) log-normalisers of the shifted rows
+    chosen = z.gather(-1, tokens) - top  # (..., K) z[token] - top
+    return chosen - lse[0], chosen * scale[..., None] - lse[1]

@@ -1,0 +1,98 @@
+"""`ats serve`: an OpenAI-compatible HTTP server whose log-probabilities are calibrated (docs/serving.md)."""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from ..calibrators.ats import ATSCalibrator
+from ..calibrators.base import read_config
+from ..checks import check_number, check_positive_int
+from ..errors import ATSError
+from . import options
+
+logger = logging.getLogger("ats.cli.serve")
+
+LOCALHOST = ("localhost",)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with calibrated logprobs")
+    options.add_model(p)
+    p.add_argument("--calibrator", required=True,
+                   help="a saved ATS head folder, or 'none' to serve the model's own probabilities (a baseline)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (beyond localhost only with an API key)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + new tokens limit (default: the model's context length)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $ATS_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.set_defaults(run=run)
+
+
+def _is_local(host: str) -> bool:
+    if host.lower() in LOCALHOST:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            reason = "address already in use" if err.errno == errno.EADDRINUSE else (err.strerror or str(err))
+            raise ATSError(f"--port {port}: cannot bind {host}:{port} ({reason})") from None
+
+
+def run(args) -> int:
+    options.check_model(args.model)
+    if args.calibrator != "none":
+        read_config(Path(args.calibrator))  # a missing or wrong folder fails before the model loads
+    check_number("--port", args.port, integer=True, low=1, high=65535)
+    check_positive_int("--max-batch", args.max_batch)
+    check_positive_int("--max-queue", args.max_queue)
+    if args.max_model_len is not None:
+        check_positive_int("--max-model-len", args.max_model_len)
+    if args.threads is not None:
+        check_positive_int("--threads", args.threads)
+    key = args.api_key or os.environ.get("ATS_API_KEY") or None
+    if key is None and not _is_local(args.host):
+        raise ATSError(f"--host {args.host}: without --api-key (or $ATS_API_KEY) the server binds to localhost only "
+                       f"(127.0.0.1, ::1)")
+    try:
+        import uvicorn
+
+        from ..serving import Engine, create_app
+    except ImportError as err:
+        raise ATSError(f"ats serve needs the serve extra ({err.name} is missing): pip install 'ats[serve]'") from None
+    _check_port_free(args.host, args.port)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    backbone = options.backbone_from_args(args)
+    calibrator = None
+    if args.calibrator != "none":
+        calibrator = ATSCalibrator.from_pretrained(args.calibrator, backbone=backbone)
+    engine = Engine(backbone, calibrator, max_batch=args.max_batch, max_queue=args.max_queue,
+                    max_model_len=args.max_model_len)
+    name = args.served_model_name or args.model
+    app = create_app(engine, model_name=name, api_key=key)
+    logger.info("serving %s (%s) on http://%s:%d/v1", name, "calibrated" if calibrator else "uncalibrated",
+                args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
+    return 0

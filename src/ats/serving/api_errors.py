@@ -1,0 +1,42 @@
+"""Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status.
+
+400 a bad field (malformed JSON, a value out of range, a prompt over the context), 401 a missing or wrong API key,
+404 an unknown model or route, 503 a full queue, 500 only for a failure of the server itself.
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    """An error to answer with `status` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """400 from pydantic / FastAPI validation errors, naming the first bad field and its value."""
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return APIError(400, f"could not parse the JSON body of the request: {detail}".rstrip(": "),
+                        code="invalid_json")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if loc and "input" in first and first.get("type") != "missing":
+        value = repr(first["input"])
+        message += f" (got {value if len(value) <= 80 else value[:77] + '...'})"
+    return APIError(400, f"{param}: {message}" if param else message, param=param)

@@ -1,0 +1,322 @@
+"""The FastAPI app: OpenAI's REST routes over the batching engine, with calibrated log-probabilities.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    GET /health   POST /tokenize   POST /detokenize   GET /tokenizer_info   (the last three as vLLM's)
+
+Handlers run on the event loop and never compute: they validate, tokenize, submit a `Job` and wait for its events
+(`asyncio.Queue`, filled from the engine thread). A client that disconnects has its job cancelled: a stream's
+generator is closed by sse-starlette, a plain request is watched for `http.disconnect`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from jinja2 import TemplateError
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import ATSError
+from .api_errors import APIError, validation_error
+from .engine import ContextLengthExceeded, Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull
+from .responses import Collector, Renderer, extension, summary
+from .sampling import SamplingParams
+from .schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationRequest,
+    TokenizeRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health",)  # answered without the API key
+
+
+class _Gone:
+    """Put in a run's queue when its client disconnected."""
+
+
+class Run:
+    """A job submitted from the event loop; its events come back through an asyncio queue."""
+
+    def __init__(self, engine: Engine, job: Job, param: str) -> None:
+        self.engine, self.job, self.finished = engine, job, False
+        self.queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        job.sink = lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        try:
+            engine.submit(job)
+        except QueueFull as err:
+            raise APIError(503, f"the server is busy ({err}); try again later", code="overloaded") from None
+        except ContextLengthExceeded as err:
+            raise APIError(400, str(err), param=param, code="context_length_exceeded") from None
+        except ATSError as err:
+            raise APIError(400, str(err), param=param) from None
+
+    async def events(self):
+        while True:
+            event = await self.queue.get()
+            if isinstance(event, JobDone):
+                self.finished = True
+                return
+            if isinstance(event, JobFailed):
+                self.finished = True
+                raise APIError(500, event.message)
+            if isinstance(event, _Gone):
+                raise APIError(499, "the client closed the request")
+            yield event
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.cancel(self.job)
+
+    async def collect(self, request: Request, collector: Collector) -> Collector:
+        """Wait for every event (cancelling the job if the client disconnects first)."""
+        watcher = asyncio.create_task(self._watch(request))
+        try:
+            async for event in self.events():
+                collector.add(event)
+        finally:
+            watcher.cancel()
+            self.cancel()
+        return collector
+
+    async def _watch(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.cancel()
+        self.queue.put_nowait(_Gone())
+
+
+class BearerAuth:
+    """ASGI middleware: every path but OPEN_PATHS needs `Authorization: Bearer KEY` (checked before the body is
+    read, so a wrong key is a 401 whatever the body)."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            headers = dict(scope.get("headers") or [])
+            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            if not token:
+                error = APIError(401, "missing API key: send the header 'Authorization: Bearer KEY'",
+                                 code="invalid_api_key")
+            elif scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+                error = APIError(401, "incorrect API key provided", code="invalid_api_key")
+            else:
+                error = None
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _sampling(body: GenerationRequest) -> SamplingParams:
+    return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+
+
+def _data(obj) -> dict:
+    return {"data": json.dumps(obj)}
+
+
+def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app serving `engine` as model `model_name`; with `api_key`, every route but /health needs it."""
+    tok = engine.tokenizer
+    renderer = Renderer(tok, model_name)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="ats: calibrated OpenAI-compatible server", lifespan=lifespan)
+    if api_key:
+        app.add_middleware(BearerAuth, key=api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        return validation_error(list(err.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        return APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, err: Exception):
+        logger.exception("internal error on %s", request.url.path)
+        return APIError(500, f"internal server error: {type(err).__name__}").response()
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
+                           param="model", code="model_not_found")
+
+    def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(tok, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        try:
+            text = tok.apply_chat_template([{"role": m.role, "content": m.text} for m in messages],
+                                           add_generation_prompt=add_generation_prompt, tokenize=False)
+        except TemplateError as err:
+            raise APIError(400, f"messages: the chat template refused them ({err})", param="messages") from None
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    # --- routes -----------------------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "calibrated": engine.calibrated, **engine.stats()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started, "owned_by": "ats",
+                                            "max_model_len": engine.max_model_len, "calibrated": engine.calibrated}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            check_model(body.model)
+        if body.messages is not None:
+            ids = chat_ids(body.messages, body.add_generation_prompt)
+        else:
+            ids = tok(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < engine.backbone.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary", param="tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "chat_template": getattr(tok, "chat_template", None),
+                "model_max_length": engine.max_model_len}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        ids = chat_ids(body.messages)
+        max_tokens = body.new_tokens if body.new_tokens is not None else max(1, engine.max_model_len - len(ids))
+        job = Job([ids], n=body.n, max_tokens=max_tokens, sampling=_sampling(body), stop=body.stops,
+                  top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0, ignore_eos=body.ignore_eos)
+        run = Run(engine, job, "messages")
+        if body.stream:
+            return EventSourceResponse(_chat_stream(run, body, len(ids)))
+        collected = await run.collect(request, Collector(1, body.n))
+        return renderer.chat(collected, logprobs=body.logprobs, prompt_tokens=len(ids))
+
+    async def _chat_stream(run: Run, body: ChatCompletionRequest, prompt_tokens: int):
+        envelope = renderer.envelope("chatcmpl", "chat.completion.chunk")
+        collected = Collector(1, body.n)
+        try:
+            for i in range(body.n):
+                yield _data(renderer.chat_chunk(envelope, i, delta={"role": "assistant", "content": ""}))
+            async for event in run.events():
+                collected.add(event)
+                if isinstance(event, Generated):
+                    done = event.finish_reason is not None
+                    yield _data(renderer.chat_chunk(
+                        envelope, event.choice, delta={"content": event.text} if event.text else {},
+                        tokens=event.tokens, logprobs=body.logprobs, finish_reason=event.finish_reason,
+                        all_tokens=collected.choices[event.choice].tokens if done else None))
+            if body.include_usage:
+                yield _data({**envelope, "choices": [],
+                             "usage": renderer.usage(prompt_tokens, collected.completion_tokens)})
+            yield {"data": "[DONE]"}
+        except APIError as err:
+            yield _data({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+        finally:
+            run.cancel()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompts = []  # (text, ids)
+        for prompt in body.prompts:
+            if isinstance(prompt, str):
+                prompts.append((prompt, tok(prompt)["input_ids"]))
+            else:
+                if any(not 0 <= t < engine.backbone.vocab_size for t in prompt):
+                    raise APIError(400, "prompt: a token id is outside the vocabulary "
+                                        f"(0..{engine.backbone.vocab_size - 1})", param="prompt")
+                prompts.append((tok.decode(prompt), list(prompt)))
+        logprobs = body.logprobs is not None
+        job = Job([ids for _, ids in prompts], n=body.n, max_tokens=16 if body.max_tokens is None else body.max_tokens,
+                  sampling=_sampling(body), stop=body.stops, top_logprobs=body.logprobs or 0,
+                  prompt_logprobs=body.echo and logprobs, ignore_eos=body.ignore_eos)
+        run = Run(engine, job, "prompt")
+        if body.stream:
+            return EventSourceResponse(_completion_stream(run, body, prompts))
+        collected = await run.collect(request, Collector(len(prompts), body.n))
+        offsets = None
+        if body.echo and logprobs:
+            offsets = await asyncio.to_thread(lambda: [renderer.prompt_offsets(ids) for _, ids in prompts])
+        return renderer.completion(collected, prompts=prompts, echo=body.echo, logprobs=logprobs,
+                                   prompt_offsets=offsets)
+
+    async def _completion_stream(run: Run, body: CompletionRequest, prompts: list[tuple[str, list[int]]]):
+        envelope = renderer.envelope("cmpl", "text_completion")
+        logprobs = body.logprobs is not None
+        collected = Collector(len(prompts), body.n)
+        bases = [len(text) if body.echo else 0 for text, _ in prompts]
+
+        def chunk(index: int, text: str, tokens, offsets, finish_reason=None, ats=None) -> dict:
+            choice = renderer.completion_choice(index, text, tokens, offsets, logprobs=logprobs,
+                                                finish_reason=finish_reason, ats=ats or extension(tokens, final=False))
+            return {**envelope, "choices": [choice]}
+
+        try:
+            if body.echo and not logprobs:  # the prompt text first (with logprobs it comes with its scores)
+                for i in range(len(collected.choices)):
+                    yield _data(chunk(i, prompts[i // body.n][0], [], []))
+            async for event in run.events():
+                collected.add(event)
+                if isinstance(event, PromptScored):
+                    text, ids = prompts[event.prompt]
+                    offsets = await asyncio.to_thread(renderer.prompt_offsets, ids)
+                    for j in range(body.n):
+                        yield _data(chunk(event.prompt * body.n + j, text, event.tokens, offsets,
+                                          ats=extension([], final=False, prompt=event.tokens)))
+                elif isinstance(event, Generated):
+                    base = bases[event.choice // body.n]
+                    ats = extension(event.tokens, final=False)
+                    if event.finish_reason is not None:
+                        ats.update(summary(collected.choices[event.choice].tokens))
+                    yield _data(chunk(event.choice, event.text, event.tokens, [t.offset + base for t in event.tokens],
+                                      event.finish_reason, ats))
+            if body.include_usage:
+                usage = renderer.usage(sum(len(ids) for _, ids in prompts), collected.completion_tokens)
+                yield _data({**envelope, "choices": [], "usage": usage})
+            yield {"data": "[DONE]"}
+        except APIError as err:
+            yield _data({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+        finally:
+            run.cancel()
+
+    return app

@@ -1,0 +1,150 @@
+"""The caches of a server batch whose sequences join and leave between decoding steps (continuous batching).
+
+A batch holds B sequences left-padded to one length L:
+
+- the backbone's key/value cache, one `RowsLayer` per decoder layer: (B, kv_heads, L, d) views of buffers whose
+  capacity doubles when full (transformers' `DynamicLayer` concatenates, copying the whole past at every step);
+- the ATS head's own `HeadCache` (transformer heads), holding the same L positions;
+- the attention mask (B, L), 0 on padding.
+
+Sequences that finish are dropped (`select`); new ones are prefilled as a batch of their own and joined (`extend`: the
+shorter batch is left-padded); columns that have become padding in every row are dropped (`trim`). Padding is never
+attended to and RoPE positions come from each row's own count of tokens, so a sequence gets the same values whatever
+batch it is decoded in.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+
+from ..errors import ATSError
+from ..model.heads import HeadCache
+
+
+def check_full_attention(config) -> int:
+    """The number of decoder layers of a model whose layers all use full attention; refuses sliding-window, linear
+    or hybrid caches, whose rows cannot be padded and joined this way."""
+    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    other = sorted({t for t in types if t != "full_attention"})
+    if other:
+        raise ATSError(f"serving needs a model whose layers all use full attention; this one has {', '.join(other)} "
+                       f"layers")
+    return len(types)
+
+
+class RowsLayer(DynamicLayer):
+    """A full-attention cache layer over a growing buffer: `keys` / `values` (B, kv_heads, L, d) are views of its first
+    L positions, so a decoding step writes one column instead of copying the past."""
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.device = key_states.device
+        self._k = self._v = None
+        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.keys.shape[2], self.keys.shape[2] + key_states.shape[2]
+        if self._k is None or end > self._k.shape[2]:
+            self.set(self.keys, self.values, capacity=end)
+        self._k[:, :, start:end] = key_states
+        self._v[:, :, start:end] = value_states
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        return self.keys, self.values
+
+    def set(self, keys: Tensor, values: Tensor, capacity: int = 0) -> None:
+        """Hold copies of `keys`, `values` (B, kv_heads, L, d) in new buffers with room for `capacity` positions
+        (at least twice L, at least 64)."""
+        B, heads, length, d = keys.shape
+        capacity = max(2 * max(length, capacity), 64)
+        self._k = keys.new_empty(B, heads, capacity, d)
+        self._v = values.new_empty(B, heads, capacity, values.shape[3])
+        self._k[:, :, :length] = keys
+        self._v[:, :, :length] = values
+        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
+        self.is_initialized = True
+
+    def drop_left(self, n: int) -> None:
+        """Forget the first `n` positions (views, no copy)."""
+        length = self.keys.shape[2] - n
+        self._k, self._v = self._k[:, :, n:], self._v[:, :, n:]
+        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
+
+
+def _pad_left(x: Tensor, n: int, dim: int) -> Tensor:
+    if n <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n
+    return torch.cat([x.new_zeros(shape), x], dim)
+
+
+class BatchCache:
+    """Backbone KV cache, head cache and attention mask of the sequences decoded together; row i is sequence i."""
+
+    def __init__(self, num_layers: int, *, head: bool) -> None:
+        self.kv = Cache(layers=[RowsLayer() for _ in range(num_layers)])
+        self.head = HeadCache() if head else None
+        self.mask: Tensor | None = None  # (B, L) long, 0 on padding
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[0]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[1]
+
+    def _layers(self) -> list[RowsLayer]:
+        return [layer for layer in self.kv.layers if layer.is_initialized]
+
+    def append_column(self) -> Tensor:
+        """Extend the mask by one real position per row (the tokens about to be fed); returns it (B, L + 1)."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.rows, 1)], 1)
+        return self.mask
+
+    def next_positions(self) -> Tensor:
+        """(B, 1) RoPE position of each row's last mask column: its count of real tokens before it."""
+        return self.mask.sum(-1, keepdim=True) - 1
+
+    def select(self, index: Tensor) -> None:
+        """Keep, reorder or repeat rows (`index` (B',) long)."""
+        for layer in self._layers():
+            layer.set(layer.keys.index_select(0, index), layer.values.index_select(0, index))
+        if self.head is not None:
+            self.head.select(index)
+        self.mask = self.mask.index_select(0, index)
+
+    def extend(self, other: BatchCache) -> None:
+        """Append the rows of `other` (a freshly prefilled batch) after these; the shorter one is left-padded."""
+        if self.mask is None or self.rows == 0:
+            self.kv, self.head, self.mask = other.kv, other.head, other.mask
+            return
+        length = max(self.length, other.length)
+        pad_self, pad_other = length - self.length, length - other.length
+        for mine, theirs in zip(self.kv.layers, other.kv.layers):
+            mine.set(torch.cat([_pad_left(mine.keys, pad_self, 2), _pad_left(theirs.keys, pad_other, 2)]),
+                     torch.cat([_pad_left(mine.values, pad_self, 2), _pad_left(theirs.values, pad_other, 2)]))
+        if self.head is not None:
+            self.head.pad_left(pad_self)
+            other.head.pad_left(pad_other)
+            self.head = HeadCache.concat([self.head, other.head])
+        self.mask = torch.cat([_pad_left(self.mask, pad_self, 1), _pad_left(other.mask, pad_other, 1)])
+
+    def trim(self) -> int:
+        """Drop the leading columns that are padding in every row; returns how many."""
+        if self.mask is None or self.rows == 0:
+            return 0
+        used = self.mask.any(0)  # (L,)
+        n = int(used.int().argmax()) if bool(used.any()) else self.length
+        if n:
+            for layer in self._layers():
+                layer.drop_left(n)
+            if self.head is not None:
+                self.head.trim_left(n)
+            self.mask = self.mask[:, n:]
+        return n
+

@@ -1,0 +1,171 @@
+"""Response bodies and stream chunks in OpenAI's format, from the engine's events, with ATS's extension field.
+
+Every choice carries `"ats"`: `mean_confidence` and `product_confidence` (the mean and the product of the calibrated
+probabilities of its generated tokens, the end-of-sequence token included when there is one, as
+`CalibratedGeneration` counts them), `mean_uncalibrated` and `product_uncalibrated` (the same for the model's own
+probabilities), and per generated token `uncalibrated_logprobs` and `tau`. Echoed prompts add
+`prompt_uncalibrated_logprobs` and `prompt_tau`. In a stream each chunk carries the per-token lists of its own
+tokens, and the chunk that finishes a choice adds the four sequence figures.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .engine import Generated, PromptScored
+from .logprobs import TokenLogprob
+
+
+@dataclass
+class Choice:
+    text: str = ""
+    tokens: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Collector:
+    """The choices of one request, assembled from its events; `prompts[p]` holds the scored prompt p (echo)."""
+
+    def __init__(self, prompts: int, n: int) -> None:
+        self.n = n
+        self.choices = [Choice() for _ in range(prompts * n)]
+        self.prompts: list[list[TokenLogprob] | None] = [None] * prompts
+
+    def add(self, event) -> None:
+        if isinstance(event, PromptScored):
+            self.prompts[event.prompt] = event.tokens
+        elif isinstance(event, Generated):
+            choice = self.choices[event.choice]
+            choice.text += event.text
+            choice.tokens += event.tokens
+            choice.finish_reason = event.finish_reason or choice.finish_reason
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.choices)
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def summary(tokens: list[TokenLogprob]) -> dict:
+    """The sequence figures of a choice's generated tokens (None when it has none)."""
+    if not tokens:
+        return {"mean_confidence": None, "product_confidence": None, "mean_uncalibrated": None,
+                "product_uncalibrated": None}
+    q = [t.logprob for t in tokens]
+    z = [t.uncalibrated for t in tokens]
+    return {"mean_confidence": _finite(sum(math.exp(x) for x in q) / len(q)),
+            "product_confidence": _finite(math.exp(sum(q))),
+            "mean_uncalibrated": _finite(sum(math.exp(x) for x in z) / len(z)),
+            "product_uncalibrated": _finite(math.exp(sum(z)))}
+
+
+def extension(tokens: list[TokenLogprob], *, final: bool, prompt: list[TokenLogprob] | None = None) -> dict:
+    """The `ats` field: per-token uncalibrated log-probabilities and taus, and with `final` the sequence figures."""
+    out = {"uncalibrated_logprobs": [t.uncalibrated for t in tokens], "tau": [t.tau for t in tokens]}
+    if prompt is not None:
+        out.update(prompt_uncalibrated_logprobs=[t.uncalibrated for t in prompt], prompt_tau=[t.tau for t in prompt])
+    if final:
+        out.update(summary(tokens))
+    return out
+
+
+class Renderer:
+    """OpenAI JSON for one served model: token strings (cached), ids, timestamps."""
+
+    def __init__(self, tokenizer, model_name: str) -> None:
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self._strings: dict[int, str] = {}
+
+    def token(self, token_id: int) -> str:
+        text = self._strings.get(token_id)
+        if text is None:
+            text = self._strings[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def envelope(self, prefix: str, obj: str) -> dict:
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
+                "model": self.model_name}
+
+    # --- logprobs ---------------------------------------------------------------------------------------------------
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def chat_logprobs(self, tokens: list[TokenLogprob]) -> dict:
+        return {"content": [{**self._entry(t.token, t.logprob), "top_logprobs": [self._entry(i, lp) for i, lp in t.top]}
+                            for t in tokens]}
+
+    def legacy_logprobs(self, tokens: list[TokenLogprob], offsets: list[int]) -> dict:
+        """`tokens`, `token_logprobs`, `top_logprobs` (the top tokens and the chosen one; None where the logprob is
+        None, a prompt's first token) and `text_offset`."""
+        tops = []
+        for t in tokens:
+            if t.logprob is None:
+                tops.append(None)
+                continue
+            top = {self.token(i): lp for i, lp in t.top}
+            top.setdefault(self.token(t.token), t.logprob)
+            tops.append(top)
+        return {"tokens": [self.token(t.token) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def prompt_offsets(self, ids: list[int]) -> list[int]:
+        """Character offset of each prompt token in the decoded prompt."""
+        prefixes = self.tokenizer.batch_decode([ids[:i] for i in range(len(ids))])
+        return [len(p) for p in prefixes]
+
+    # --- bodies -----------------------------------------------------------------------------------------------------
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def chat(self, collected: Collector, *, logprobs: bool, prompt_tokens: int) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.chat_logprobs(c.tokens) if logprobs else None,
+                    "finish_reason": c.finish_reason, "ats": extension(c.tokens, final=True)}
+                   for i, c in enumerate(collected.choices)]
+        return {**self.envelope("chatcmpl", "chat.completion"), "choices": choices,
+                "usage": self.usage(prompt_tokens, collected.completion_tokens)}
+
+    def chat_chunk(self, envelope: dict, index: int, *, delta: dict, tokens: list[TokenLogprob] | None = None,
+                   logprobs: bool = False, finish_reason: str | None = None, all_tokens=None) -> dict:
+        tokens = tokens or []
+        choice = {"index": index, "delta": delta, "logprobs": self.chat_logprobs(tokens) if logprobs else None,
+                  "finish_reason": finish_reason}
+        if all_tokens is not None or tokens:
+            choice["ats"] = extension(tokens, final=False)
+            if finish_reason is not None:
+                choice["ats"].update(summary(all_tokens or []))
+        return {**envelope, "choices": [choice]}
+
+    def completion_choice(self, index: int, text: str, tokens: list[TokenLogprob], offsets: list[int], *,
+                          logprobs: bool, finish_reason: str | None, ats: dict) -> dict:
+        return {"index": index, "text": text, "logprobs": self.legacy_logprobs(tokens, offsets) if logprobs else None,
+                "finish_reason": finish_reason, "ats": ats}
+
+    def completion(self, collected: Collector, *, prompts: list[tuple[str, list[int]]], echo: bool, logprobs: bool,
+                   prompt_offsets: list[list[int]] | None) -> dict:
+        """prompts: (text, ids) of each prompt; prompt_offsets: each prompt's token offsets (echo with logprobs)."""
+        choices = []
+        for i, c in enumerate(collected.choices):
+            p = i // collected.n
+            text, tokens, offsets = c.text, c.tokens, [t.offset for t in c.tokens]
+            scored = collected.prompts[p] if echo else None
+            if echo:
+                base = len(prompts[p][0])
+                text = prompts[p][0] + text
+                offsets = [o + base for o in offsets]
+                if scored is not None:
+                    tokens, offsets = scored + tokens, prompt_offsets[p] + offsets
+            choices.append(self.completion_choice(i, text, tokens, offsets, logprobs=logprobs,
+                                                  finish_reason=c.finish_reason,
+                                                  ats=extension(c.tokens, final=True, prompt=scored)))
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return {**self.envelope("cmpl", "text_completion"), "choices": choices,
+                "usage": self.usage(prompt_tokens, collected.completion_tokens)}

@@ -1,0 +1,59 @@
+"""The text of one generated sequence, as `generate_calibrated` makes it, released in pieces while it grows.
+
+After each token the whole sequence is decoded again (`skip_special_tokens`), so the text is exactly the in-process
+API's, and cut before the first stop string (keeping the fewest tokens that cover the text before it, as
+`generate_calibrated` does). While streaming, a piece of text is released only once nothing can change it: the last
+`len(longest stop) - 1` characters wait (a stop string may be completing there) and so does a trailing partial UTF-8
+character. With stop strings, a token is released with the text that contains its start.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+from ..generation import tokens_covering
+from ..generation.stream import first_stop
+
+
+class TextTracker:
+    """Token ids, their decoded text and each token's character offset in it, for one sequence."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.offsets: list[int] = []  # character offset of each token's start in `text`
+        self.text = ""
+        self.sent_chars = 0
+        self.sent_tokens = 0
+
+    def add(self, token: int) -> bool:
+        """Append a token; True when the text now holds a stop string (text and tokens are then cut before it)."""
+        self.offsets.append(len(self.text))
+        self.ids.append(token)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = first_stop(self.text, self.stop) if self.stop else None
+        if cut is None:
+            return False
+        self.text = self.text[:cut]
+        keep = tokens_covering(self.tokenizer, self.ids, cut)
+        del self.ids[keep:], self.offsets[keep:]
+        return True
+
+    def release(self, final: bool = False) -> tuple[str, int]:
+        """The text not released yet that nothing can change any more, and how many more tokens go with it; all of
+        it when `final`."""
+        chars, tokens = len(self.text), len(self.ids)
+        if not final:
+            chars -= self.holdback
+            partial = len(self.text) - len(self.text.rstrip("\ufffd"))
+            chars = min(chars, len(self.text) - partial)
+            if self.stop:
+                tokens = bisect_left(self.offsets, chars)
+        chars, tokens = max(chars, self.sent_chars), max(tokens, self.sent_tokens)
+        piece = self.text[self.sent_chars:chars]
+        released = tokens - self.sent_tokens
+        self.sent_chars, self.sent_tokens = chars, tokens
+        return piece, released

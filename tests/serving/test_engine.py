@@ -1,0 +1,246 @@
+"""The batching engine in process, stepped by hand: sequences that join and leave a running batch get exactly the
+values they get alone, echoed prompts are scored as a forward pass scores them, and cancelled or finished rows free
+their slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig
+
+from ats.errors import ATSError
+from ats.generation import generate_calibrated, tokens_covering
+from ats.serving.engine import ContextLengthExceeded, Engine, Job, QueueFull
+from ats.serving.kv import check_full_attention
+from ats.serving.sampling import SamplingParams, top_p_filter
+from ats.serving.text import TextTracker
+
+from helpers import calibrator_for
+from serving_reference import chat_ids, choices, continuation_values, done, forward, prompt_scores
+
+PROMPTS = ["The capital of France is", "Write a short poem about the sea and the wind, please.", "Hi"]
+GREEDY = SamplingParams(temperature=0)
+
+
+def job(ids, events, **options) -> Job:
+    return Job([ids] if isinstance(ids[0], int) else ids, sink=events.append, **options)
+
+
+def run(engine: Engine) -> int:
+    steps = 0
+    while engine.step():
+        steps += 1
+    return steps
+
+
+def close(actual, expected) -> None:
+    """Log-probabilities equal to 1e-5 (relative to 1 + |value|: batched and single forward passes differ by float32
+    rounding, which the tiny model's large logits amplify)."""
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32), expected, atol=1e-5, rtol=1e-5)
+
+
+def assert_matches(backbone, calibrator, prompt_ids, choice):
+    """The choice's per-token values equal one full forward pass over prompt + its tokens."""
+    tokens = [t.token for t in choice["tokens"]]
+    logq, logz, tau = continuation_values(backbone, calibrator, prompt_ids, tokens)
+    close([t.logprob for t in choice["tokens"]], logq)
+    close([t.uncalibrated for t in choice["tokens"]], logz)
+    close([t.tau for t in choice["tokens"]], tau)
+
+
+def test_sequences_joining_a_running_batch_get_their_values_alone(backbone, calibrator):
+    refs = generate_calibrated(backbone, calibrator, PROMPTS, max_new_tokens=12)  # batched, left-padded: as alone
+    alone = [generate_calibrated(backbone, calibrator, p, max_new_tokens=12)[0] for p in PROMPTS]
+    assert [r.token_ids for r in refs] == [a.token_ids for a in alone]
+    engine = Engine(backbone, calibrator, max_batch=4)
+    events = [[], [], []]
+    jobs = [job(chat_ids(backbone, p), events[i], max_tokens=m, sampling=GREEDY, top_logprobs=3)
+            for i, (p, m) in enumerate(zip(PROMPTS, (12, 5, 12)))]
+    engine.submit(jobs[0])
+    for _ in range(3):
+        engine.step()
+    engine.submit(jobs[1])  # a longer prompt joins: the running row is left-padded
+    engine.step()
+    assert engine.stats()["running"] == 2
+    engine.submit(jobs[2])  # a shorter one joins
+    engine.step()
+    assert engine.stats()["running"] == 3
+    run(engine)
+    assert engine.stats()["running"] == 0 and all(done(e) for e in events)
+    for i, (ref, max_tokens) in enumerate(zip(alone, (12, 5, 12))):
+        choice = choices(events[i])[0]
+        assert [t.token for t in choice["tokens"]] == ref.token_ids[:max_tokens]
+        assert choice["finish"] == "length"
+        if max_tokens == 12:
+            assert choice["text"] == ref.text
+            torch.testing.assert_close(torch.tensor([t.logprob for t in choice["tokens"]]).exp(),
+                                       torch.tensor(ref.confidences), atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor([t.tau for t in choice["tokens"]]), torch.tensor(ref.taus),
+                                       atol=1e-5, rtol=0)
+        assert_matches(backbone, calibrator, chat_ids(backbone, PROMPTS[i]), choice)
+        # the top alternatives are the calibrated distribution's, best first, the greedy token among them first
+        logq, _, _ = forward(backbone, calibrator, chat_ids(backbone, PROMPTS[i]) + ref.token_ids[:max_tokens])
+        first = choice["tokens"][0]
+        P = len(chat_ids(backbone, PROMPTS[i]))
+        best = logq[P - 1].topk(3)
+        assert [i for i, _ in first.top] == best.indices.tolist() and first.top[0][0] == first.token
+        close([lp for _, lp in first.top], best.values)
+
+
+def test_head_tau_moves_the_probabilities(backbone, calibrator):
+    events = []
+    engine = Engine(backbone, calibrator)
+    engine.submit(job(chat_ids(backbone, PROMPTS[0]), events, max_tokens=6, sampling=GREEDY))
+    run(engine)
+    tokens = choices(events)[0]["tokens"]
+    assert max(abs(t.tau) for t in tokens) > 0.05
+    assert max(abs(t.logprob - t.uncalibrated) for t in tokens) > 1e-3
+
+
+def test_replicas_share_the_prompt_and_sample_reproducibly(backbone, calibrator):
+    ids = chat_ids(backbone, PROMPTS[1])
+
+    def sample(seed):
+        events = []
+        engine = Engine(backbone, calibrator, max_batch=8)
+        engine.submit(job(ids, events, n=3, max_tokens=8, sampling=SamplingParams(temperature=1.0, seed=seed)))
+        run(engine)
+        return choices(events)
+
+    a, b, c = sample(5), sample(5), sample(6)
+    tokens = {k: [t.token for t in v["tokens"]] for k, v in a.items()}
+    assert sorted(tokens) == [0, 1, 2]
+    assert tokens == {k: [t.token for t in v["tokens"]] for k, v in b.items()}
+    assert len({tuple(t) for t in tokens.values()}) > 1  # three draws, not one repeated
+    assert tokens != {k: [t.token for t in v["tokens"]] for k, v in c.items()}
+    for choice in a.values():
+        assert_matches(backbone, calibrator, ids, choice)
+
+
+def test_top_p_near_zero_is_greedy_and_filter_keeps_the_nucleus(backbone, calibrator):
+    ids = chat_ids(backbone, PROMPTS[0])
+    greedy, nucleus = [], []
+    engine = Engine(backbone, calibrator)
+    engine.submit(job(ids, greedy, max_tokens=6, sampling=GREEDY))
+    engine.submit(job(ids, nucleus, max_tokens=6, sampling=SamplingParams(temperature=1.0, top_p=1e-6, seed=1)))
+    run(engine)
+    assert [t.token for t in choices(greedy)[0]["tokens"]] == [t.token for t in choices(nucleus)[0]["tokens"]]
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = top_p_filter(probs, torch.tensor([0.7]))  # 0.5 + 0.3 reach 0.7
+    torch.testing.assert_close(kept, torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
+
+
+def test_echoed_prompts_are_scored_like_a_forward_pass(backbone, calibrator):
+    texts = ["The quick brown fox jumps over the lazy dog", "One two"]
+    prompts = [backbone.tokenizer(t)["input_ids"] for t in texts]
+    events = []
+    engine = Engine(backbone, calibrator)
+    engine.submit(job(prompts, events, max_tokens=0, prompt_logprobs=True, top_logprobs=2))
+    run(engine)
+    scored = prompt_scores(events)
+    assert sorted(scored) == [0, 1] and done(events)
+    for p, ids in enumerate(prompts):
+        logq, logz, tau = forward(backbone, calibrator, ids)
+        rows, target = torch.arange(len(ids) - 1), torch.tensor(ids[1:])
+        tokens = scored[p]
+        assert [t.token for t in tokens] == ids and tokens[0].logprob is None
+        close([t.logprob for t in tokens[1:]], logq[rows, target])
+        close([t.uncalibrated for t in tokens[1:]], logz[rows, target])
+        close([t.tau for t in tokens[1:]], tau[:-1])
+        assert [[i for i, _ in t.top] for t in tokens[1:]] == logq[:-1].topk(2).indices.tolist()
+    assert {c: (v["tokens"], v["finish"]) for c, v in choices(events).items()} == {0: ([], "length"),
+                                                                                   1: ([], "length")}
+
+
+@pytest.mark.parametrize("head_type", ["linear", None])
+def test_per_token_head_and_uncalibrated_engine(backbone, head_type):
+    calibrator = calibrator_for(backbone, head_type, seed=2) if head_type else None
+    ids = chat_ids(backbone, PROMPTS[1])
+    events, others = [], []
+    engine = Engine(backbone, calibrator, max_batch=2)
+    engine.submit(job(chat_ids(backbone, PROMPTS[2]), others, max_tokens=3, sampling=GREEDY))
+    engine.step()
+    engine.submit(job(ids, events, max_tokens=8, sampling=SamplingParams(temperature=0.8, seed=3)))
+    run(engine)
+    choice = choices(events)[0]
+    assert len(choice["tokens"]) == 8
+    assert_matches(backbone, calibrator, ids, choice)
+    if calibrator is None:
+        assert all(t.tau == 0 and t.logprob == t.uncalibrated for t in choice["tokens"])
+
+
+def test_cancelled_job_frees_its_rows_and_stops_its_events(backbone, calibrator):
+    events, other = [], []
+    engine = Engine(backbone, calibrator)
+    long = job(chat_ids(backbone, PROMPTS[0]), events, max_tokens=200, sampling=GREEDY)
+    engine.submit(long)
+    engine.submit(job(chat_ids(backbone, PROMPTS[1]), other, max_tokens=8, sampling=GREEDY))
+    engine.step()
+    engine.step()
+    engine.cancel(long)
+    seen = len(events)
+    engine.step()
+    assert engine.stats()["running"] == 1 and engine.stats()["cancelled"] == 1
+    run(engine)
+    assert len(events) == seen and not done(events)
+    assert done(other) and len(choices(other)[0]["tokens"]) == 8
+
+
+def test_models_with_sliding_window_layers_are_refused():
+    with pytest.raises(ATSError, match="full attention; this one has sliding_attention layers"):
+        check_full_attention(Gemma3TextConfig())
+
+
+def test_queue_is_bounded_and_requests_are_checked(backbone, calibrator):
+    engine = Engine(backbone, calibrator, max_queue=1, max_model_len=64)
+    ids = chat_ids(backbone, PROMPTS[0])
+    engine.submit(Job([ids], max_tokens=4))
+    with pytest.raises(QueueFull):
+        engine.submit(Job([ids], max_tokens=4))
+    with pytest.raises(ContextLengthExceeded, match="maximum context length is 64 tokens"):
+        engine.check(Job([ids], max_tokens=64))
+    with pytest.raises(ATSError, match="outside the vocabulary"):
+        engine.check(Job([[1, backbone.vocab_size]], max_tokens=1))
+    with pytest.raises(ATSError, match="empty"):
+        engine.check(Job([[]], max_tokens=1))
+
+
+def test_stop_string_cuts_text_and_tokens_as_generate_does(backbone, calibrator):
+    ids = chat_ids(backbone, PROMPTS[1])
+
+    def generate(stop=()):
+        events = []
+        engine = Engine(backbone, calibrator)
+        engine.submit(job(ids, events, max_tokens=20, sampling=SamplingParams(temperature=1.5, seed=11), stop=stop))
+        run(engine)
+        return choices(events)[0]
+
+    full = generate()
+    text = full["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = text.find(stop)
+    out = generate([stop])
+    assert out["finish"] == "stop" and out["text"] == text[:cut]
+    full_ids = [t.token for t in full["tokens"]]
+    kept = tokens_covering(backbone.tokenizer, full_ids, cut)
+    assert [t.token for t in out["tokens"]] == full_ids[:kept]
+    assert all(stop not in piece for piece in out["pieces"])
+
+
+def test_text_tracker_holds_back_possible_stops_and_partial_characters(tokenizer):
+    text = "Hello world, this is a test. Ünïcödé 🙂 done"
+    ids = tokenizer(text)["input_ids"]
+    tracker = TextTracker(tokenizer, ["is a"])
+    pieces = []
+    for token in ids:
+        stopped = tracker.add(token)
+        pieces.append(tracker.release(final=stopped)[0])
+        if stopped:
+            break
+    assert "".join(pieces) == "Hello world, this " and tracker.text == "Hello world, this "
+    assert tracker.sent_tokens == len(tracker.ids) == tokens_covering(tokenizer, ids, len("Hello world, this "))
+    plain = TextTracker(tokenizer)
+    pieces = [plain.add(t) or plain.release()[0] for t in ids]
+    pieces.append(plain.release(final=True)[0])
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert [text[o:o + 3] for o in plain.offsets[:3]] == ["Hel", " wo", ", t"]

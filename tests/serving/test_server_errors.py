@@ -1,0 +1,166 @@
+"""Bad requests get the right status and an OpenAI-format message and the server keeps serving; clients that leave
+or read slowly never hold the others back; `ats serve` refuses bad options before the model loads."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from ats.cli.main import main
+
+from server_process import API_KEY, MODEL_NAME
+
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+
+
+def post(server, path: str, body=None, *, content: str | None = None, key: str | None = API_KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if content is not None:
+        headers["Content-Type"] = "application/json"
+        return httpx.post(server.url + path, content=content, headers=headers, timeout=30)
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=30)
+
+
+def error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+    return body
+
+
+def wait_for(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({**CHAT, "max_tokens": -1}, "max_tokens", "greater than or equal to 1"),
+    ({**CHAT, "top_p": 1.5}, "top_p", "less than or equal to 1"),
+    ({**CHAT, "temperature": -0.5}, "temperature", "greater than or equal to 0"),
+    ({**CHAT, "n": 0}, "n", "greater than or equal to 1"),
+    ({**CHAT, "messages": []}, "messages", "at least 1 item"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content", "only text content is supported"),
+    ({**CHAT, "top_logprobs": 3}, None, "top_logprobs requires logprobs"),
+    ({**CHAT, "frequency_penalty": 0.5}, None, "frequency_penalty is not supported"),
+    ({key: v for key, v in CHAT.items() if key != "model"}, "model", "Field required"),
+])
+def test_bad_chat_fields_are_400_naming_the_field(server, body, param, words):
+    err = error(post(server, "/v1/chat/completions", body), 400)
+    assert words in err["message"] and err["type"] == "invalid_request_error"
+    if param:
+        assert err["param"] == param and err["message"].startswith(param)
+
+
+def test_bad_completion_requests(server):
+    base = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
+    assert "greater than or equal to 0" in error(post(server, "/v1/completions", {**base, "max_tokens": -3}),
+                                                 400)["message"]
+    err = error(post(server, "/v1/completions", {**base, "prompt": "word " * 2100}), 400)
+    assert err["code"] == "context_length_exceeded" and "maximum context length is 2048" in err["message"]
+    err = error(post(server, "/v1/completions", {**base, "prompt": [5, 10 ** 9]}), 400)
+    assert "outside the vocabulary" in err["message"] and err["param"] == "prompt"
+    assert "must not be empty" in error(post(server, "/v1/completions", {**base, "prompt": []}), 400)["message"]
+    err = error(post(server, "/v1/completions", {**base, "prompt": {"a": 1}}), 400)
+    assert err["param"] == "prompt" and "a list of lists of token ids" in err["message"]
+    assert "logprobs" in error(post(server, "/v1/completions", {**base, "logprobs": 50}), 400)["message"]
+
+
+def test_malformed_json_unknown_model_route_and_method(server):
+    err = error(post(server, "/v1/chat/completions", content='{"model": "tiny", "messages": ['), 400)
+    assert err["code"] == "invalid_json" and "JSON" in err["message"]
+    err = error(post(server, "/v1/chat/completions", {**CHAT, "model": "gpt-4"}), 404)
+    assert err["code"] == "model_not_found" and "'gpt-4'" in err["message"] and err["param"] == "model"
+    assert error(post(server, "/v1/nothing", {}), 404)["code"] == "not_found"
+    response = httpx.get(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert error(response, 405)["code"] == "method_not_allowed"
+
+
+def test_api_key_is_required_but_health_is_open(server):
+    assert error(post(server, "/v1/chat/completions", CHAT, key=None), 401)["code"] == "invalid_api_key"
+    err = error(post(server, "/v1/chat/completions", CHAT, key="wrong"), 401)
+    assert err["message"] == "incorrect API key provided"
+    # a wrong key is refused before the body is read, even a malformed one
+    assert error(post(server, "/v1/chat/completions", content="{", key="wrong"), 401)["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_openai_client_sees_typed_errors_and_server_keeps_serving(client, server):
+    with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist") as raised:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
+    assert raised.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="top_p: Input should be less than or equal to 1") as raised:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], top_p=2)
+    assert raised.value.param == "top_p"
+    out = client.chat.completions.create(**CHAT)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
+    assert server.health()["running"] == 0
+
+
+def test_disconnected_stream_frees_its_slot(server):
+    before = server.health()["cancelled"]
+    body = {**CHAT, "max_tokens": 1800, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=server.headers(),
+                      timeout=60) as response:
+        lines = []
+        for line in response.iter_lines():
+            lines.append(line)
+            if sum(x.startswith("data:") for x in lines) >= 4:
+                break  # leave mid-stream: closing the connection
+    assert wait_for(lambda: server.health()["cancelled"] == before + 1)
+    assert wait_for(lambda: server.health()["running"] == 0)
+    assert post(server, "/v1/chat/completions", CHAT).json()["usage"]["completion_tokens"] == 4
+
+
+def test_client_that_gives_up_on_a_plain_request_frees_its_slot(server):
+    before = server.health()["cancelled"]
+    body = {**CHAT, "max_tokens": 1800, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.headers(), timeout=1.0)
+    assert wait_for(lambda: server.health()["cancelled"] == before + 1)
+    assert wait_for(lambda: server.health()["running"] == 0)
+
+
+def test_slow_reader_does_not_block_others(client, server):
+    """A stream nobody reads for a while: other requests complete meanwhile; the stream is whole when read."""
+    body = {**CHAT, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=server.headers(),
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        first = next(lines)
+        others = [client.chat.completions.create(**CHAT) for _ in range(3)]  # while the stream waits unread
+        rest = [first, *lines]
+    assert all(o.usage.completion_tokens == 4 for o in others)
+    chunks = [line for line in rest if line.startswith("data:")]
+    assert chunks[-1] == "data: [DONE]"
+    assert sum('"finish_reason": "length"' in c for c in chunks) == 1
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--host", "0.0.0.0"], "without --api-key"),
+    (["--max-batch", "0"], "--max-batch: expected a positive integer"),
+    (["--port", "70000"], "--port: expected a value in [1, 65535]"),
+    (["--calibrator", "/no/such/head"], "/no/such/head"),
+])
+def test_serve_refuses_bad_options_before_loading(model_dir, head_dir, capsys, monkeypatch, args, words):
+    monkeypatch.delenv("ATS_API_KEY", raising=False)
+    argv = ["serve", "--model", str(model_dir), "--calibrator", str(head_dir), *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ats: error:") and words in err and "\n" not in err
+
+
+def test_serve_refuses_a_port_in_use(model_dir, head_dir, server, capsys):
+    assert main(["serve", "--model", str(model_dir), "--calibrator", str(head_dir), "--port", str(server.port)]) == 2
+    assert f"--port {server.port}: cannot bind" in capsys.readouterr().err
