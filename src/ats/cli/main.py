@@ -21,9 +21,9 @@ import os
 import sys
 
 from ..errors import ATSError
-from . import ablate, demo, eval, generate, train
+from . import ablate, calibration_report, demo, eval, generate, lmeval, train
 
-COMMANDS = (train, eval, generate, ablate, demo)
+COMMANDS = (train, eval, generate, ablate, demo, lmeval, calibration_report)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -119,6 +119,7 @@ class ATSLM(HFLM):
             source, name, known_revision = pretrained, str(getattr(pretrained, "name_or_path", "model")), None
         if revision is not None:
             kwargs["revision"] = revision
+        kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")  # HFLM's default is cuda
         super().__init__(pretrained=source, **kwargs)
         if self.backend != "causal":
             raise ATSError(f"pretrained={pretrained}: ATS calibrates causal language models, not {self.backend}")
