@@ -12,6 +12,7 @@ Every argument goes to lm-eval unchanged (`lm_eval --help` lists them; `ats lm-e
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -20,6 +21,8 @@ from pathlib import Path
 from ..errors import ATSError
 from ..integrations.calibration_report import calibration_report, format_report
 from ..integrations.lm_eval_samples import SAMPLES_NAME, NotMultipleChoice, read_samples
+from ..model.backbone import DEFAULT_MODEL
+from .options import check_model
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +35,48 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _outputs(argv: list[str]) -> tuple[Path | None, bool]:
-    """(lm-eval's --output_path, whether --log_samples) from its arguments."""
+def _known(argv: list[str]) -> argparse.Namespace:
+    """The few lm-eval arguments this command reads itself (the rest are lm-eval's alone)."""
     p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model", "-M", default=None)
+    p.add_argument("--model_args", "-a", nargs="+", action="extend", default=[])
     p.add_argument("--output_path", "-o", default=None)
     p.add_argument("--log_samples", "-s", action="store_true")
     known, _ = p.parse_known_args(argv)
-    return (Path(known.output_path) if known.output_path else None), known.log_samples
+    return known
+
+
+def model_args(values: list[str]) -> dict[str, str]:
+    """`--model_args` as lm-eval reads it: a JSON object, or key=value items separated by commas or spaces."""
+    out: dict[str, str] = {}
+    for value in values:
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            out.update({k: str(v) for k, v in parsed.items()})
+            continue
+        for item in value.split(","):
+            key, sep, val = item.partition("=")
+            if sep:
+                out[key.strip()] = val.strip()
+    return out
+
+
+def check_ats_model(known: argparse.Namespace) -> None:
+    """For `--model ats`: refuse a missing model or an unusable calibrator before lm-eval indexes its tasks and
+    loads anything."""
+    if known.model != "ats":
+        return
+    from ..integrations.lm_eval_model import check_calibrator
+
+    given = model_args(known.model_args)
+    try:
+        check_model(given.get("pretrained", DEFAULT_MODEL))
+    except ATSError as err:  # its message names ats's own --model option
+        raise ATSError(str(err).replace("--model ", "pretrained=", 1)) from None
+    check_calibrator(given.get("calibrator"))
 
 
 def new_sample_files(output_path: Path, since: float) -> list[Path]:
@@ -57,7 +95,9 @@ def run(args) -> int:
     from ..integrations import lm_eval_model  # noqa: F401  registers the `ats` model with lm-eval
 
     argv = list(args.lm_eval_args)
-    output_path, log_samples = _outputs(argv)
+    known = _known(argv)
+    check_ats_model(known)
+    output_path = Path(known.output_path) if known.output_path else None
     start = time.time() - 1.0  # file times may be rounded down
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]
@@ -67,7 +107,7 @@ def run(args) -> int:
         sys.argv = saved
     if not argv or argv[0] in ("ls", "validate") or "-h" in argv or "--help" in argv:
         return 0
-    if output_path is None or not log_samples:
+    if output_path is None or not known.log_samples:
         print("\nats: add --log_samples --output_path DIR for the calibration report of multiple-choice tasks",
               file=sys.stderr)
         return 0
