@@ -19,11 +19,11 @@ FEWSHOT = "ats_toy_fewshot"
 
 def test_shared_prefixes_are_the_longest_prefix_of_each_run_of_neighbours():
     a, b = list(range(40)), [7] * 40
-    contexts = [a + [1, 2], a + [1, 3], a + [5], b + [9], b + [9], [3] * 50, a[:10] + [0] * 40]
-    assert sorted(find_shared_prefixes(contexts, min_tokens=32)) == sorted([tuple(a), tuple(b + [9])])
+    rows = [a + [1, 2], a + [1, 3], a + [5], b + [9], b + [9, 1], [3] * 50, [3] * 50, a[:10] + [0] * 40]
+    assert sorted(find_shared_prefixes(rows, min_tokens=32)) == sorted([tuple(a), tuple(b + [9])])
     # 41 tokens: a + [5] no longer joins the run of a + [1, ...]
-    assert sorted(find_shared_prefixes(contexts, min_tokens=41)) == sorted([tuple(a + [1]), tuple(b + [9])])
-    assert find_shared_prefixes([[1] * 5, [1] * 5], min_tokens=32) == []
+    assert sorted(find_shared_prefixes(rows, min_tokens=41)) == sorted([tuple(a + [1]), tuple(b + [9])])
+    assert find_shared_prefixes([[1] * 40, [1] * 40], min_tokens=32) == []  # one row twice: nothing to share
 
 
 @pytest.fixture(scope="module")

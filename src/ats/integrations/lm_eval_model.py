@@ -147,7 +147,9 @@ class ATSLM(HFLM):
         """HFLM's, with the prompt prefixes these requests share planned first (see `prefix_sharing`)."""
         if self.prefixes is None:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
-        found = self.prefixes.plan([context for _, context, _ in requests])
+        # the rows `_model_call` will see: HFLM's (context + continuation)[-(max_length + 1):][:-1]
+        found = self.prefixes.plan([(context + continuation)[-(self.max_length + 1):][:-1]
+                                    for _, context, continuation in requests])
         if found:
             logger.info("%d shared prompt prefix(es) among %d requests: each encoded once", found, len(requests))
         try:

@@ -2,7 +2,8 @@
 
 lm-eval sends every request whole: with 5-shot MMLU each question repeats the same ~500 tokens of examples. Before a
 batch of log-likelihood requests runs, `SharedPrefixes.plan` sorts their contexts and takes, for each run of
-neighbours that agree on at least `min_tokens` tokens, the prefix they all share. A batch row that starts with a
+neighbours that agree on at least `min_tokens` tokens, the prefix they all share (few-shot examples; a question's
+context when its choices are several tokens long, so that they run as separate rows). A batch row that starts with a
 planned prefix then runs through `ats.evaluation.tasks.scoring.PrefixCache` (the prefix's KV cache and hidden
 states, encoded on first use and kept for the `max_prefixes` most recently used), at the cost of its own tokens:
 the same trick that makes `ats eval` 3.3x faster than lm-eval on MMLU. The numbers agree with a full forward to
@@ -20,9 +21,10 @@ Prefix = tuple[int, ...]
 
 
 def find_shared_prefixes(sequences: Sequence[Sequence[int]], min_tokens: int) -> list[Prefix]:
-    """The prefixes of at least `min_tokens` tokens that two or more sequences share: one per run of sorted
-    neighbours whose common prefixes are all that long (the run's shortest one)."""
-    ordered = sorted(tuple(s) for s in sequences)
+    """The prefixes of at least `min_tokens` tokens that two or more distinct sequences share: one per run of sorted
+    neighbours whose common prefixes are all that long (the run's shortest one). Repeats of one sequence share
+    nothing worth caching: lm-eval already runs them once."""
+    ordered = sorted({tuple(s) for s in sequences})
     found: list[Prefix] = []
     start, shortest = 0, None
     for i in range(1, len(ordered) + 1):
@@ -47,10 +49,11 @@ class SharedPrefixes:
         self.encoded: OrderedDict[Prefix, PrefixCache] = OrderedDict()
         self.rows_seen = self.rows_served = 0  # batch rows grouped / run on an encoded prefix, over its life
 
-    def plan(self, contexts: Sequence[Sequence[int]]) -> int:
-        """Plan the prefixes shared by `contexts` (replacing the previous plan); returns how many there are."""
+    def plan(self, rows: Sequence[Sequence[int]]) -> int:
+        """Plan the prefixes shared by the token rows the model will run (replacing the previous plan); returns how
+        many there are."""
         self.clear()
-        for prefix in find_shared_prefixes(contexts, self.min_tokens):
+        for prefix in find_shared_prefixes(rows, self.min_tokens):
             self.by_head.setdefault(prefix[: self.min_tokens], []).append(prefix)
         for group in self.by_head.values():
             group.sort(key=len, reverse=True)
