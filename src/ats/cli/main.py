@@ -22,9 +22,9 @@ import os
 import sys
 
 from ..errors import ATSError
-from . import ablate, demo, eval, generate, serve, train
+from . import ablate, calibration_report, demo, eval, generate, lmeval, serve, train
 
-COMMANDS = (train, eval, generate, ablate, demo, serve)
+COMMANDS = (train, eval, generate, ablate, demo, serve, lmeval, calibration_report)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -76,8 +76,8 @@ def cache_folder(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{_file_digest(gguf)}-fp32"
 
 
-def _load_gguf(gguf: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """Dequantize a GGUF file once, cache it as safetensors, and load the cached copy."""
+def dequantized_folder(gguf: Path) -> tuple[Path, str]:
+    """(the plain float32 model folder of a GGUF file, its revision): dequantized and cached on first use."""
     if not gguf.is_file():
         raise ATSError(f"GGUF file not found: {gguf}")
     revision = _file_digest(gguf)
@@ -93,6 +93,31 @@ def _load_gguf(gguf: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         del model
+    return target, revision
+
+
+def model_source(name_or_path: str) -> tuple[str, str, str | None]:
+    """Where Hugging Face loaders (and tools built on them, e.g. lm-eval) find a model given as `load_backbone`
+    accepts it: (folder or Hub id, the backbone's name, its revision; None when only the loaded config tells).
+    Embedded names and `.gguf` files are dequantized once into their cache folder."""
+    if name_or_path in EMBEDDED_MODELS:
+        folder, revision = dequantized_folder(_embedded_gguf(name_or_path))
+        return str(folder), name_or_path, revision
+    if Path(name_or_path).suffix == ".gguf":
+        folder, revision = dequantized_folder(Path(name_or_path))
+        return str(folder), Path(name_or_path).name, revision
+    return name_or_path, name_or_path, None
+
+
+def revision_of(model: PreTrainedModel, revision: str | None = None) -> str:
+    """The revision of a model loaded from a folder or the Hub: the one asked for, else the Hub commit, else
+    "local" (a calibrator records it and refuses another)."""
+    return revision or getattr(model.config, "_commit_hash", None) or "local"
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """Dequantize a GGUF file once, cache it as safetensors, and load the cached copy."""
+    target, revision = dequantized_folder(gguf)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(target)
     return model, tokenizer, revision
@@ -218,7 +243,7 @@ def load_backbone(
             first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
             raise ATSError(f"{name_or_path}: cannot load the model ({first})") from None
         name = name_or_path
-        rev = revision or getattr(model.config, "_commit_hash", None) or "local"
+        rev = revision_of(model, revision)
     if device is not None:
         model.to(device)
     backbone = Backbone(model=model, tokenizer=tokenizer, name=name, revision=str(rev))
