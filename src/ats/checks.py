@@ -54,83 +54,27 @@ def check_number(field: str, value, *, integer: bool = False, low: float | None 
 
 
 def check_positive_int(field: str, value) -> int:
-    """An integer >= 1.
-
-    Args:
-        field: the field's name, quoted in the error.
-        value: the value to check.
-
-    Returns:
-        `value` as `int`.
-
-    Raises:
-        ATSError: if `value` is not an integer >= 1.
-    """
+    """`value` as `int` if it is an integer >= 1; else `ATSError` naming `field`."""
     return check_number(field, value, integer=True, low=1, what="a positive integer")
 
 
 def check_nonnegative_int(field: str, value) -> int:
-    """An integer >= 0.
-
-    Args:
-        field: the field's name, quoted in the error.
-        value: the value to check.
-
-    Returns:
-        `value` as `int`.
-
-    Raises:
-        ATSError: if `value` is not an integer >= 0.
-    """
+    """`value` as `int` if it is an integer >= 0; else `ATSError` naming `field`."""
     return check_number(field, value, integer=True, low=0, what="a non-negative integer")
 
 
 def check_positive_float(field: str, value) -> float:
-    """A finite number > 0.
-
-    Args:
-        field: the field's name, quoted in the error.
-        value: the value to check.
-
-    Returns:
-        `value` as `float`.
-
-    Raises:
-        ATSError: if `value` is not a finite number > 0.
-    """
+    """`value` as `float` if it is a finite number > 0; else `ATSError` naming `field`."""
     return check_number(field, value, low=0, low_open=True, what="a positive finite number")
 
 
 def check_nonnegative_float(field: str, value) -> float:
-    """A finite number >= 0.
-
-    Args:
-        field: the field's name, quoted in the error.
-        value: the value to check.
-
-    Returns:
-        `value` as `float`.
-
-    Raises:
-        ATSError: if `value` is not a finite number >= 0.
-    """
+    """`value` as `float` if it is a finite number >= 0; else `ATSError` naming `field`."""
     return check_number(field, value, low=0, what="a finite number >= 0")
 
 
 def check_choice(field: str, value, choices: Sequence) -> object:
-    """One of `choices`.
-
-    Args:
-        field: the field's name, quoted in the error.
-        value: the value to check.
-        choices: the allowed values.
-
-    Returns:
-        `value`, unchanged.
-
-    Raises:
-        ATSError: if `value` is not in `choices`.
-    """
+    """`value` unchanged if it is one of `choices`; else `ATSError` naming `field` and the known values."""
     if value not in choices:
         raise ATSError(f"{field}: unknown value {value!r}; known: {', '.join(map(str, choices))}")
     return value

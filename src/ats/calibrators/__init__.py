@@ -119,32 +119,30 @@ def build_calibrator(name: str, **options) -> Calibrator:
     Raises:
         ATSError: if `name` is not registered or an option is unknown or invalid.
     """
+    return _construct(name, options, lambda cls, merged: cls(**merged))
+
+
+def _construct(name: str, options: dict, make) -> Calibrator:
+    """`make(cls, preset | options)` for the registered `name`; a TypeError (unknown option) becomes `ATSError`."""
     item = entry(name)
     try:
-        return item.load()(**{**item.preset, **options})
+        return make(item.load(), {**item.preset, **options})
     except TypeError as err:  # an unknown or positional option
         raise ATSError(f"calibrator {name!r}: bad options {sorted(options)} ({err})") from None
 
 
 def calibrator_for(name: str, source: FitSource, **options) -> Calibrator:
-    """A fresh calibrator of `name` sized for the data of `source` (fit it with `.fit_source(source)`).
+    """As `build_calibrator`, but sized for the data of `source` (fit it with `.fit_source(source)`).
 
     Args:
         name: a registered name.
         source: the data it will be fitted on (backbone, hidden size).
-        **options: constructor options; they override the name's preset.
+        **options: as for `build_calibrator`.
 
     Returns:
-        The unfitted calibrator.
-
-    Raises:
-        ATSError: if `name` is not registered or an option is unknown or invalid.
+        The unfitted calibrator; `ATSError` as for `build_calibrator`.
     """
-    item = entry(name)
-    try:
-        return item.load().for_source(source, **{**item.preset, **options})
-    except TypeError as err:
-        raise ATSError(f"calibrator {name!r}: bad options {sorted(options)} ({err})") from None
+    return _construct(name, options, lambda cls, merged: cls.for_source(source, **merged))
 
 
 def load_calibrator(directory: str | Path, backbone=None) -> Calibrator:

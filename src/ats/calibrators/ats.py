@@ -238,14 +238,7 @@ class ATSCalibrator(Calibrator):
                            f"revision {backbone.revision!r}")
 
     def to(self, device) -> "ATSCalibrator":
-        """Move the head to `device`.
-
-        Args:
-            device: a torch device or its name.
-
-        Returns:
-            self.
-        """
+        """Move the head to `device` (a torch device or its name); returns self."""
         self.head.to(device)
         return self
 

@@ -364,25 +364,11 @@ class Uncalibrated(Calibrator):
     name = "none"
 
     def fit(self, chunks: LogitChunks) -> "Uncalibrated":
-        """Nothing to fit.
-
-        Args:
-            chunks: ignored.
-
-        Returns:
-            self.
-        """
+        """Nothing to fit: `chunks` is ignored; returns self."""
         return self
 
     def fit_source(self, source: FitSource) -> "Uncalibrated":
-        """Nothing to fit.
-
-        Args:
-            source: ignored.
-
-        Returns:
-            self.
-        """
+        """Nothing to fit: `source` is ignored; returns self."""
         return self
 
     @property

@@ -99,26 +99,12 @@ class _Binning(Calibrator):
         return apply_bins(confidence, self.upper_edges, self.values)
 
     def config(self) -> dict:
-        """The number of bins asked for.
-
-        Returns:
-            {"n_bins"}.
-
-        Raises:
-            ATSError: if not fitted.
-        """
+        """{"n_bins"}: the number of bins asked for; `ATSError` if not fitted."""
         self._check_fitted()
         return {"n_bins": self.n_bins}
 
     def state_tensors(self) -> dict[str, Tensor]:
-        """The fitted bins.
-
-        Returns:
-            {"upper_edges": (K,), "values": (K,)}, float64.
-
-        Raises:
-            ATSError: if not fitted.
-        """
+        """The fitted bins, {"upper_edges": (K,), "values": (K,)} float64; `ATSError` if not fitted."""
         self._check_fitted()
         return {"upper_edges": torch.from_numpy(self.upper_edges.copy()),
                 "values": torch.from_numpy(self.values.copy())}
@@ -184,17 +170,8 @@ class ScalingBinning(_Binning):
                   index: Tensor | None = None) -> Tensor:
         """logits / T (the scaling half); the binning half is `calibrate_confidence`.
 
-        Args:
-            logits: (B, K, V) or (N, V).
-            hidden: unused (the `Calibrator.calibrate` signature).
-            attention_mask: unused.
-            index: unused.
-
-        Returns:
-            logits / T, same shape and dtype.
-
-        Raises:
-            ATSError: if not fitted.
+        Same arguments as `Calibrator.calibrate`; only `logits`, (B, K, V) or (N, V), is read. Returns logits / T,
+        same shape and dtype; raises `ATSError` if not fitted.
         """
         self._check_fitted()
         return logits / self.temperature
@@ -251,19 +228,9 @@ class HistogramBinning(_Binning):
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
-        """Identity (the logits are left as they are); the map is `calibrate_confidence`.
+        """`logits` unchanged (the map is `calibrate_confidence`); `ATSError` if not fitted.
 
-        Args:
-            logits: (B, K, V) or (N, V).
-            hidden: unused (the `Calibrator.calibrate` signature).
-            attention_mask: unused.
-            index: unused.
-
-        Returns:
-            `logits`, unchanged.
-
-        Raises:
-            ATSError: if not fitted.
+        Same arguments as `Calibrator.calibrate`; only `logits` is read.
         """
         self._check_fitted()
         return logits

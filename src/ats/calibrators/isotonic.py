@@ -70,44 +70,20 @@ class IsotonicCalibration(Calibrator):
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
-        """Identity (the logits are left as they are); the map is `calibrate_confidence`.
+        """`logits` unchanged (the map is `calibrate_confidence`); `ATSError` if not fitted.
 
-        Args:
-            logits: (B, K, V) or (N, V).
-            hidden: unused (the `Calibrator.calibrate` signature).
-            attention_mask: unused.
-            index: unused.
-
-        Returns:
-            `logits`, unchanged.
-
-        Raises:
-            ATSError: if not fitted.
+        Same arguments as `Calibrator.calibrate`; only `logits` is read.
         """
         self._check_fitted()
         return logits
 
     def config(self) -> dict:
-        """No options.
-
-        Returns:
-            {}.
-
-        Raises:
-            ATSError: if not fitted.
-        """
+        """{} (no options); `ATSError` if not fitted."""
         self._check_fitted()
         return {}
 
     def state_tensors(self) -> dict[str, Tensor]:
-        """The fitted thresholds.
-
-        Returns:
-            {"x_thresholds": (K,), "y_thresholds": (K,)}, float64.
-
-        Raises:
-            ATSError: if not fitted.
-        """
+        """The fitted thresholds, {"x_thresholds": (K,), "y_thresholds": (K,)} float64; `ATSError` if not fitted."""
         self._check_fitted()
         return {"x_thresholds": torch.from_numpy(self.x_thresholds.copy()),
                 "y_thresholds": torch.from_numpy(self.y_thresholds.copy())}

@@ -112,19 +112,9 @@ class TemperatureScaling(Calibrator):
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
-        """logits / T, same shape and dtype.
+        """logits / T, same shape and dtype; `ATSError` if not fitted.
 
-        Args:
-            logits: (B, K, V) or (N, V).
-            hidden: unused (the `Calibrator.calibrate` signature).
-            attention_mask: unused.
-            index: unused.
-
-        Returns:
-            logits / T, same shape and dtype.
-
-        Raises:
-            ATSError: if not fitted.
+        Same arguments as `Calibrator.calibrate`; only `logits`, (B, K, V) or (N, V), is read.
         """
         return logits / self._check_fitted()
 

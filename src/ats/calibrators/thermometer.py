@@ -381,14 +381,7 @@ class Thermometer(Calibrator):
                            f"{getattr(backbone, 'name', '?')} has {backbone.hidden_size}")
 
     def to(self, device) -> "Thermometer":
-        """Move the network to `device`.
-
-        Args:
-            device: a torch device or its name.
-
-        Returns:
-            self.
-        """
+        """Move the network to `device` (a torch device or its name); returns self."""
         self.net.to(device)
         return self
 

@@ -90,17 +90,8 @@ class VectorScaling(Calibrator):
                   index: Tensor | None = None) -> Tensor:
         """a * z + b over the last axis; same shape and dtype as `logits` (computed in float32).
 
-        Args:
-            logits: (B, K, V) or (N, V).
-            hidden: unused (the `Calibrator.calibrate` signature).
-            attention_mask: unused.
-            index: unused.
-
-        Returns:
-            a * z + b, same shape and dtype.
-
-        Raises:
-            ATSError: if not fitted or V differs from the fitted vocabulary size.
+        Same arguments as `Calibrator.calibrate`; only `logits`, (B, K, V) or (N, V), is read. Raises `ATSError`
+        if not fitted or V differs from the fitted vocabulary size.
         """
         a, b = self._check_fitted()
         if logits.shape[-1] != a.numel():
