@@ -19,7 +19,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -102,7 +102,7 @@ def micro_batch_plan(shard_sizes: list[int], batch_size: int, *, shuffle: bool =
     return plan
 
 
-def pad_batch(ids: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+def pad_batch(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """Right-padded input_ids (B, T_max) and attention mask (B, T_max).
 
     Args:
@@ -116,7 +116,7 @@ def pad_batch(ids: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     input_ids = torch.full((len(ids), t_max), pad_id, dtype=torch.long)
     mask = torch.zeros((len(ids), t_max), dtype=torch.long)
     for row, x in enumerate(ids):
-        input_ids[row, : len(x)] = torch.tensor(x)
+        input_ids[row, : len(x)] = torch.tensor(list(x), dtype=torch.long)
         mask[row, : len(x)] = 1
     return input_ids, mask
 

@@ -89,16 +89,8 @@ class OnlineFeatures:
     def batches(self, batch_size: int, *, shuffle: bool = False, seed: int = 0,
                 shard_ids: list[int] | None = None, rank: int = 0, world_size: int = 1,
                 start: int = 0) -> Iterator[SequenceBatch]:
-        """As FeatureStore.batches, with the backbone run on each of this process's micro-batches.
-
-        Args:
-            batch_size: sequences per micro-batch.
-            shuffle: seeded shard and sequence order; otherwise in plan order.
-            seed: the seed of the order.
-            shard_ids: the shards to use; default all.
-            rank: this process's rank.
-            world_size: the number of processes, W.
-            start: the number of global micro-batches to skip.
+        """As `FeatureStore.batches` (same arguments; without shuffle, plan order), with the backbone run on each of
+        this process's micro-batches.
 
         Yields:
             `SequenceBatch`es: hidden (B, T, H) float32 on the backbone's device, zeros on padding;

@@ -89,15 +89,7 @@ def rouge_l(reference: str, prediction: str) -> float:
 def bleu(reference: str, prediction: str) -> float:
     """lm-eval's `bleu` (sacrebleu corpus BLEU of one sentence, 0-100) of `prediction` against one reference.
 
-    Args:
-        reference: one closed reference.
-        prediction: the answer.
-
-    Returns:
-        The similarity, 0-100.
-
-    Raises:
-        ATSError: if sacrebleu is not installed.
+    Arguments and result as for `rouge_l`; raises `ATSError` if sacrebleu is not installed.
     """
     return float(_bleu().corpus_score([prediction], [[reference]]).score)
 

@@ -200,16 +200,9 @@ class MMLUTask(Task):
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
         """Score every selected question by its letters, subject by subject (each prefix encoded once).
 
-        Args:
-            backbone: the frozen backbone (its tokenizer encodes the prompts).
-            calibrators: method name -> fitted calibrator, all applied to the same forward passes.
-            progress: show progress bars.
-
-        Returns:
-            method -> per-question results, subjects in sorted order (extra: "prediction", "answer").
-
-        Raises:
-            ATSError: if the data cannot be loaded or the letters are not single tokens.
+        Same arguments as `Task.run`; returns method -> per-question results, subjects in sorted order (extra:
+        "prediction", "answer"). Raises `ATSError` if the data cannot be loaded or the letters are not single
+        tokens.
         """
         tok = backbone.tokenizer
         letters = letter_token_ids(tok, 4)

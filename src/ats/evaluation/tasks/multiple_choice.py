@@ -156,16 +156,8 @@ class MultipleChoiceTask(Task):
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
         """Score the selected questions by letters or by choice likelihood (see the module docstring).
 
-        Args:
-            backbone: the frozen backbone (its tokenizer encodes the prompts).
-            calibrators: method name -> fitted calibrator, all applied to the same forward passes.
-            progress: show progress bars.
-
-        Returns:
-            method -> per-question results (extra: "prediction", "answer").
-
-        Raises:
-            ATSError: if the letters are not single tokens (letters mode) or a choice has no tokens.
+        Same arguments as `Task.run`; returns method -> per-question results (extra: "prediction", "answer").
+        Raises `ATSError` if the letters are not single tokens (letters mode) or a choice has no tokens.
         """
         tok = backbone.tokenizer
         rows = self.selected()

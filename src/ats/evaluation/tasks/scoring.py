@@ -120,22 +120,10 @@ def gather_logits(backbone, hidden: Tensor, index: Tensor) -> Tensor:
 
 
 def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
-    """(ids (B, T), mask (B, T)) with right padding: positions of the real tokens are unaffected.
+    """`pad_batch(rows, pad_id)` on `device`: (ids (B, T_max), mask (B, T_max)), right-padded, long."""
+    from ...training.features import pad_batch  # imported here: it loads transformers, importing the tasks does not
 
-    Args:
-        rows: B token-id sequences (at least one).
-        pad_id: the id placed on padding.
-        device: where the tensors go.
-
-    Returns:
-        (ids (B, T_max) long, mask (B, T_max) long, 1 on real tokens).
-    """
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(list(r), dtype=torch.long)
-        mask[i, :len(r)] = 1
+    ids, mask = pad_batch(rows, pad_id)
     return ids.to(device), mask.to(device)
 
 
@@ -277,20 +265,7 @@ def score_choices(backbone, calibrators: dict[str, Calibrator], items: Sequence[
     """Each choice scored by its summed log-likelihood under the calibrated logits; softmax over the choices.
 
     The choices of one question run as one batch (they share the context, and the prefix cache when given).
-
-    Args:
-        backbone: the frozen backbone.
-        calibrators: method name -> fitted calibrator.
-        items: the questions.
-        prefix: a shared prompt prefix encoded once; None: none.
-        progress: show a progress bar.
-        desc: the progress bar's label.
-
-    Returns:
-        method -> per-question results (extra: "prediction", "answer").
-
-    Raises:
-        ATSError: if a choice has no tokens.
+    Arguments and result as for `score_letters` (no `batch_size`); raises `ATSError` if a choice has no tokens.
     """
     prefix = prefix or PrefixCache(backbone, [])
     conf: dict[str, list[np.ndarray]] = {m: [] for m in calibrators}

@@ -187,16 +187,8 @@ class TriviaQATask(GenerativeTask):
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
         """Greedy answers judged by exact match, scored by every calibrator (see the module docstring).
 
-        Args:
-            backbone: the frozen backbone (its tokenizer encodes the prompts).
-            calibrators: method name -> fitted calibrator, all applied to the same forward passes.
-            progress: show progress bars.
-
-        Returns:
-            method -> per-question results (extra: "confidence_product", "n_tokens", "prediction").
-
-        Raises:
-            ATSError: if the data cannot be loaded.
+        Same arguments as `Task.run`; returns method -> per-question results (extra: "confidence_product",
+        "n_tokens", "prediction"). Raises `ATSError` if the data cannot be loaded.
         """
         tok = backbone.tokenizer
         shots, questions = self.load()

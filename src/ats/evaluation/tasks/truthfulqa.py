@@ -118,16 +118,8 @@ class TruthfulQAMC1Task(Task):
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
         """Score each question's choices by likelihood after the primer (encoded once).
 
-        Args:
-            backbone: the frozen backbone (its tokenizer encodes the prompts).
-            calibrators: method name -> fitted calibrator, all applied to the same forward passes.
-            progress: show progress bars.
-
-        Returns:
-            method -> per-question results (extra: "prediction", "answer").
-
-        Raises:
-            ATSError: if the data cannot be loaded or a choice has no tokens.
+        Same arguments as `Task.run`; returns method -> per-question results (extra: "prediction", "answer").
+        Raises `ATSError` if the data cannot be loaded or a choice has no tokens.
         """
         tok = backbone.tokenizer
         prefix = PrefixCache(backbone, encode(tok, QA_PRIMER, special=True))

@@ -178,16 +178,8 @@ class TruthfulQAGenTask(GenerativeTask):
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
         """Greedy answers after the primer, judged against the references, scored by every calibrator.
 
-        Args:
-            backbone: the frozen backbone (its tokenizer encodes the prompts).
-            calibrators: method name -> fitted calibrator, all applied to the same forward passes.
-            progress: show progress bars.
-
-        Returns:
-            method -> per-question results (extra: the module docstring's arrays).
-
-        Raises:
-            ATSError: if the data cannot be loaded or the judge's package is missing.
+        Same arguments as `Task.run`; returns method -> per-question results (extra: the module docstring's
+        arrays). Raises `ATSError` if the data cannot be loaded or the judge's package is missing.
         """
         tok = backbone.tokenizer
         rows = self.load()
