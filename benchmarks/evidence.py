@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,15 +22,6 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "evidence"
-
-
-def machine() -> str:
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in subprocess.run(
-            ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name"))
-    except Exception:
-        model = platform.processor() or "unknown CPU"
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def parse_args(argv=None):
@@ -70,6 +59,8 @@ def main(argv=None) -> int:
         args.mmlu, args.triviaqa, args.truthfulqa, args.bootstrap, args.fit_tokens = 1, 20, 20, 50, 3000
         args.truthfulqa_gen = 10
         args.mmlu_subjects = "anatomy,astronomy,marketing"
+    from paper_table import machine  # this script's folder, first on sys.path
+
     from ats.evaluation.evaluate import format_paired
     from ats.evaluation.report import task_tables, token_table
     from ats.io import atomic_file, write_json
@@ -97,6 +88,13 @@ def main(argv=None) -> int:
     for figure in [*(Path(args.out) / "eval" / "figures").glob("*"), *Path(args.out).glob("tradeoff.*")]:
         shutil.copy2(figure, results / "figures" / figure.name)
     command = "ATS_DATA_DIR=../shared/data python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    sections = [
+        ("Model selection (declared before any task was run)",
+         f"Criterion: {CRITERION}.\n\n{selection_table(result['selection'])}"),
+        ("Token-level calibration on the held-out instruction split", token_table(result["token_level"])),
+        ("Tasks (95% bootstrap intervals)", task_tables(result["tasks"])),
+        ("Paired differences on the same questions", format_paired(result["tasks"])),
+    ]
     text = "\n".join([
         "# Evidence: per-token ATS vs. the global control, the shallow control and the baselines",
         "",
@@ -109,24 +107,7 @@ def main(argv=None) -> int:
         f"Baselines fit on a fixed subset of {plan.fit_tokens} training tokens; fit seconds "
         f"{json.dumps(result['fit_seconds'])}.",
         "",
-        "## Model selection (declared before any task was run)",
-        "",
-        f"Criterion: {CRITERION}.",
-        "",
-        selection_table(result["selection"]),
-        "",
-        "## Token-level calibration on the held-out instruction split",
-        "",
-        token_table(result["token_level"]),
-        "",
-        "## Tasks (95% bootstrap intervals)",
-        "",
-        task_tables(result["tasks"]),
-        "",
-        "## Paired differences on the same questions",
-        "",
-        format_paired(result["tasks"]),
-        "",
+        *(line for title, body in sections for line in (f"## {title}", "", body, "")),
         "Figures: `figures/<task>.png|pdf` (reliability diagrams), `figures/tradeoff.png|pdf` (held-out token ECE vs "
         "task ECE, one point per objective / alpha).",
     ])
