@@ -72,12 +72,29 @@ def _file_digest(path: Path, limit: int = 1 << 24) -> str:
 
 def cache_folder(gguf: Path) -> Path:
     """The plain float32 model folder a GGUF file is dequantized into (an ordinary Hugging Face model folder that any
-    tool can load, e.g. lm-eval's `hf` model)."""
+    tool can load, e.g. lm-eval's `hf` model).
+
+    Args:
+        gguf: the GGUF file (it must exist: its size and first bytes name the folder).
+
+    Returns:
+        The folder's path under the cache; it may not exist yet.
+    """
     return cache_dir() / "models" / f"{gguf.stem}-{_file_digest(gguf)}-fp32"
 
 
 def dequantized_folder(gguf: Path) -> tuple[Path, str]:
-    """(the plain float32 model folder of a GGUF file, its revision): dequantized and cached on first use."""
+    """(the plain float32 model folder of a GGUF file, its revision): dequantized and cached on first use.
+
+    Args:
+        gguf: the GGUF file.
+
+    Returns:
+        (folder, revision): the revision is a digest of the file.
+
+    Raises:
+        ATSError: if the file does not exist.
+    """
     if not gguf.is_file():
         raise ATSError(f"GGUF file not found: {gguf}")
     revision = _file_digest(gguf)
@@ -99,7 +116,17 @@ def dequantized_folder(gguf: Path) -> tuple[Path, str]:
 def model_source(name_or_path: str) -> tuple[str, str, str | None]:
     """Where Hugging Face loaders (and tools built on them, e.g. lm-eval) find a model given as `load_backbone`
     accepts it: (folder or Hub id, the backbone's name, its revision; None when only the loaded config tells).
-    Embedded names and `.gguf` files are dequantized once into their cache folder."""
+    Embedded names and `.gguf` files are dequantized once into their cache folder.
+
+    Args:
+        name_or_path: an embedded model name, a `.gguf` file, a model folder or a Hub id.
+
+    Returns:
+        (folder or Hub id, backbone name, revision or None).
+
+    Raises:
+        ATSError: if an embedded model's package is missing or a GGUF file does not exist.
+    """
     if name_or_path in EMBEDDED_MODELS:
         folder, revision = dequantized_folder(_embedded_gguf(name_or_path))
         return str(folder), name_or_path, revision
@@ -111,7 +138,15 @@ def model_source(name_or_path: str) -> tuple[str, str, str | None]:
 
 def revision_of(model: PreTrainedModel, revision: str | None = None) -> str:
     """The revision of a model loaded from a folder or the Hub: the one asked for, else the Hub commit, else
-    "local" (a calibrator records it and refuses another)."""
+    "local" (a calibrator records it and refuses another).
+
+    Args:
+        model: the loaded model (its config may carry the Hub commit).
+        revision: the revision asked for, or None.
+
+    Returns:
+        The revision string.
+    """
     return revision or getattr(model.config, "_commit_hash", None) or "local"
 
 
@@ -125,7 +160,15 @@ def _load_gguf(gguf: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
 
 @dataclass
 class Backbone:
-    """A frozen causal LM with its tokenizer, exposing final hidden states and the output layer."""
+    """A frozen causal LM with its tokenizer, exposing final hidden states and the output layer.
+
+    Args:
+        model: the causal LM; put in eval mode with gradients off.
+        tokenizer: its tokenizer; without a pad token, eos pads.
+        name: the model's name, recorded by calibrators.
+        revision: the model's revision, recorded by calibrators.
+        softcap: ignored: set from the model config's `final_logit_softcapping` (None: no softcap).
+    """
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -142,18 +185,22 @@ class Backbone:
 
     @property
     def hidden_size(self) -> int:
+        """H, the width of the final hidden states."""
         return int(self.output_weight.shape[1])
 
     @property
     def vocab_size(self) -> int:
+        """V, the number of rows of the output layer."""
         return int(self.output_weight.shape[0])
 
     @property
     def device(self) -> torch.device:
+        """The device of the output layer (where inputs go)."""
         return self.output_weight.device
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the output layer."""
         return self.output_weight.dtype
 
     @property
@@ -163,6 +210,7 @@ class Backbone:
 
     @property
     def is_chat(self) -> bool:
+        """Whether the tokenizer has a chat template."""
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     @torch.no_grad()
@@ -175,7 +223,19 @@ class Backbone:
         position_ids: Tensor | None = None,  # (B, T); None: the model's default (0.. or after the cache)
     ) -> tuple[Tensor, object]:
         """Final hidden states `h` (B, T, H), after the final norm, and the KV cache when `use_cache`.
-        Left-padded batches decoded with a cache pass `position_ids` (each row's own positions)."""
+
+        Left-padded batches decoded with a cache pass `position_ids` (each row's own positions).
+
+        Args:
+            input_ids: (B, T) token ids.
+            attention_mask: (B, T), 1 on real tokens (covering the cached positions too); None: all real.
+            past_key_values: the KV cache of earlier positions, or None.
+            use_cache: return the updated cache.
+            position_ids: (B, T) positions; None: the model's default (0.., or after the cache).
+
+        Returns:
+            (hidden (B, T, H) in the model's dtype, the cache or None).
+        """
         base = self.model.base_model
         cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
         extra = {} if position_ids is None else {"position_ids": position_ids}
@@ -187,7 +247,14 @@ class Backbone:
         return out.last_hidden_state, cache
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Logits `z` (..., V) from hidden states (..., H), exactly as the model's own head computes them."""
+        """Logits `z` (..., V) from hidden states (..., H), exactly as the model's own head computes them.
+
+        Args:
+            hidden: (..., H) final hidden states; cast to the model's dtype.
+
+        Returns:
+            (..., V) logits in the model's dtype, softcapped when the model softcaps.
+        """
         z = self.model.get_output_embeddings()(hidden.to(self.dtype))
         if self.softcap:
             z = torch.tanh(z / self.softcap) * self.softcap
@@ -195,7 +262,14 @@ class Backbone:
 
     @torch.no_grad()
     def check_output_layer(self, atol: float = 1e-3) -> None:
-        """Assert that `logits(forward(x))` reproduces the model's own forward pass on a short input."""
+        """Check that `logits(forward(x))` reproduces the model's own forward pass on a short input.
+
+        Args:
+            atol: the tolerance, relative to the largest logit when that exceeds 1.
+
+        Raises:
+            ATSError: if the largest difference exceeds the tolerance.
+        """
         ids = self.tokenizer("Calibration check.", return_tensors="pt").input_ids.to(self.device)[:, :16]
         reference = self.model(input_ids=ids).logits.float()
         ours = self.logits(self.forward(ids)[0]).float()
@@ -205,6 +279,7 @@ class Backbone:
             raise ATSError(f"{self.name}: logits from the final hidden state differ from the model's by {gap:.3g}")
 
     def describe(self) -> dict:
+        """{"base_model", "revision", "hidden_size", "vocab_size"}: what a calibrator records of its backbone."""
         return {"base_model": self.name, "revision": self.revision, "hidden_size": self.hidden_size,
                 "vocab_size": self.vocab_size}
 
@@ -219,7 +294,19 @@ def load_backbone(
 ) -> Backbone:
     """Load a frozen backbone from an embedded name, a `.gguf` file, a local folder or a Hub id.
 
-    dtype: "float32" (default, the safe choice on CPU), "bfloat16" or "float16".
+    Args:
+        name_or_path: an embedded model name, a `.gguf` file, a model folder or a Hub id.
+        dtype: "float32" (default, the safe choice on CPU), "bfloat16" or "float16", or a torch dtype.
+        device: where to put the model; None: where it loads (the CPU).
+        revision: the Hub revision (folder or Hub id only).
+        trust_remote_code: allow the model's own code from the Hub.
+
+    Returns:
+        The backbone, its output layer checked against the model's forward pass.
+
+    Raises:
+        ATSError: if the dtype is unknown, the folder has no config.json, the model cannot be loaded, or the output
+            layer check fails.
     """
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     torch_dtype = dtypes.get(dtype) if isinstance(dtype, str) else dtype

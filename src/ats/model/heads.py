@@ -3,7 +3,9 @@
 The calibrated logits are `q = z * exp(tau)` (clamped by the caller), so every head ends in a zero-initialised H -> 1
 projection: tau == 0 exactly at step 0 and the calibrated model starts as the original model.
 
-Four heads share one signature, `head(hidden, attention_mask=None, cache=None) -> tau (B, T) float32`:
+Four heads share one signature, `head(hidden, attention_mask=None, cache=None) -> tau (B, T) float32`, where
+`hidden` is (B, T, H), `attention_mask` (B, T) is 1 on real tokens (with a cache: (B, T_past + T), covering the
+cached positions too) and `cache` is a `HeadCache` (read by the transformer head only; the others ignore it):
 
 - `ConstantHead`: one learned scalar, the same tau for every token (a global temperature trained with ATS's loss:
   the control that shows what per-token adaptivity adds).
@@ -40,7 +42,14 @@ HEAD_TYPES = ("constant", "linear", "mlp", "transformer")
 
 def default_num_heads(hidden_size: int) -> int:
     """Head dim 64 when H is a multiple of 64 (576 -> 9 heads); otherwise the divisor of H whose (even) head dim is
-    closest to 64 (32 -> 1 head of 32)."""
+    closest to 64 (32 -> 1 head of 32).
+
+    Args:
+        hidden_size: H.
+
+    Returns:
+        The number of attention heads (1 when H is odd: `HeadConfig` then refuses it).
+    """
     if hidden_size % 64 == 0:
         return hidden_size // 64
     candidates = [n for n in range(1, hidden_size + 1) if hidden_size % n == 0 and (hidden_size // n) % 2 == 0]
@@ -50,7 +59,15 @@ def default_num_heads(hidden_size: int) -> int:
 
 
 def default_intermediate_size(hidden_size: int, multiple_of: int = 256) -> int:
-    """Llama's SwiGLU width: 8/3 * H rounded up to a multiple of 256 (576 -> 1536 as in SmolLM2, 4096 -> 11008)."""
+    """Llama's SwiGLU width: 8/3 * H rounded up to a multiple of 256 (576 -> 1536 as in SmolLM2, 4096 -> 11008).
+
+    Args:
+        hidden_size: H.
+        multiple_of: the width is rounded up to a multiple of this.
+
+    Returns:
+        The intermediate size.
+    """
     width = int(8 * hidden_size / 3)
     return multiple_of * math.ceil(width / multiple_of)
 
@@ -87,7 +104,14 @@ class HeadConfig(ConfigMixin):
 
 
 def build_head(config: HeadConfig) -> nn.Module:
-    """The head described by `config`, at identity (tau == 0)."""
+    """The head described by `config`, at identity (tau == 0).
+
+    Args:
+        config: the head type and sizes (defaults already filled in).
+
+    Returns:
+        A `ConstantHead`, `LinearHead`, `MLPHead` or `TransformerHead`.
+    """
     if config.head_type == "constant":
         return ConstantHead(config.hidden_size)
     if config.head_type == "linear":
@@ -133,6 +157,9 @@ class ConstantHead(nn.Module):
     Adam moves a parameter by about lr per step whatever its gradient, so a bare scalar could move tau by only
     lr x steps (0.2 in 200 steps at lr 1e-3) while a linear head's output moves by up to lr x sum_i |h_i| per step.
     The gain sqrt(hidden_size) lets the control reach its optimum within the same steps and schedule.
+
+    Args:
+        hidden_size: H (sets the gain only).
     """
 
     def __init__(self, hidden_size: int) -> None:
@@ -141,24 +168,35 @@ class ConstantHead(nn.Module):
         self.tau = nn.Parameter(torch.zeros(1))
 
     def forward(self, hidden: Tensor, attention_mask: Tensor | None = None, cache: "HeadCache | None" = None) -> Tensor:
+        """tau (B, T) float32, the same value at every real token (the module docstring gives the signature)."""
         tau = (self.gain * self.tau).to(hidden.device).expand(*hidden.shape[:2], 1)  # (B, T, 1)
         return _finish(tau, attention_mask)  # (B, T)
 
 
 class LinearHead(nn.Module):
-    """tau = w . h + b: one log-temperature per token from a linear probe of the hidden state."""
+    """tau = w . h + b: one log-temperature per token from a linear probe of the hidden state.
+
+    Args:
+        hidden_size: H.
+    """
 
     def __init__(self, hidden_size: int):
         super().__init__()
         self.proj = _zero_linear(nn.Linear(hidden_size, 1))
 
     def forward(self, hidden: Tensor, attention_mask: Tensor | None = None, cache: "HeadCache | None" = None) -> Tensor:
+        """tau (B, T) float32, 0 on padding (the module docstring gives the signature)."""
         x = hidden.to(self.proj.weight.dtype)  # (B, T, H)
         return _finish(self.proj(x), attention_mask)  # (B, T)
 
 
 class MLPHead(nn.Module):
-    """tau = w . gelu(W h + c) + b: a per-token nonlinear probe (no context)."""
+    """tau = w . gelu(W h + c) + b: a per-token nonlinear probe (no context).
+
+    Args:
+        hidden_size: H.
+        mlp_hidden: the hidden layer's width; None: H.
+    """
 
     def __init__(self, hidden_size: int, mlp_hidden: int | None = None):
         super().__init__()
@@ -170,6 +208,7 @@ class MLPHead(nn.Module):
         _zero_linear(self.proj)
 
     def forward(self, hidden: Tensor, attention_mask: Tensor | None = None, cache: "HeadCache | None" = None) -> Tensor:
+        """tau (B, T) float32, 0 on padding (the module docstring gives the signature)."""
         x = hidden.to(self.fc.weight.dtype)  # (B, T, H)
         return _finish(self.proj(self.act(self.fc(x))), attention_mask)  # (B, T)
 
@@ -179,7 +218,12 @@ class MLPHead(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Llama RMSNorm: x / sqrt(mean(x^2) + eps) * weight."""
+    """Llama RMSNorm: x / sqrt(mean(x^2) + eps) * weight.
+
+    Args:
+        dim: the size of the normalised (last) axis.
+        eps: added to the mean square.
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -187,6 +231,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        """x (..., dim) normalised over its last axis (computed in float32), same shape and dtype."""
         xf = x if x.dtype == torch.float32 else x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * (xf if xf.dtype == x.dtype else xf.to(x.dtype))
@@ -215,14 +260,17 @@ class HeadCache:
 
     @property
     def keys(self) -> Tensor | None:
+        """(B, n_heads, T_past, head_dim) cached keys, rotated; None before the first update."""
         return None if self._k is None else self._k[:, :, : self._length]
 
     @property
     def values(self) -> Tensor | None:
+        """(B, n_heads, T_past, head_dim) cached values; None before the first update."""
         return None if self._v is None else self._v[:, :, : self._length]
 
     @property
     def real(self) -> Tensor | None:
+        """(B, T_past) bool, True where a cached position is a token; None before the first update."""
         return None if self._real is None else self._real[:, : self._length]
 
     @property
@@ -231,9 +279,17 @@ class HeadCache:
         return self._length
 
     def update(self, k: Tensor, v: Tensor, real: Tensor, all_real: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Append the new positions' k, v (B, n_heads, T_new, d) and real-token mask (B, T_new) (`all_real`: whether
-        it is all True, if the caller knows); return all of them: keys, values (B, n_heads, T_past+T_new, d) and
-        real (B, T_past+T_new)."""
+        """Append the new positions and return all cached ones.
+
+        Args:
+            k: (B, n_heads, T_new, d) new keys, rotated.
+            v: (B, n_heads, T_new, d) new values.
+            real: (B, T_new) bool, True on tokens.
+            all_real: whether `real` is all True, if the caller knows (saves a check); None: checked here.
+
+        Returns:
+            (keys, values (B, n_heads, T_past + T_new, d), real (B, T_past + T_new)).
+        """
         start, new_length = self._length, self._length + k.shape[2]
         if self._k is None or new_length > self._k.shape[2]:
             capacity = max(new_length, 2 * (0 if self._k is None else self._k.shape[2]), 64)
@@ -247,7 +303,11 @@ class HeadCache:
         return self.keys, self.values, self.real
 
     def select(self, index: Tensor) -> None:
-        """Keep (or reorder) batch rows, e.g. after sequences finish or for beam search."""
+        """Keep (or reorder) batch rows, e.g. after sequences finish or for beam search.
+
+        Args:
+            index: (B',) long, the rows to keep, in their new order.
+        """
         if self._k is not None:
             self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
             self._real = self._real.index_select(0, index)
@@ -257,7 +317,11 @@ class HeadCache:
 
     def pad_left(self, n: int) -> None:
         """Prepend `n` padding positions to every row, so that a shorter batch lines up with a longer one before
-        `concat` (a server joining new sequences to running ones); padding keys are never attended to."""
+        `concat` (a server joining new sequences to running ones); padding keys are never attended to.
+
+        Args:
+            n: the number of positions; nothing happens for n <= 0 or an empty cache.
+        """
         if n <= 0 or self._k is None:
             return
         length = self._length + n
@@ -270,7 +334,14 @@ class HeadCache:
         self.has_padding = True
 
     def trim_left(self, n: int) -> None:
-        """Drop the first `n` positions, which must be padding in every row (after the rows that needed them left)."""
+        """Drop the first `n` positions, which must be padding in every row (after the rows that needed them left).
+
+        Args:
+            n: the number of positions; nothing happens for n <= 0 or an empty cache.
+
+        Raises:
+            ATSError: if `n` exceeds the length or one of those positions is a token.
+        """
         if n <= 0 or self._k is None:
             return
         if n > self._length or bool(self._real[:, :n].any()):
@@ -281,7 +352,17 @@ class HeadCache:
 
     @classmethod
     def concat(cls, caches: Sequence[HeadCache]) -> HeadCache:
-        """One cache holding the rows of `caches`, in order; they must have the same length (see `pad_left`)."""
+        """One cache holding the rows of `caches`, in order; they must have the same length (see `pad_left`).
+
+        Args:
+            caches: the caches to join (all filled or all empty).
+
+        Returns:
+            A new cache; the first packed weights found are kept.
+
+        Raises:
+            ATSError: if the lengths differ, or some caches are empty and others not.
+        """
         lengths = sorted({c.length for c in caches})
         if len(lengths) != 1:
             raise ATSError(f"HeadCache.concat: caches of different lengths {lengths}; pad_left the shorter first")
@@ -331,7 +412,13 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with RoPE (Llama layout: rotate-half, no biases)."""
+    """Multi-head causal self-attention with RoPE (Llama layout: rotate-half, no biases).
+
+    Args:
+        hidden_size: H.
+        num_heads: attention heads; H / num_heads must be an even integer.
+        rope_theta: the RoPE base.
+    """
 
     def __init__(self, hidden_size: int, num_heads: int, rope_theta: float = 10000.0):
         super().__init__()
@@ -346,7 +433,15 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("inv_freq", torch.cat((inv_freq, inv_freq)), persistent=False)
 
     def rope(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        """Rotate x (B, ..., T, d) by the angles of `position_ids` (B, T), in float32."""
+        """Rotate x (B, ..., T, d) by the angles of `position_ids` (B, T), in float32.
+
+        Args:
+            x: (B, ..., T, d) queries or keys.
+            position_ids: (B, T) positions.
+
+        Returns:
+            The rotated `x`, same shape and dtype.
+        """
         B, T = position_ids.shape
         angles = position_ids[..., None] * self.inv_freq.float()  # (B, T, d) float32
         angles = angles.view(B, *[1] * (x.dim() - 3), T, x.shape[-1])  # (B, 1.., T, d)
@@ -355,7 +450,16 @@ class CausalSelfAttention(nn.Module):
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def forward(self, x: Tensor, position_ids: Tensor, allowed: Tensor) -> Tensor:
-        """x (B, T, H); position_ids (B, T); allowed (B, 1, T, T) bool, True where a query may see a key."""
+        """Self-attention over the T positions of `x`.
+
+        Args:
+            x: (B, T, H) input.
+            position_ids: (B, T) RoPE positions.
+            allowed: (B, 1, T, T) bool, True where a query may see a key.
+
+        Returns:
+            (B, T, H) output.
+        """
         B, T, H = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, d)
         k = self.k_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, d)
@@ -366,7 +470,12 @@ class CausalSelfAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Llama MLP: down(silu(gate(x)) * up(x))."""
+    """Llama MLP: down(silu(gate(x)) * up(x)).
+
+    Args:
+        hidden_size: H.
+        intermediate_size: I, the width of gate and up.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -375,6 +484,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        """x (..., H) -> (..., H)."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -386,6 +496,15 @@ class TransformerHead(nn.Module):
     the cache keeps its own copy of the past, is extended in place, and the step runs a leaner path with the same
     numbers (q/k/v and gate/up fused into one matrix product each, RoPE positions and key mask kept in the cache,
     no mask at all when nothing is padding): 66 instead of 107 operations per decoding step.
+
+    Args:
+        hidden_size: H.
+        num_heads: attention heads; H / num_heads must be an even integer.
+        intermediate_size: I, the SwiGLU width.
+        rope_theta: the RoPE base.
+
+    Raises:
+        ATSError: if H / num_heads is not an even integer.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, rope_theta: float = 10000.0):
@@ -402,6 +521,11 @@ class TransformerHead(nn.Module):
         _zero_linear(self.proj)
 
     def forward(self, hidden: Tensor, attention_mask: Tensor | None = None, cache: HeadCache | None = None) -> Tensor:
+        """tau (B, T) float32, 0 on padding (the module docstring gives the signature; with a cache, T is T_new).
+
+        Raises:
+            ATSError: if `attention_mask` is not (B, T_past + T).
+        """
         B, T, _ = hidden.shape
         past = cache.length if cache is not None else 0
         if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):

@@ -21,7 +21,14 @@ __all__ = ["chosen_log_probs", "exp_floor", "logsumexp", "softmax_", "token_log_
 
 
 def exp_floor(dtype: torch.dtype) -> float:
-    """A low exponent whose `exp` is still a normal number: -700 for float64, -87 for float32 and narrower types."""
+    """A low exponent whose `exp` is still a normal number: -700 for float64, -87 for float32 and narrower types.
+
+    Args:
+        dtype: the dtype the exponentials are computed in.
+
+    Returns:
+        The floor.
+    """
     return -700.0 if dtype == torch.float64 else -87.0
 
 
@@ -37,7 +44,15 @@ def _floor_(shifted: Tensor, lowest: Tensor) -> Tensor:
 
 def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
     """`torch.logsumexp(x, dim)` for finite x (logits), with every exponent >= `exp_floor` (see the module doc);
-    off the CPU this is `torch.logsumexp`."""
+    off the CPU this is `torch.logsumexp`.
+
+    Args:
+        x: finite values, e.g. logits (..., V).
+        dim: the axis reduced.
+
+    Returns:
+        `x`'s shape without `dim`, `x`'s dtype.
+    """
     if x.device.type != "cpu":
         return torch.logsumexp(x, dim)
     top = x.amax(dim, keepdim=True)  # (amax and amin are each ~10x faster than torch.aminmax on CPU)
@@ -46,7 +61,15 @@ def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
 
 
 def softmax_(x: Tensor, lse: Tensor) -> Tensor:
-    """softmax of finite x (n, V) in place, given its log-normaliser `lse` (n,): exp(x - lse) with the floor."""
+    """softmax of finite x (n, V) in place, given its log-normaliser `lse` (n,): exp(x - lse) with the floor.
+
+    Args:
+        x: (n, V) finite values; overwritten.
+        lse: (n,) `logsumexp(x, -1)`.
+
+    Returns:
+        `x` itself, now the (n, V) probabilities.
+    """
     x = x.sub_(lse[:, None])
     if x.device.type == "cpu":
         _floor_(x, x.amin(-1))
@@ -54,9 +77,17 @@ def softmax_(x: Tensor, lse: Tensor) -> Tensor:
 
 
 def chosen_log_probs(z: Tensor, scale: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """log softmax(z)[token] and log softmax(z * scale)[token] for logits z (..., V), scale (...) > 0 and token ids
-    (...): the uncalibrated and calibrated log-probabilities of chosen tokens, from one shared shift (see
-    `token_log_probs`)."""
+    """The uncalibrated and calibrated log-probabilities of chosen tokens, log softmax(z)[token] and
+    log softmax(z * scale)[token], from one shared shift: `token_log_probs` with one token per row.
+
+    Args:
+        z: (..., V) finite logits.
+        scale: (...) > 0, the calibrated temperature's inverse per row.
+        tokens: (...) long token ids.
+
+    Returns:
+        (logp_z, logp_q), (...) each.
+    """
     logp_z, logp_q = token_log_probs(z, scale, tokens[..., None])
     return logp_z[..., 0], logp_q[..., 0]
 
@@ -67,6 +98,14 @@ def token_log_probs(z: Tensor, scale: Tensor, tokens: Tensor) -> tuple[Tensor, T
 
     Since scale > 0, max(z * scale) = scale * max(z), so one max over z shifts both: z - top and scale * (z - top)
     are exponentiated in one (2, ..., V) buffer (floored as in `logsumexp`).
+
+    Args:
+        z: (..., V) finite logits.
+        scale: (...) > 0, multiplies each row's logits.
+        tokens: (..., K) long token ids.
+
+    Returns:
+        (logp_z, logp_q), (..., K) each.
     """
     top = z.amax(-1, keepdim=True)  # (..., 1)
     shifted = torch.empty((2, *z.shape), dtype=z.dtype, device=z.device)  # (2, ..., V)

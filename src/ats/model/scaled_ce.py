@@ -87,8 +87,20 @@ def scaled_cross_entropy(hidden: Tensor, scale: Tensor, labels: Tensor, logits_f
                          chunk_size: int = 1024) -> ScaledCE:
     """CE(q, y), CE(q, uniform), log p_top (N,) each and correctness (N,) bool for q = logits_fn(hidden) * scale.
 
-    hidden (N, H) without grad, scale (N,) > 0 with grad, labels (N,) in [0, V). The float results are float32
-    (float64 if scale is) and differentiable w.r.t. `scale` only.
+    The logits are computed chunk by chunk and never all kept: memory is O(chunk_size x V), not O(N x V).
+
+    Args:
+        hidden: (N, H) hidden states, without grad.
+        scale: (N,) > 0, with grad.
+        labels: (N,) token ids in [0, V).
+        logits_fn: h (n, H) -> z (n, V), e.g. `Backbone.logits`.
+        chunk_size: positions per call of `logits_fn`.
+
+    Returns:
+        `ScaledCE`: float results float32 (float64 if `scale` is), differentiable w.r.t. `scale` only.
+
+    Raises:
+        ATSError: if a label is outside [0, V).
     """
     ce_y, ce_u, log_p_top, correct = _ScaledCEFunction.apply(scale, hidden, labels, logits_fn, chunk_size)
     return ScaledCE(ce_label=ce_y, ce_uniform=ce_u, log_p_top=log_p_top, correct=correct)
