@@ -74,10 +74,12 @@ class CalibratedGeneration:
 
     @property
     def mean_confidence(self) -> float:
+        """Mean calibrated probability of the generated tokens (NaN when there are none)."""
         return _mean(self.confidences)
 
     @property
     def product_confidence(self) -> float:
+        """Product of the calibrated probabilities: the sequence's calibrated likelihood."""
         return math.exp(self.log_confidence)
 
     @property
@@ -87,13 +89,16 @@ class CalibratedGeneration:
 
     @property
     def mean_uncalibrated(self) -> float:
+        """Mean of the backbone's own probabilities of the generated tokens (NaN when there are none)."""
         return _mean(self.uncalibrated)
 
     @property
     def product_uncalibrated(self) -> float:
+        """Product of the backbone's own probabilities: the sequence's uncalibrated likelihood."""
         return math.exp(float(sum(math.log(max(p, 1e-300)) for p in self.uncalibrated)))
 
     def to_dict(self) -> dict:
+        """The fields and the four summaries, JSON-ready (the CLI's --json output)."""
         return {"prompt": self.prompt, "text": self.text, "finish_reason": self.finish_reason,
                 "token_ids": self.token_ids, "tokens": self.tokens, "confidences": self.confidences,
                 "uncalibrated": self.uncalibrated, "taus": self.taus, "mean_confidence": self.mean_confidence,
@@ -106,7 +111,14 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def eos_ids(backbone: Backbone) -> set[int]:
-    """The end-of-sequence token ids of the generation config, the model config and the tokenizer."""
+    """The end-of-sequence token ids of the generation config, the model config and the tokenizer.
+
+    Args:
+        backbone: the backbone whose configs and tokenizer are read.
+
+    Returns:
+        The union of their ids (empty when none names one).
+    """
     ids: set[int] = set()
     for source in (getattr(backbone.model, "generation_config", None), backbone.model.config, backbone.tokenizer):
         eos = getattr(source, "eos_token_id", None)
@@ -118,7 +130,16 @@ def eos_ids(backbone: Backbone) -> set[int]:
 
 def format_prompts(backbone: Backbone, prompts: Sequence[str], chat_template: bool = True) -> tuple[list[str], bool]:
     """The prompt texts given to the model: each wrapped as one user turn by the chat template when the backbone is
-    a chat model and `chat_template`; returns (texts, templated)."""
+    a chat model and `chat_template`.
+
+    Args:
+        backbone: the backbone (its tokenizer holds the template).
+        prompts: the user's prompts.
+        chat_template: use the template when there is one.
+
+    Returns:
+        (texts, templated): `templated` tells whether the template was applied (it adds the special tokens).
+    """
     if not (chat_template and backbone.is_chat):
         return list(prompts), False
     texts = [backbone.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
@@ -127,7 +148,16 @@ def format_prompts(backbone: Backbone, prompts: Sequence[str], chat_template: bo
 
 
 def encode_prompts(backbone: Backbone, prompts: Sequence[str], chat_template: bool = True):
-    """Left-padded `input_ids`, `attention_mask` (B, P) on the backbone's device, and the prompt texts."""
+    """Left-padded `input_ids`, `attention_mask` (B, P) on the backbone's device, and the prompt texts.
+
+    Args:
+        backbone: the backbone whose tokenizer encodes the prompts.
+        prompts: B prompts.
+        chat_template: as for `format_prompts`.
+
+    Returns:
+        (input_ids (B, P) long, attention_mask (B, P) long, the B texts given to the model).
+    """
     texts, templated = format_prompts(backbone, prompts, chat_template)
     tok = backbone.tokenizer
     side = tok.padding_side
@@ -158,19 +188,32 @@ def generate_calibrated(
 ) -> list[CalibratedGeneration]:
     """Generate from `backbone` with ATS-calibrated logits and per-token calibrated confidence.
 
-    prompts: one string or a list (batched, left-padded). For a chat backbone (`backbone.is_chat`) each prompt is
-    sent as one user turn through the chat template unless `chat_template=False`.
-    do_sample=False: greedy (the same text as plain `generate`, since `s > 0` keeps the argmax). do_sample=True:
-    samples from the calibrated distribution, then `temperature`, `top_k`, `top_p` apply on top of it
-    (None disables top-k / top-p, whatever the model's generation config says). Seed with `torch.manual_seed`.
-    stop_strings: generation stops at the first one and the text is cut before it.
-    stream: called with a `StreamToken` per generated token (use `print_stream` for coloured terminal output).
-    flush_every: how many steps' token probabilities are computed together (see `CalibrationProcessor`); None: 1
-    when streaming, else as many as fit in 2 MiB (at most 16). The results do not depend on it.
-    generate_kwargs: passed on to `model.generate` (e.g. `min_new_tokens`, `repetition_penalty`,
-    `num_return_sequences`, your own `logits_processor`, which runs after the calibrator). Beam search is refused.
-    Returns one `CalibratedGeneration` per output sequence (per prompt, or prompt-major with
-    `num_return_sequences`).
+    Args:
+        backbone: the frozen backbone.
+        calibrator: an ATS calibrator fitted for `backbone`.
+        prompts: one string or a list (batched, left-padded). For a chat backbone (`backbone.is_chat`) each prompt
+            is sent as one user turn through the chat template unless `chat_template=False`.
+        max_new_tokens: the most tokens generated per sequence.
+        do_sample: False: greedy (the same text as plain `generate`, since `s > 0` keeps the argmax). True: samples
+            from the calibrated distribution, then `temperature`, `top_k`, `top_p` apply on top of it. Seed with
+            `torch.manual_seed`.
+        temperature: sampling temperature on top of the calibrated logits.
+        top_k: top-k sampling; None disables it, whatever the model's generation config says.
+        top_p: nucleus sampling; None disables it, likewise.
+        stop_strings: generation stops at the first one and the text is cut before it.
+        chat_template: see `prompts`.
+        stream: called with a `StreamToken` per generated token (use `print_stream` for coloured terminal output).
+        flush_every: how many steps' token probabilities are computed together (see `CalibrationProcessor`); None:
+            1 when streaming, else as many as fit in 2 MiB (at most 16). The results do not depend on it.
+        **generate_kwargs: passed on to `model.generate` (e.g. `min_new_tokens`, `repetition_penalty`,
+            `num_return_sequences`, your own `logits_processor`, which runs after the calibrator).
+
+    Returns:
+        One `CalibratedGeneration` per output sequence (per prompt, or prompt-major with `num_return_sequences`).
+
+    Raises:
+        ATSError: if the calibrator does not fit the backbone, beam search is asked for, or `max_new_tokens` or
+            `flush_every` is invalid.
     """
     calibrator.check_backbone(backbone)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -245,7 +288,16 @@ def _output(tok, ids: list[int], values: tuple[torch.Tensor, torch.Tensor, torch
 
 
 def tokens_covering(tokenizer, ids: list[int], chars: int) -> int:
-    """The fewest leading tokens whose decoded text reaches `chars` characters (the tokens before a stop string)."""
+    """The fewest leading tokens whose decoded text reaches `chars` characters (the tokens before a stop string).
+
+    Args:
+        tokenizer: decodes the ids.
+        ids: the generated token ids.
+        chars: the length of the text to cover.
+
+    Returns:
+        The number of tokens (all of them if their text is shorter).
+    """
     if chars <= 0:
         return 0
     for n in range(1, len(ids) + 1):

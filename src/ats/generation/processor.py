@@ -34,6 +34,14 @@ class CalibrationProcessor(LogitsProcessor):
     logits no longer fit in cache: every deferred step is read back from memory. None picks 1 when `on_record`
     streams tokens (no delay) and otherwise as many steps as fit in 2 MiB, at most 16 (SmolLM2: 10 at batch 1,
     1 at batch 8).
+
+    Args:
+        calibrator: the fitted ATS calibrator whose head gives tau.
+        prompt_mask: (B, P) attention mask of the left-padded prompts.
+        softcap: the backbone's final-logit softcap, applied to the raw logits the hook captures; None: none.
+        on_record: called per step with (tokens (B,), logp_q (B,), logp_z (B,), tau (B,)) once the
+            step's probabilities are computed (e.g. a `Streamer`).
+        flush_every: steps per probability computation; None: chosen as above.
     """
 
     def __init__(self, calibrator: ATSCalibrator, prompt_mask: Tensor, *, softcap: float | None = None,
@@ -57,7 +65,14 @@ class CalibrationProcessor(LogitsProcessor):
 
     # hooks ----------------------------------------------------------------------------------------------------------
     def attach(self, model) -> list:
-        """Register the two forward hooks on a HF causal LM; returns their handles (call `.remove()` on each)."""
+        """Register the two forward hooks on a HF causal LM.
+
+        Args:
+            model: the causal LM `generate` runs (its base model and output embedding are hooked).
+
+        Returns:
+            The two hook handles (call `.remove()` on each after `generate`).
+        """
 
         def on_base(module, args, output):
             hidden = getattr(output, "last_hidden_state", None)
@@ -72,6 +87,7 @@ class CalibrationProcessor(LogitsProcessor):
     # steps ----------------------------------------------------------------------------------------------------------
     @property
     def steps(self) -> int:
+        """The number of decoding steps seen so far."""
         return len(self.taus)
 
     def _flush_size(self, z: Tensor) -> int:
@@ -155,8 +171,11 @@ class CalibrationProcessor(LogitsProcessor):
         return scores * (s[:, None] if scores.dtype == torch.float32 else s[:, None].to(scores.dtype))
 
     def finish(self, new_tokens: Tensor) -> None:
-        """After `generate`: drop steps it undid and compute the remaining steps' probabilities, with the chosen
-        tokens taken from the returned `new_tokens` (B, N)."""
+        """After `generate`: drop steps it undid and compute the remaining steps' probabilities.
+
+        Args:
+            new_tokens: (B, N) the generated tokens `generate` returned (the chosen tokens of the pending steps).
+        """
         n = new_tokens.shape[1]
         done = len(self.logp_q)
         del self.taus[n:], self.logp_q[n:], self.logp_z[n:]

@@ -30,7 +30,15 @@ class StreamToken:
 
 
 def colorize(text: str, confidence: float) -> str:
-    """`text` in ANSI red (< 0.3), yellow (< 0.7) or green, by calibrated confidence; plain when NO_COLOR is set."""
+    """`text` in ANSI red (< 0.3), yellow (< 0.7) or green, by calibrated confidence; plain when NO_COLOR is set.
+
+    Args:
+        text: the text to colour.
+        confidence: its calibrated confidence in [0, 1].
+
+    Returns:
+        The text, wrapped in colour codes unless NO_COLOR is set.
+    """
     if os.environ.get("NO_COLOR"):
         return text
     colour = _RED if confidence < LOW else _YELLOW if confidence < HIGH else _GREEN
@@ -38,7 +46,12 @@ def colorize(text: str, confidence: float) -> str:
 
 
 def print_stream(token: StreamToken, file=None) -> None:
-    """Streaming callback for the CLI: prints the first sequence token by token, coloured by confidence."""
+    """Streaming callback for the CLI: prints the first sequence token by token, coloured by confidence.
+
+    Args:
+        token: the streamed token; other rows than 0 are ignored, `done` ends the line.
+        file: where to print; None: stdout.
+    """
     file = file or sys.stdout
     if token.row != 0:
         return
@@ -49,7 +62,18 @@ def print_stream(token: StreamToken, file=None) -> None:
 
 
 class Streamer:
-    """Turns per-step records into `StreamToken`s with incrementally decoded text, per sequence."""
+    """Turns per-step records into `StreamToken`s with incrementally decoded text, per sequence.
+
+    Called as a `CalibrationProcessor`'s `on_record` with (tokens (B,), logp_q (B,), logp_z (B,), tau (B,)); a row
+    stops at an end-of-sequence token or a stop string.
+
+    Args:
+        callback: receives each `StreamToken`.
+        tokenizer: decodes each row's tokens so far.
+        rows: B, the number of sequences.
+        eos: end-of-sequence token ids.
+        stop_strings: the row's text is cut before the first of these, which ends it.
+    """
 
     def __init__(self, callback, tokenizer, rows: int, eos: set[int], stop_strings: Sequence[str]) -> None:
         self.callback, self.tokenizer, self.eos, self.stop = callback, tokenizer, eos, list(stop_strings or [])
@@ -76,11 +100,13 @@ class Streamer:
             self.callback(StreamToken(row, len(self.ids[row]) - 1, token, text, pq[row], pz[row], tau[row]))
 
     def close(self) -> None:
+        """Send every row a final `done` token (token_id -1, no text, NaN probabilities)."""
         for row in range(len(self.ids)):
             self.callback(StreamToken(row, len(self.ids[row]), -1, "", float("nan"), float("nan"), float("nan"),
                                       done=True))
 
 
 def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """The index in `text` where the earliest of `stops` begins (empty stops are ignored), or None if none occurs."""
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return min(hits) if hits else None
