@@ -11,6 +11,7 @@ from . import options
 
 
 def add_parser(sub) -> None:
+    """Add `ats ablate` to `sub`, the sub-command parsers of `ats`."""
     p = sub.add_parser("ablate", help="ATS ablations: smoothing type, alpha, head (one feature cache, shared runs)")
     options.add_model(p)
     options.add_data(p)
@@ -24,6 +25,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    """Run `ats ablate` with the parsed `args`; returns the exit code."""
     out = Path(args.out)
     options.check_model(args.model)
     ablation_plan(args.ablations)

@@ -10,6 +10,7 @@ from ..integrations.lm_eval_samples import read_samples
 
 
 def add_parser(sub) -> None:
+    """Add `ats calibration-report` to `sub`, the sub-command parsers of `ats`."""
     p = sub.add_parser("calibration-report",
                        help="calibration of lm-eval multiple-choice runs from their --log_samples files (any model)")
     p.add_argument("samples", nargs="+",
@@ -31,7 +32,11 @@ def add_parser(sub) -> None:
 
 
 def sample_files(items: list[str]) -> list[Path]:
-    """The files named, and every samples_*.jsonl under the folders named, in order."""
+    """The files named in `items`, and every samples_*.jsonl under the folders named, in order.
+
+    Raises:
+        ATSError: if an item does not exist or a folder holds no samples file.
+    """
     files: list[Path] = []
     for item in items:
         path = Path(item).expanduser()
@@ -48,6 +53,7 @@ def sample_files(items: list[str]) -> list[Path]:
 
 
 def run(args) -> int:
+    """Run `ats calibration-report` with the parsed `args`; returns the exit code."""
     files = sample_files(args.samples)
     if args.label is not None and len(args.label) != len(files):
         raise ATSError(f"--label: {len(args.label)} label(s) for {len(files)} file(s)")

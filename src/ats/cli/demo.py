@@ -15,6 +15,7 @@ from . import options
 
 
 def add_parser(sub) -> None:
+    """Add `ats demo` to `sub`, the sub-command parsers of `ats`."""
     p = sub.add_parser("demo", help="the end-to-end demo on the embedded model and local data")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -25,7 +26,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    """Train ATS on the embedded chat model, fit the controls and every baseline on the same data, evaluate all."""
+    """Train ATS on the embedded chat model, fit the controls and every baseline on the same data, evaluate all.
+
+    `args`: the parsed options; returns the exit code.
+    """
     options.check_model(args.model)
     start = time.time()
     if data_dir() is None and Path("../shared/data").is_dir():

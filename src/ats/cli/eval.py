@@ -15,6 +15,7 @@ from . import options
 
 
 def add_parser(sub) -> None:
+    """Add `ats eval` to `sub`, the sub-command parsers of `ats`."""
     p = sub.add_parser("eval", help="evaluate calibrators on MMLU / TriviaQA / TruthfulQA / your own MC sets")
     options.add_model(p)
     options.add_data(p)
@@ -34,6 +35,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    """Run `ats eval` with the parsed `args`; returns the exit code."""
     out = Path(args.out)
     names = options.split_names(args.calibrator, "none")
     options.check_model(args.model)

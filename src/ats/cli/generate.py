@@ -14,6 +14,7 @@ from . import options
 
 
 def add_parser(sub) -> None:
+    """Add `ats generate` to `sub`, the sub-command parsers of `ats`."""
     p = sub.add_parser("generate", help="generate with calibrated per-token confidence")
     options.add_model(p)
     p.add_argument("--calibrator", required=True, help="a saved ATS head folder (e.g. runs/smol/head)")
@@ -30,6 +31,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    """Run `ats generate` with the parsed `args`; returns the exit code."""
     options.check_model(args.model)
     read_config(Path(args.calibrator))  # a missing or wrong folder fails before the model loads
     check_positive_int("--max-new-tokens", args.max_new_tokens)

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
+    """Add `ats lm-eval` to `sub`, the sub-command parsers of `ats`."""
     p = sub.add_parser("lm-eval", add_help=False, prefix_chars="\0",  # every argument, -h included, is lm-eval's
                        help="lm-evaluation-harness with the `ats` model (--model ats --model_args pretrained=M,"
                             "calibrator=DIR|none), then calibration reports of its multiple-choice tasks")
@@ -47,7 +48,10 @@ def _known(argv: list[str]) -> argparse.Namespace:
 
 
 def model_args(values: list[str]) -> dict[str, str]:
-    """`--model_args` as lm-eval reads it: a JSON object, or key=value items separated by commas or spaces."""
+    """`--model_args` as lm-eval reads it: a JSON object, or key=value items separated by commas or spaces.
+
+    `values`: the option's words; returns {key: value} (values as strings; a later key wins).
+    """
     out: dict[str, str] = {}
     for value in values:
         try:
@@ -66,7 +70,10 @@ def model_args(values: list[str]) -> dict[str, str]:
 
 def check_ats_model(known: argparse.Namespace) -> None:
     """For `--model ats`: refuse a missing model or an unusable calibrator before lm-eval indexes its tasks and
-    loads anything."""
+    loads anything.
+
+    `known`: the lm-eval arguments read here (--model, --model_args); raises `ATSError` naming the bad one.
+    """
     if known.model != "ats":
         return
     from ..integrations.lm_eval_model import check_calibrator
@@ -80,7 +87,8 @@ def check_ats_model(known: argparse.Namespace) -> None:
 
 
 def new_sample_files(output_path: Path, since: float) -> list[Path]:
-    """The samples files lm-eval wrote under `output_path` (a folder, or a results .json in one) since `since`."""
+    """The samples files lm-eval wrote under `output_path` (a folder, or a results .json in one) since `since` (a
+    `time.time()` value), sorted."""
     root = output_path.parent if output_path.suffix == ".json" else output_path
     if not root.is_dir():
         return []
@@ -88,6 +96,7 @@ def new_sample_files(output_path: Path, since: float) -> list[Path]:
 
 
 def run(args) -> int:
+    """Run `ats lm-eval` with the parsed `args`; returns the exit code."""
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError:

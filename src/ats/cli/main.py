@@ -28,6 +28,7 @@ COMMANDS = (train, eval, generate, ablate, demo, serve, lmeval, calibration_repo
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `ats` parser: -q/--quiet and one sub-command per module in `COMMANDS`."""
     parser = argparse.ArgumentParser(prog="ats", description="Adaptive Temperature Scaling for causal LMs")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or progress messages")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +63,8 @@ def _configure_output(quiet: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` (None: sys.argv), run the sub-command and return its exit code: an `ATSError` or `OSError` is
+    printed as one line and gives 2, an interrupt gives 130."""
     args = build_parser().parse_args(argv)
     _configure_output(args.quiet)
     try:

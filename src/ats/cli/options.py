@@ -23,6 +23,7 @@ from ..training.data import DataConfig, load_instructions
 
 
 def add_model(p: argparse.ArgumentParser) -> None:
+    """Add the model options (--model, --dtype, --device, --trust-remote-code) to parser `p`."""
     g = p.add_argument_group("model")
     g.add_argument("--model", default="smollm2-135m-instruct",
                    help="embedded name (smollm2-135m-instruct, gemma3-270m), .gguf file, model folder or Hub id")
@@ -32,12 +33,14 @@ def add_model(p: argparse.ArgumentParser) -> None:
 
 
 def add_data(p: argparse.ArgumentParser) -> None:
+    """Add `DataConfig`'s options and --features to parser `p`."""
     g = p.add_argument_group("instruction data (features)")
     DataConfig.add_arguments(g)
     g.add_argument("--features", default=None, help="feature cache folder (default: OUT/features)")
 
 
 def add_training(p: argparse.ArgumentParser, *, exclude=()) -> None:
+    """Add the head, ATS and training options to parser `p`; `exclude`: `TrainingConfig` fields left out."""
     g = p.add_argument_group("head and training")
     HeadConfig.add_arguments(g)
     ATSConfig.add_arguments(g)
@@ -45,16 +48,22 @@ def add_training(p: argparse.ArgumentParser, *, exclude=()) -> None:
 
 
 def add_overwrite(p: argparse.ArgumentParser) -> None:
+    """Add --overwrite to parser `p`."""
     p.add_argument("--overwrite", action="store_true",
                    help="replace results in OUT that were made with other options (default: refuse them)")
 
 
 def device(name: str | None) -> str:
+    """The device `name`, or None: "cuda" when available, else "cpu"."""
     return name or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def check_model(name: str) -> None:
-    """Refuse a --model that can be neither a local model nor a Hub id, before anything loads."""
+    """Refuse a --model `name` that can be neither a local model nor a Hub id, before anything loads.
+
+    Raises:
+        ATSError: if `name` is a missing path, a folder without config.json, or not shaped like a Hub id.
+    """
     path = Path(name).expanduser()
     local = name.startswith((".", "/", "~")) or path.suffix == ".gguf" or path.exists()
     if name in EMBEDDED_MODELS:
@@ -72,29 +81,33 @@ def check_model(name: str) -> None:
 
 
 def backbone_from_args(args) -> Backbone:
+    """The backbone named by the model options in `args` (see `add_model`)."""
     return load_backbone(args.model, dtype=getattr(args, "dtype", "float32"), device=device(getattr(args, "device",
                                                                                                      None)),
                          trust_remote_code=getattr(args, "trust_remote_code", False))
 
 
 def data_config(args) -> DataConfig:
-    """The data options, checked (the data itself is read once here, so a bad file fails before the model loads)."""
+    """The data options in `args`, checked (the data itself is read once here, so a bad file fails before the model
+    loads); `ATSError` if they or the data are invalid."""
     config = DataConfig.from_args(args, seed=getattr(args, "seed", 0))
     load_instructions(config.source, limit=config.limit, seed=config.seed)
     return config
 
 
 def training_config(args, **overrides) -> TrainingConfig:
+    """The `TrainingConfig` from the options in `args`, with `overrides` (field -> value) on top."""
     return TrainingConfig.from_args(args, **overrides)
 
 
 def split_names(values: list[str] | None, default: str) -> list[str]:
-    """Repeatable and comma-separated option values, in order."""
+    """Repeatable and comma-separated option `values` (None: `default`), split and stripped, in order."""
     return [v.strip() for item in (values or [default]) for v in item.split(",") if v.strip()]
 
 
 def check_calibrators(names: list[str]) -> None:
-    """Every --calibrator is a calibrator folder (its config readable) or a registered name."""
+    """Check that each of `names` is a calibrator folder (its config readable) or a registered name; `ATSError` if
+    not."""
     for name in names:
         if Path(name).is_dir():
             read_config(Path(name))
@@ -104,5 +117,5 @@ def check_calibrators(names: list[str]) -> None:
 
 
 def load_calibrator_folder(name: str, backbone: Backbone):
-    """A saved calibrator, checked against the backbone and moved to its device."""
+    """The calibrator saved in folder `name`, checked against `backbone` and moved to its device."""
     return load_calibrator(name, backbone=backbone).to(backbone.device)

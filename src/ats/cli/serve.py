@@ -23,6 +23,7 @@ LOCALHOST = ("localhost",)
 
 
 def add_parser(sub) -> None:
+    """Add `ats serve` to `sub`, the sub-command parsers of `ats`."""
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with calibrated logprobs")
     options.add_model(p)
     p.add_argument("--calibrator", required=True,
@@ -61,6 +62,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def run(args) -> int:
+    """Run `ats serve` with the parsed `args`; returns the exit code."""
     options.check_model(args.model)
     if args.calibrator != "none":
         read_config(Path(args.calibrator))  # a missing or wrong folder fails before the model loads

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
+    """Add `ats train` to `sub`, the sub-command parsers of `ats`."""
     p = sub.add_parser("train", help="extract features and train an ATS head",
                        description="Extract the backbone's hidden states on instruction data and train a calibration "
                                    "head. The head is saved in OUT/head (config + safetensors + fingerprint).")
@@ -36,6 +37,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    """Run `ats train` with the parsed `args`; returns the exit code."""
     # every option is checked before the backbone loads
     options.check_model(args.model)
     data = options.data_config(args)
