@@ -10,7 +10,15 @@ from fastapi.responses import JSONResponse
 
 
 class APIError(Exception):
-    """An error to answer with `status` and OpenAI's error body."""
+    """An error to answer with `status` and OpenAI's error body.
+
+    Args:
+        status: the HTTP status.
+        message: the error's message.
+        param: the request field at fault, or None.
+        code: OpenAI's error code (e.g. "invalid_api_key"), or None.
+        type: OpenAI's error type; default: "invalid_request_error" below 500, else "server_error".
+    """
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None) -> None:
@@ -19,13 +27,21 @@ class APIError(Exception):
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def response(self) -> JSONResponse:
+        """The JSON response: OpenAI's error body with `status` (and `WWW-Authenticate` on a 401)."""
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def validation_error(errors: list[dict]) -> APIError:
-    """400 from pydantic / FastAPI validation errors, naming the first bad field and its value."""
+    """400 from pydantic / FastAPI validation errors, naming the first bad field and its value.
+
+    Args:
+        errors: the validation errors, as `ValidationError.errors()` lists them.
+
+    Returns:
+        The 400 error (code "invalid_json" for a body that is not JSON).
+    """
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]

@@ -47,7 +47,16 @@ class _Gone:
 
 
 class Run:
-    """A job submitted from the event loop; its events come back through an asyncio queue."""
+    """A job submitted from the event loop; its events come back through an asyncio queue.
+
+    Args:
+        engine: the engine that runs the job.
+        job: the job; its sink is set here.
+        param: the request field named in a 400 (the prompt's).
+
+    Raises:
+        APIError: 503 if the queue is full, 400 if the job is refused (e.g. over the context length).
+    """
 
     def __init__(self, engine: Engine, job: Job, param: str) -> None:
         self.engine, self.job, self.finished = engine, job, False
@@ -64,6 +73,11 @@ class Run:
             raise APIError(400, str(err), param=param) from None
 
     async def events(self):
+        """The job's events in order, up to its end.
+
+        Raises:
+            APIError: 500 if the job failed, 499 if the client disconnected.
+        """
         while True:
             event = await self.queue.get()
             if isinstance(event, JobDone):
@@ -77,12 +91,21 @@ class Run:
             yield event
 
     def cancel(self) -> None:
+        """Cancel the job in the engine, unless it has finished."""
         if not self.finished:
             self.finished = True
             self.engine.cancel(self.job)
 
     async def collect(self, request: Request, collector: Collector) -> Collector:
-        """Wait for every event (cancelling the job if the client disconnects first)."""
+        """Wait for every event (cancelling the job if the client disconnects first).
+
+        Args:
+            request: the HTTP request, watched for a disconnect.
+            collector: receives the events.
+
+        Returns:
+            `collector`, filled.
+        """
         watcher = asyncio.create_task(self._watch(request))
         try:
             async for event in self.events():
@@ -101,7 +124,12 @@ class Run:
 
 class BearerAuth:
     """ASGI middleware: every path but OPEN_PATHS needs `Authorization: Bearer KEY` (checked before the body is
-    read, so a wrong key is a 401 whatever the body)."""
+    read, so a wrong key is a 401 whatever the body).
+
+    Args:
+        app: the ASGI app behind it.
+        key: the API key.
+    """
 
     def __init__(self, app, key: str) -> None:
         self.app, self.key = app, key.encode()
@@ -133,7 +161,16 @@ def _data(obj) -> dict:
 
 
 def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app serving `engine` as model `model_name`; with `api_key`, every route but /health needs it."""
+    """The app serving `engine` as model `model_name`; with `api_key`, every route but /health needs it.
+
+    Args:
+        engine: the engine; started and stopped with the app.
+        model_name: the model name the API reports and accepts.
+        api_key: the key clients must send as `Authorization: Bearer KEY`; None: no key.
+
+    Returns:
+        The FastAPI app.
+    """
     tok = engine.tokenizer
     renderer = Renderer(tok, model_name)
     started = int(time.time())

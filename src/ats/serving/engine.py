@@ -49,6 +49,8 @@ class ContextLengthExceeded(ATSError):
 
 @dataclass
 class PromptScored:
+    """The scored tokens of prompt `prompt` (echo with logprobs), sent before its choices' tokens."""
+
     prompt: int
     tokens: list[TokenLogprob]
 
@@ -65,11 +67,15 @@ class Generated:
 
 @dataclass
 class JobDone:
+    """The job's last event: every choice has finished."""
+
     pass
 
 
 @dataclass
 class JobFailed:
+    """The job's last event when the engine failed on it: `message` says why."""
+
     message: str
 
 
@@ -97,6 +103,7 @@ class Job:
     _scored: set = field(default_factory=set, init=False)
 
     def emit(self, event) -> None:
+        """Send `event` to the sink, unless the job is cancelled; a sink that raises cancels the job."""
         if self.sink is None or self.cancelled:
             return
         try:
@@ -124,7 +131,18 @@ class _Sequence:
 class Engine:
     """Continuous batching of calibrated generation over `backbone` (`calibrator` None: the model's own
     probabilities, tau = 0). `max_batch` rows decode together; `max_queue` requests may wait; prompts plus new
-    tokens must fit in `max_model_len` (default: the model's `max_position_embeddings`)."""
+    tokens must fit in `max_model_len` (default: the model's `max_position_embeddings`).
+
+    Args:
+        backbone: the frozen backbone; its layers must all use full attention.
+        calibrator: the ATS calibrator, checked against the backbone and moved to its device; None: uncalibrated.
+        max_batch: rows decoded together.
+        max_queue: jobs that may wait.
+        max_model_len: the context limit, at most the model's; None: the model's (2048 if it names none).
+
+    Raises:
+        ATSError: if the calibrator does not fit the backbone or a layer does not use full attention.
+    """
 
     def __init__(self, backbone: Backbone, calibrator: ATSCalibrator | None = None, *, max_batch: int = 16,
                  max_queue: int = 64, max_model_len: int | None = None) -> None:
@@ -153,6 +171,7 @@ class Engine:
 
     @property
     def calibrated(self) -> bool:
+        """Whether an ATS calibrator scales the logits."""
         return self.calibrator is not None
 
     def _new_batch(self) -> BatchCache:
@@ -160,8 +179,15 @@ class Engine:
 
     # --- the request side (any thread) ----------------------------------------------------------------------------
     def check(self, job: Job) -> None:
-        """Refuse a job that cannot run: empty prompts, token ids outside the vocabulary, prompt + max_tokens over
-        the context (ATSError naming the field)."""
+        """Refuse a job that cannot run.
+
+        Args:
+            job: the job to check.
+
+        Raises:
+            ATSError: naming the prompt, if one is empty or has a token id outside the vocabulary;
+                `ContextLengthExceeded` if prompt + max_tokens is over the context.
+        """
         vocab = self.backbone.vocab_size
         for i, prompt in enumerate(job.prompts):
             if not prompt:
@@ -174,7 +200,15 @@ class Engine:
                                             f"prompt {i} has {len(prompt)} tokens and max_tokens is {job.max_tokens}")
 
     def submit(self, job: Job) -> None:
-        """Queue `job` (checked first); QueueFull when `max_queue` jobs already wait."""
+        """Queue `job`, checked first (see `check`).
+
+        Args:
+            job: the job; its events go to its sink.
+
+        Raises:
+            ATSError: as `check`.
+            QueueFull: if `max_queue` jobs already wait.
+        """
         self.check(job)
         with self._cond:
             if len(self._jobs) >= self.max_queue:
@@ -183,7 +217,11 @@ class Engine:
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """Stop `job` (its client left): its rows are freed before the next step, its events stop."""
+        """Stop `job` (its client left): its rows are freed before the next step, its events stop.
+
+        Args:
+            job: a submitted job; cancelling it twice counts once.
+        """
         with self._cond:
             if not job.cancelled:
                 job.cancelled = True
@@ -191,17 +229,20 @@ class Engine:
             self._cond.notify()
 
     def stats(self) -> dict:
+        """{"running", "waiting", "cancelled", "max_batch", "max_queue", "timing"}: the engine's state now."""
         return {"running": len(self._rows), "waiting": len(self._jobs) + len(self._ready),
                 "cancelled": self.cancelled, "max_batch": self.max_batch, "max_queue": self.max_queue,
                 "timing": dict(self.timing)}
 
     def start(self) -> None:
+        """Start the engine thread (nothing if it runs)."""
         if self._thread is None:
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="ats-engine", daemon=True)
             self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Ask the engine thread to stop and wait up to `timeout` seconds for it."""
         with self._cond:
             self._stopping = True
             self._cond.notify()

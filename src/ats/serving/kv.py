@@ -24,8 +24,17 @@ from ..model.heads import HeadCache
 
 
 def check_full_attention(config) -> int:
-    """The number of decoder layers of a model whose layers all use full attention; refuses sliding-window, linear
-    or hybrid caches, whose rows cannot be padded and joined this way."""
+    """The number of decoder layers of a model whose layers all use full attention.
+
+    Args:
+        config: the model's config (its text config is read).
+
+    Returns:
+        The number of layers.
+
+    Raises:
+        ATSError: for sliding-window, linear or hybrid caches, whose rows cannot be padded and joined this way.
+    """
     types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     other = sorted({t for t in types if t != "full_attention"})
     if other:
@@ -39,12 +48,15 @@ class RowsLayer(DynamicLayer):
     L positions, so a decoding step writes one column instead of copying the past."""
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        """Start empty on the device of `key_states` (B, kv_heads, T, d); the buffers come with the first update."""
         self.device = key_states.device
         self._k = self._v = None
         self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Append the new positions' `key_states`, `value_states` (B, kv_heads, T, d); returns all keys and values
+        (B, kv_heads, L + T, d). Other arguments (transformers' cache kwargs) are ignored."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, end = self.keys.shape[2], self.keys.shape[2] + key_states.shape[2]
@@ -56,8 +68,13 @@ class RowsLayer(DynamicLayer):
         return self.keys, self.values
 
     def set(self, keys: Tensor, values: Tensor, capacity: int = 0) -> None:
-        """Hold copies of `keys`, `values` (B, kv_heads, L, d) in new buffers with room for `capacity` positions
-        (at least twice L, at least 64)."""
+        """Hold copies of `keys`, `values` in new buffers.
+
+        Args:
+            keys: (B, kv_heads, L, d).
+            values: (B, kv_heads, L, d_v).
+            capacity: positions to make room for; the buffers hold at least twice max(L, capacity), at least 64.
+        """
         B, heads, length, d = keys.shape
         capacity = max(2 * max(length, capacity), 64)
         self._k = keys.new_empty(B, heads, capacity, d)
@@ -83,7 +100,12 @@ def _pad_left(x: Tensor, n: int, dim: int) -> Tensor:
 
 
 class BatchCache:
-    """Backbone KV cache, head cache and attention mask of the sequences decoded together; row i is sequence i."""
+    """Backbone KV cache, head cache and attention mask of the sequences decoded together; row i is sequence i.
+
+    Args:
+        num_layers: the backbone's decoder layers.
+        head: keep a `HeadCache` too (the transformer head).
+    """
 
     def __init__(self, num_layers: int, *, head: bool) -> None:
         self.kv = Cache(layers=[RowsLayer() for _ in range(num_layers)])
@@ -92,10 +114,12 @@ class BatchCache:
 
     @property
     def rows(self) -> int:
+        """B, the number of sequences (0 when empty)."""
         return 0 if self.mask is None else self.mask.shape[0]
 
     @property
     def length(self) -> int:
+        """L, the number of cached positions, padding included (0 when empty)."""
         return 0 if self.mask is None else self.mask.shape[1]
 
     def _layers(self) -> list[RowsLayer]:

@@ -36,9 +36,17 @@ class TokenLogprob:
 
 
 def score(z: Tensor, scale: Tensor | None, tokens: Tensor, k: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Log-probabilities at logits z (N, V) with calibration factors `scale` (N,) (None: uncalibrated) of `tokens`
-    (N,) and of each row's k most likely tokens: calibrated (N,), uncalibrated (N,), top ids (N, k), top calibrated
-    log-probabilities (N, k). The top tokens of `z * s` are those of `z` (s > 0)."""
+    """Log-probabilities of `tokens` and of each row's k most likely tokens (those of `z * s` are those of `z`, s > 0).
+
+    Args:
+        z: (N, V) logits.
+        scale: (N,) calibration factors s > 0; None: uncalibrated (calibrated = uncalibrated).
+        tokens: (N,) long token ids.
+        k: the number of most likely tokens per row (0: none).
+
+    Returns:
+        (calibrated (N,), uncalibrated (N,), top ids (N, k), top calibrated log-probabilities (N, k)).
+    """
     top_ids = z.topk(k, dim=-1).indices if k else tokens.new_zeros(tokens.shape[0], 0)  # (N, k)
     ids = torch.cat([tokens[:, None], top_ids], 1)  # (N, 1 + k)
     if scale is None:
@@ -50,7 +58,19 @@ def score(z: Tensor, scale: Tensor | None, tokens: Tensor, k: int = 0) -> tuple[
 
 def records(tokens: list[int], logp_q: Tensor, logp_z: Tensor, tau: Tensor, top_ids: Tensor,
             top_logp: Tensor) -> list[TokenLogprob]:
-    """`TokenLogprob`s from the (N,) / (N, k) outputs of `score` and taus (N,)."""
+    """`TokenLogprob`s from the outputs of `score`.
+
+    Args:
+        tokens: the N token ids.
+        logp_q: (N,) calibrated log-probabilities.
+        logp_z: (N,) uncalibrated log-probabilities.
+        tau: (N,) the head's log-temperatures.
+        top_ids: (N, k) the most likely tokens.
+        top_logp: (N, k) their calibrated log-probabilities.
+
+    Returns:
+        N records, in order.
+    """
     q, z, t, ids, lp = (x.tolist() for x in (logp_q, logp_z, tau, top_ids, top_logp))
     return [TokenLogprob(token, q[i], z[i], t[i], list(zip(ids[i], lp[i]))) for i, token in enumerate(tokens)]
 
@@ -58,9 +78,19 @@ def records(tokens: list[int], logp_q: Tensor, logp_z: Tensor, tau: Tensor, top_
 @torch.no_grad()
 def prompt_logprobs(logits_fn, hidden: Tensor, scale: Tensor | None, tau: Tensor, ids: list[int],
                     k: int = 0) -> list[TokenLogprob]:
-    """Every prompt token's probabilities given the tokens before it: hidden (P, H) and scale, tau (P,) of the
-    prompt's positions (position t predicts token t + 1); `logits_fn` maps hidden states to logits z. The first token
-    gets None (nothing predicts it)."""
+    """Every prompt token's probabilities given the tokens before it (position t predicts token t + 1).
+
+    Args:
+        logits_fn: hidden states (n, H) -> logits z (n, V).
+        hidden: (P, H) hidden states of the prompt's positions.
+        scale: (P,) calibration factors; None: uncalibrated.
+        tau: (P,) the head's log-temperatures.
+        ids: the P prompt token ids.
+        k: the most likely tokens reported per position.
+
+    Returns:
+        P records; the first token's probabilities are None (nothing predicts it).
+    """
     out = [TokenLogprob(ids[0], None, None, None)]
     targets = torch.tensor(ids[1:], dtype=torch.long, device=hidden.device)
     for start in range(0, len(ids) - 1, PROMPT_CHUNK):

@@ -21,13 +21,20 @@ from .logprobs import TokenLogprob
 
 @dataclass
 class Choice:
+    """One choice being assembled: its generated text, tokens and finish reason."""
+
     text: str = ""
     tokens: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
 
 
 class Collector:
-    """The choices of one request, assembled from its events; `prompts[p]` holds the scored prompt p (echo)."""
+    """The choices of one request, assembled from its events; `prompts[p]` holds the scored prompt p (echo).
+
+    Args:
+        prompts: the request's number of prompts.
+        n: choices per prompt (choice index = prompt * n + replica).
+    """
 
     def __init__(self, prompts: int, n: int) -> None:
         self.n = n
@@ -35,6 +42,7 @@ class Collector:
         self.prompts: list[list[TokenLogprob] | None] = [None] * prompts
 
     def add(self, event) -> None:
+        """Take one engine event: a `PromptScored` or `Generated` (others are ignored)."""
         if isinstance(event, PromptScored):
             self.prompts[event.prompt] = event.tokens
         elif isinstance(event, Generated):
@@ -45,6 +53,7 @@ class Collector:
 
     @property
     def completion_tokens(self) -> int:
+        """The number of generated tokens over all choices."""
         return sum(len(c.tokens) for c in self.choices)
 
 
@@ -53,7 +62,15 @@ def _finite(x: float | None) -> float | None:
 
 
 def summary(tokens: list[TokenLogprob]) -> dict:
-    """The sequence figures of a choice's generated tokens (None when it has none)."""
+    """The sequence figures of a choice's generated tokens (None when it has none).
+
+    Args:
+        tokens: the choice's generated tokens.
+
+    Returns:
+        {"mean_confidence", "product_confidence", "mean_uncalibrated", "product_uncalibrated"}; a value that is not
+        finite is None.
+    """
     if not tokens:
         return {"mean_confidence": None, "product_confidence": None, "mean_uncalibrated": None,
                 "product_uncalibrated": None}
@@ -66,7 +83,16 @@ def summary(tokens: list[TokenLogprob]) -> dict:
 
 
 def extension(tokens: list[TokenLogprob], *, final: bool, prompt: list[TokenLogprob] | None = None) -> dict:
-    """The `ats` field: per-token uncalibrated log-probabilities and taus, and with `final` the sequence figures."""
+    """The `ats` field: per-token uncalibrated log-probabilities and taus, and with `final` the sequence figures.
+
+    Args:
+        tokens: the tokens this body or chunk carries.
+        final: add the sequence figures (`summary` of `tokens`).
+        prompt: the scored prompt tokens (echo), or None.
+
+    Returns:
+        The field's dict.
+    """
     out = {"uncalibrated_logprobs": [t.uncalibrated for t in tokens], "tau": [t.tau for t in tokens]}
     if prompt is not None:
         out.update(prompt_uncalibrated_logprobs=[t.uncalibrated for t in prompt], prompt_tau=[t.tau for t in prompt])
@@ -76,19 +102,26 @@ def extension(tokens: list[TokenLogprob], *, final: bool, prompt: list[TokenLogp
 
 
 class Renderer:
-    """OpenAI JSON for one served model: token strings (cached), ids, timestamps."""
+    """OpenAI JSON for one served model: token strings (cached), ids, timestamps.
+
+    Args:
+        tokenizer: decodes token ids.
+        model_name: the model name in every body.
+    """
 
     def __init__(self, tokenizer, model_name: str) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
         self._strings: dict[int, str] = {}
 
     def token(self, token_id: int) -> str:
+        """The text of one token, decoded on its own (cached)."""
         text = self._strings.get(token_id)
         if text is None:
             text = self._strings[token_id] = self.tokenizer.decode([token_id])
         return text
 
     def envelope(self, prefix: str, obj: str) -> dict:
+        """{"id": a fresh `prefix`-id, "object": `obj`, "created", "model"}: the fields every body starts with."""
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
                 "model": self.model_name}
 
@@ -98,12 +131,17 @@ class Renderer:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def chat_logprobs(self, tokens: list[TokenLogprob]) -> dict:
+        """The chat API's `logprobs` ({"content": [...]}) of `tokens`, each with its `top_logprobs`."""
         return {"content": [{**self._entry(t.token, t.logprob), "top_logprobs": [self._entry(i, lp) for i, lp in t.top]}
                             for t in tokens]}
 
     def legacy_logprobs(self, tokens: list[TokenLogprob], offsets: list[int]) -> dict:
-        """`tokens`, `token_logprobs`, `top_logprobs` (the top tokens and the chosen one; None where the logprob is
-        None, a prompt's first token) and `text_offset`."""
+        """The completions API's `logprobs` of `tokens` at character offsets `offsets`.
+
+        Returns:
+            {"tokens", "token_logprobs", "top_logprobs" (the top tokens and the chosen one; None where the logprob is
+            None, a prompt's first token), "text_offset"}.
+        """
         tops = []
         for t in tokens:
             if t.logprob is None:
@@ -116,16 +154,18 @@ class Renderer:
                 "top_logprobs": tops, "text_offset": offsets}
 
     def prompt_offsets(self, ids: list[int]) -> list[int]:
-        """Character offset of each prompt token in the decoded prompt."""
+        """Character offset of each prompt token (`ids`) in the decoded prompt."""
         prefixes = self.tokenizer.batch_decode([ids[:i] for i in range(len(ids))])
         return [len(p) for p in prefixes]
 
     # --- bodies -----------------------------------------------------------------------------------------------------
     def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        """OpenAI's `usage` object from the two counts."""
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
     def chat(self, collected: Collector, *, logprobs: bool, prompt_tokens: int) -> dict:
+        """The `chat.completion` body of a finished request (`logprobs`: include them; `prompt_tokens`: for usage)."""
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self.chat_logprobs(c.tokens) if logprobs else None,
                     "finish_reason": c.finish_reason, "ats": extension(c.tokens, final=True)}
@@ -135,6 +175,20 @@ class Renderer:
 
     def chat_chunk(self, envelope: dict, index: int, *, delta: dict, tokens: list[TokenLogprob] | None = None,
                    logprobs: bool = False, finish_reason: str | None = None, all_tokens=None) -> dict:
+        """One `chat.completion.chunk` with one choice.
+
+        Args:
+            envelope: the stream's shared envelope (same id in every chunk).
+            index: the choice's index.
+            delta: the message delta.
+            tokens: the tokens this chunk carries.
+            logprobs: include their logprobs.
+            finish_reason: set on the choice's last chunk.
+            all_tokens: all of the choice's tokens, for the sequence figures of its last chunk.
+
+        Returns:
+            The chunk's dict; an `ats` field when it carries tokens or `all_tokens` is given.
+        """
         tokens = tokens or []
         choice = {"index": index, "delta": delta, "logprobs": self.chat_logprobs(tokens) if logprobs else None,
                   "finish_reason": finish_reason}
@@ -146,12 +200,24 @@ class Renderer:
 
     def completion_choice(self, index: int, text: str, tokens: list[TokenLogprob], offsets: list[int], *,
                           logprobs: bool, finish_reason: str | None, ats: dict) -> dict:
+        """One choice of a `text_completion` body; `logprobs` includes `legacy_logprobs(tokens, offsets)`."""
         return {"index": index, "text": text, "logprobs": self.legacy_logprobs(tokens, offsets) if logprobs else None,
                 "finish_reason": finish_reason, "ats": ats}
 
     def completion(self, collected: Collector, *, prompts: list[tuple[str, list[int]]], echo: bool, logprobs: bool,
                    prompt_offsets: list[list[int]] | None) -> dict:
-        """prompts: (text, ids) of each prompt; prompt_offsets: each prompt's token offsets (echo with logprobs)."""
+        """The `text_completion` body of a finished request.
+
+        Args:
+            collected: the request's choices.
+            prompts: (text, ids) of each prompt.
+            echo: prepend each prompt (and, with logprobs, its scored tokens).
+            logprobs: include the logprobs.
+            prompt_offsets: each prompt's token offsets (echo with logprobs), else None.
+
+        Returns:
+            The body's dict.
+        """
         choices = []
         for i, c in enumerate(collected.choices):
             p = i // collected.n

@@ -20,8 +20,13 @@ from ..model.numerics import logsumexp, softmax_
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature >= 0 (0: greedy), 0 <= top_p <= 1 (the smallest set of most likely tokens whose probability
-    reaches top_p; at least one token), seed (None: a fresh random one)."""
+    """A request's sampling options.
+
+    Args:
+        temperature: >= 0; 0: greedy.
+        top_p: in [0, 1]: the smallest set of most likely tokens whose probability reaches top_p (at least one).
+        seed: the random generator's seed; None: a fresh random one.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -29,16 +34,26 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether temperature is 0."""
         return self.temperature == 0
 
     def generator(self) -> torch.Generator:
+        """A CPU random generator seeded with `seed` (or a fresh random seed)."""
         return torch.Generator().manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
 
 
 def top_p_filter(probs: Tensor, top_p: Tensor) -> Tensor:
-    """Zero the tokens outside each row's top-p set: probs (N, V), top_p (N,); as transformers' `TopPLogitsWarper`
-    (tokens sorted by probability, those whose cumulative probability from the least likely stays <= 1 - top_p are
-    removed, the most likely is always kept)."""
+    """Zero the tokens outside each row's top-p set, as transformers' `TopPLogitsWarper` (tokens sorted by
+    probability, those whose cumulative probability from the least likely stays <= 1 - top_p are removed, the most
+    likely is always kept).
+
+    Args:
+        probs: (N, V) probabilities.
+        top_p: (N,) each row's top_p.
+
+    Returns:
+        (N, V) the probabilities with the removed tokens at 0 (not renormalised).
+    """
     ordered, order = probs.sort(-1)  # ascending
     remove = ordered.cumsum(-1) <= (1 - top_p)[:, None]
     remove[:, -1] = False
@@ -46,7 +61,16 @@ def top_p_filter(probs: Tensor, top_p: Tensor) -> Tensor:
 
 
 def choose(q: Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> Tensor:
-    """The next token (N,) of each row of calibrated logits q (N, V), row i with `params[i]` and `generators[i]`."""
+    """The next token of each row of calibrated logits.
+
+    Args:
+        q: (N, V) calibrated logits.
+        params: N sampling options, one per row.
+        generators: N random generators, one per row (read by sampled rows only).
+
+    Returns:
+        (N,) long token ids.
+    """
     tokens = q.argmax(-1)  # greedy rows
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:

@@ -19,6 +19,8 @@ MAX_STOP = 16
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`: `include_usage` adds a last chunk with the usage."""
+
     include_usage: bool = False
 
 
@@ -61,19 +63,25 @@ class GenerationRequest(BaseModel):
 
     @property
     def stops(self) -> list[str]:
+        """The non-empty stop strings (a single string becomes one)."""
         return list(self.stop or [])
 
     @property
     def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class TextPart(BaseModel):
+    """A text part of a message's content (the only kind accepted)."""
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    """One chat message: a role and text content (a string or text parts)."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
@@ -94,12 +102,15 @@ class ChatMessage(BaseModel):
 
     @property
     def text(self) -> str:
+        """The content as one string (parts joined; "" for none)."""
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(GenerationRequest):
+    """The body of POST /v1/chat/completions (tools refused; top_logprobs needs logprobs)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -117,6 +128,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     @property
     def new_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens; None: neither given."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
@@ -124,6 +136,8 @@ PromptField = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictIn
 
 
 class CompletionRequest(GenerationRequest):
+    """The body of POST /v1/completions: `prompt` is a string, strings, token ids or lists of token ids."""
+
     prompt: PromptField
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
@@ -183,6 +197,8 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids to text."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None

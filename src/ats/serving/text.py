@@ -17,7 +17,12 @@ from ..generation.stream import first_stop
 
 
 class TextTracker:
-    """Token ids, their decoded text and each token's character offset in it, for one sequence."""
+    """Token ids, their decoded text and each token's character offset in it, for one sequence.
+
+    Args:
+        tokenizer: decodes the ids.
+        stop: the request's stop strings (empty ones are ignored).
+    """
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
@@ -30,7 +35,14 @@ class TextTracker:
         self.sent_tokens = 0
 
     def add(self, token: int) -> bool:
-        """Append a token; True when the text now holds a stop string (text and tokens are then cut before it)."""
+        """Append a token id.
+
+        Args:
+            token: the generated token id.
+
+        Returns:
+            True when the text now holds a stop string (text and tokens are then cut before it).
+        """
         self.offsets.append(len(self.text))
         self.ids.append(token)
         self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
@@ -43,8 +55,14 @@ class TextTracker:
         return True
 
     def release(self, final: bool = False) -> tuple[str, int]:
-        """The text not released yet that nothing can change any more, and how many more tokens go with it; all of
-        it when `final`."""
+        """The text not released yet that nothing can change any more, and how many more tokens go with it.
+
+        Args:
+            final: the sequence has ended: release all of it.
+
+        Returns:
+            (text piece, number of tokens released with it).
+        """
         chars, tokens = len(self.text), len(self.ids)
         if not final:
             chars -= self.holdback
