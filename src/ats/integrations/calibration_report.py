@@ -38,8 +38,16 @@ COLUMNS = (("Acc", "accuracy"), ("ECE", "ece"), ("adaptive ECE", "adaptive_ece")
 
 
 def confidences(file: SamplesFile, variant: str = "acc", doc_ids: Sequence[int] | None = None) -> TaskResult:
-    """Top-1 softmax confidence over the choices' `variant` scores and its correctness, per question (in `doc_ids`
-    order when given); extra: doc_id, prediction."""
+    """Top-1 softmax confidence over the choices' `variant` scores and its correctness, per question.
+
+    Args:
+        file: a parsed samples file.
+        variant: "acc" (summed log-likelihoods) or "acc_norm" (divided by the choices' lengths).
+        doc_ids: the questions to take, in this order; None: all, in the file's order.
+
+    Returns:
+        The per-question result; extra: "doc_id", "prediction".
+    """
     by_id = {s.doc_id: s for s in file.samples}
     chosen = [by_id[i] for i in doc_ids] if doc_ids is not None else file.samples
     conf, pred, correct = [], [], []
@@ -56,7 +64,17 @@ def confidences(file: SamplesFile, variant: str = "acc", doc_ids: Sequence[int] 
 
 
 def shared_questions(files: Sequence[SamplesFile]) -> list[int]:
-    """The doc_ids every file scored, in the first file's order; refuses an id that is a different question."""
+    """The doc_ids every file scored, in the first file's order (a warning names how many were dropped).
+
+    Args:
+        files: samples files of one task.
+
+    Returns:
+        The shared doc_ids.
+
+    Raises:
+        ATSError: if a doc_id is a different question in two files (doc_hash differs) or none is shared.
+    """
     first = files[0]
     common = set.intersection(*({s.doc_id for s in f.samples} for f in files))
     for other in files[1:]:
@@ -89,14 +107,28 @@ def _unique_labels(files: Sequence[SamplesFile]) -> list[str]:
 
 
 def variant_key(task: str, variant: str) -> str:
-    """The results key of a task's confidence variant: `task` (acc) or `task (acc_norm)`."""
+    """The results key of `task`'s confidence `variant`: `task` (acc) or `task (acc_norm)`."""
     return task if variant == "acc" else f"{task} ({variant})"
 
 
 def calibration_report(files: Sequence[SamplesFile], out_dir: str | Path, *, n_bins: int = 15, bootstrap: int = 1000,
                        seed: int = 0) -> dict:
     """Metrics, paired differences (files of one task, against the first) and reliability diagrams of every
-    samples file, written to out_dir (see the module docstring); returns what calibration.json holds."""
+    samples file, written to out_dir (see the module docstring).
+
+    Args:
+        files: parsed samples files, of one or more tasks.
+        out_dir: where calibration.json, calibration.md and figures/ go.
+        n_bins: equal-width ECE bins.
+        bootstrap: bootstrap resamples for the 95% intervals (0: none).
+        seed: the bootstrap's seed.
+
+    Returns:
+        What calibration.json holds: {"settings", "files", "results"}.
+
+    Raises:
+        ATSError: if there are no files, the files of a task do not share their questions, or a metric fails.
+    """
     if not files:
         raise ATSError("calibration report: no samples files")
     out_dir = Path(out_dir)
@@ -143,7 +175,14 @@ def _recorded(file: SamplesFile) -> dict[str, float]:
 
 
 def format_report(report: dict) -> str:
-    """Markdown: one row per task variant and model (metrics with 95% intervals), then the paired differences."""
+    """Markdown: one row per task variant and model (metrics with 95% intervals), then the paired differences.
+
+    Args:
+        report: what `calibration_report` returns.
+
+    Returns:
+        The Markdown text.
+    """
     rows = [[key, label, str(m.get("n", "-"))] + [cell(m, k) for _, k in COLUMNS]
             for key, by_label in report["results"].items() for label, m in by_label.items()]
     text = markdown_table(["task", "model", "n"] + [name for name, _ in COLUMNS], rows, text_columns=2)

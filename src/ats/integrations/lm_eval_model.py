@@ -51,8 +51,18 @@ logger = logging.getLogger(__name__)
 
 
 def check_calibrator(spec) -> Path | Calibrator | None:
-    """What `calibrator=` names, checked before any model loads: None (uncalibrated), a folder whose calibrator gives
-    logits, or a Calibrator object (Python callers)."""
+    """What `calibrator=` names, checked before any model loads.
+
+    Args:
+        spec: a calibrator folder, a Calibrator object (Python callers), or None / "" / "none".
+
+    Returns:
+        None (uncalibrated, `Uncalibrated` included), the folder's path, or the Calibrator object.
+
+    Raises:
+        ATSError: if the folder is missing (or a method name was given), its type is unknown, or the calibrator maps
+            confidences or needs a per-prompt temperature that lm-eval cannot mark.
+    """
     if isinstance(spec, Calibrator):
         _check_supported(type(spec), repr(spec.name))
         return None if isinstance(spec, Uncalibrated) else spec
@@ -81,10 +91,21 @@ def _check_supported(cls: type[Calibrator], what: str) -> None:
 
 @torch.no_grad()
 def calibrated_logits(backbone: Backbone, calibrator: Calibrator | None, hidden: Tensor, start: int = 0) -> Tensor:
-    """Logits (B, T - start, V) at positions start.. of `hidden` (B, T, H), calibrated exactly as `ats eval` does
-    (`Calibrator.apply` on the output layer's logits; ATS heads read the whole sequence) unless `calibrator` is None.
+    """Logits at positions start.. of `hidden`, calibrated exactly as `ats eval` does (`Calibrator.apply` on the
+    output layer's logits; ATS heads read the whole sequence).
+
     No attention mask is needed: lm-eval pads on the right and the backbone and the ATS head are causal, so
-    padding never reaches a real position."""
+    padding never reaches a real position.
+
+    Args:
+        backbone: the backbone whose output layer gives the logits.
+        calibrator: the calibrator, or None for the backbone's own logits.
+        hidden: (B, T, H) final hidden states of the whole sequences.
+        start: the first position whose logits are wanted.
+
+    Returns:
+        (B, T - start, V) logits (float32 when calibrated).
+    """
     z = backbone.logits(hidden[:, start:])  # (B, K, V)
     if calibrator is None:
         return z
@@ -94,7 +115,11 @@ def calibrated_logits(backbone: Backbone, calibrator: Calibrator | None, hidden:
 
 
 class ScoresCalibration(LogitsProcessor):
-    """Calibrated generation for calibrators that read only the logits (temperature, vector scaling)."""
+    """Calibrated generation for calibrators that read only the logits (temperature, vector scaling).
+
+    Args:
+        calibrator: applied to each step's scores (B, V).
+    """
 
     def __init__(self, calibrator: Calibrator) -> None:
         self.calibrator = calibrator
@@ -108,10 +133,18 @@ class ScoresCalibration(LogitsProcessor):
 class ATSLM(HFLM):
     """lm-eval's HFLM with calibrated log-likelihoods and calibrated sampling (see the module docstring).
 
-    pretrained: an embedded name, a .gguf file, a model folder or a Hub id (a loaded PreTrainedModel also works).
-    calibrator: a saved calibrator folder, a Calibrator object, or None / "none" for the uncalibrated model.
-    prefix_cache: how many shared prompt prefixes to keep encoded (0: off, every request runs whole).
-    Every other argument is HFLM's (device, dtype, batch_size, max_length, ...).
+    Args:
+        pretrained: an embedded name, a .gguf file, a model folder or a Hub id (a loaded PreTrainedModel also
+            works).
+        calibrator: a saved calibrator folder, a Calibrator object, or None / "none" for the uncalibrated model.
+        revision: the Hub revision.
+        prefix_cache: how many shared prompt prefixes to keep encoded (0: off, every request runs whole).
+        **kwargs: HFLM's (device, dtype, batch_size, max_length, ...); device defaults to cuda when available,
+            else cpu.
+
+    Raises:
+        ATSError: if the calibrator is refused (see `check_calibrator`) or does not fit the model, or the model is
+            not a causal LM.
     """
 
     def __init__(self, pretrained=DEFAULT_MODEL, calibrator=None, revision: str | None = None,

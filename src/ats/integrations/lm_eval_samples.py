@@ -50,7 +50,7 @@ class Sample:
     recorded: dict[str, float] = field(default_factory=dict)  # lm-eval's own acc / acc_norm for this line
 
     def scores(self, variant: str) -> np.ndarray:
-        """(C,) what lm-eval's `variant` takes the argmax of."""
+        """(C,) what lm-eval's `variant` ("acc" or "acc_norm") takes the argmax of."""
         return self.loglikelihoods if variant == "acc" else self.loglikelihoods / self.lengths
 
 
@@ -148,7 +148,19 @@ def _gold_options(target, choices: list[str], where: str) -> list[tuple[int, ...
 
 
 def parse_sample(row, where: str, delimiter: str = DEFAULT_DELIMITER) -> Sample:
-    """One line of a samples file as a Sample (see the module docstring)."""
+    """One line of a samples file as a Sample (see the module docstring).
+
+    Args:
+        row: the line's JSON object.
+        where: "path:line", quoted in errors.
+        delimiter: the task's target_delimiter, stripped from each continuation to get the choice text.
+
+    Returns:
+        The sample.
+
+    Raises:
+        ATSError: if a field is missing or malformed, or arguments and responses differ in number.
+    """
     if not isinstance(row, dict):
         raise ATSError(f"{where}: expected a JSON object (an lm-eval sample), got {type(row).__name__}")
     for key in ("doc_id", "target"):
@@ -201,10 +213,22 @@ def read_samples(path: str | Path, *, task: str | None = None, delimiter: str | 
                  label: str | None = None, filter_name: str | None = None) -> SamplesFile:
     """Read the multiple-choice samples of one lm-eval samples file.
 
-    task: default from the file name (`samples_<task>_<date>.jsonl`); delimiter: the task's target_delimiter,
-    default from the `results_<date>.json` beside the file, else lm-eval's default " "; label: default from that
-    results file (model, pretrained, calibrator), else the file's name; filter_name: which of lm-eval's filters
-    to read when a file holds several (default "none" if present, else the only one).
+    Args:
+        path: the `samples_<task>_<date>.jsonl` file.
+        task: default from the file name.
+        delimiter: the task's target_delimiter; default from the `results_<date>.json` beside the file, else
+            lm-eval's default " ".
+        label: the model's label in reports; default from that results file (model, pretrained, calibrator), else
+            the file's name.
+        filter_name: which of lm-eval's filters to read when a file holds several (default "none" if present,
+            else the only one).
+
+    Returns:
+        The parsed file (a warning counts the lines whose recorded acc the log-likelihoods do not reproduce).
+
+    Raises:
+        ATSError: if the file is missing or empty, holds several filters and none is chosen, a line is malformed,
+            or a doc_id appears twice.
     """
     path = Path(path)
     if not path.is_file():

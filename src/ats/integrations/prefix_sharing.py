@@ -23,7 +23,15 @@ Prefix = tuple[int, ...]
 def find_shared_prefixes(sequences: Sequence[Sequence[int]], min_tokens: int) -> list[Prefix]:
     """The prefixes of at least `min_tokens` tokens that two or more distinct sequences share: one per run of sorted
     neighbours whose common prefixes are all that long (the run's shortest one). Repeats of one sequence share
-    nothing worth caching: lm-eval already runs them once."""
+    nothing worth caching: lm-eval already runs them once.
+
+    Args:
+        sequences: token-id sequences.
+        min_tokens: the shortest prefix worth sharing.
+
+    Returns:
+        The prefixes, in sorted order.
+    """
     ordered = sorted({tuple(s) for s in sequences})
     found: list[Prefix] = []
     start, shortest = 0, None
@@ -39,7 +47,13 @@ def find_shared_prefixes(sequences: Sequence[Sequence[int]], min_tokens: int) ->
 
 
 class SharedPrefixes:
-    """The planned prefixes of the current requests and the encoded ones (a small LRU of PrefixCache)."""
+    """The planned prefixes of the current requests and the encoded ones (a small LRU of PrefixCache).
+
+    Args:
+        backbone: the backbone that encodes the prefixes.
+        min_tokens: the shortest prefix worth sharing (at least 1).
+        max_prefixes: encoded prefixes kept (least recently used dropped first).
+    """
 
     def __init__(self, backbone, *, min_tokens: int = 32, max_prefixes: int = 16) -> None:
         self.backbone = backbone
@@ -50,8 +64,14 @@ class SharedPrefixes:
         self.rows_seen = self.rows_served = 0  # batch rows grouped / run on an encoded prefix, over its life
 
     def plan(self, rows: Sequence[Sequence[int]]) -> int:
-        """Plan the prefixes shared by the token rows the model will run (replacing the previous plan); returns how
-        many there are."""
+        """Plan the prefixes shared by the token rows the model will run (replacing the previous plan).
+
+        Args:
+            rows: the token-id rows of the coming requests.
+
+        Returns:
+            The number of planned prefixes.
+        """
         self.clear()
         for prefix in find_shared_prefixes(rows, self.min_tokens):
             self.by_head.setdefault(prefix[: self.min_tokens], []).append(prefix)
@@ -60,18 +80,19 @@ class SharedPrefixes:
         return sum(len(g) for g in self.by_head.values())
 
     def clear(self) -> None:
+        """Forget the plan and the encoded prefixes."""
         self.by_head.clear()
         self.encoded.clear()
 
     def match(self, row: Sequence[int]) -> Prefix | None:
-        """The longest planned prefix `row` starts with, if any."""
+        """The longest planned prefix `row` (token ids) starts with, or None."""
         for prefix in self.by_head.get(tuple(row[: self.min_tokens]), ()):
             if len(row) >= len(prefix) and tuple(row[: len(prefix)]) == prefix:
                 return prefix
         return None
 
     def cache(self, prefix: Prefix) -> PrefixCache:
-        """The encoded prefix (its KV cache and hidden states), encoding it on first use."""
+        """The encoded `prefix` (its KV cache and hidden states), encoding it on first use."""
         if prefix in self.encoded:
             self.encoded.move_to_end(prefix)
             return self.encoded[prefix]
@@ -82,7 +103,14 @@ class SharedPrefixes:
         return cache
 
     def groups(self, rows: list[list[int]]) -> list[tuple[Prefix | None, list[int]]]:
-        """Row indices grouped by the prefix they start with (None: no planned prefix), in first-seen order."""
+        """Row indices grouped by the prefix they start with.
+
+        Args:
+            rows: token-id rows of one batch.
+
+        Returns:
+            [(prefix or None (no planned prefix), row indices)], in first-seen order.
+        """
         out: dict[Prefix | None, list[int]] = {}
         for i, row in enumerate(rows):
             out.setdefault(self.match(row), []).append(i)
