@@ -140,7 +140,10 @@ def calibrator_for(name: str, source: FitSource, **options) -> Calibrator:
         **options: as for `build_calibrator`.
 
     Returns:
-        The unfitted calibrator; `ATSError` as for `build_calibrator`.
+        The unfitted calibrator.
+
+    Raises:
+        ATSError: as `build_calibrator`.
     """
     return _construct(name, options, lambda cls, merged: cls.for_source(source, **merged))
 
