@@ -128,3 +128,37 @@ def test_fitting_lowers_nll_and_round_trips(store, tiny_backbone, tmp_path):
     loaded.check_backbone(tiny_backbone)
     with pytest.raises(ATSError, match="hidden size"):
         Thermometer(hidden_size=tiny_backbone.hidden_size + 1).check_backbone(tiny_backbone)
+
+
+def test_sequence_ids_and_prompt_states_align_with_the_sequences(store):
+    ids = store.response_sequence_ids()
+    prompts = store.prompt_states()
+    for i, (hidden, labels) in enumerate(store.sequences()):
+        pos = (labels != IGNORE_INDEX).nonzero().squeeze(-1)
+        assert int((ids == i).sum()) == pos.numel()
+        torch.testing.assert_close(prompts[i], hidden[pos[0]].float())
+    subset = store._token_subset(40, 0)
+    torch.testing.assert_close(store.response_sequence_ids(max_tokens=40), ids[subset])
+    all_hidden = torch.cat([h for h, _ in store.response_tokens()])
+    torch.testing.assert_close(torch.cat([h for h, _ in store.response_tokens(max_tokens=40)]), all_hidden[subset])
+
+
+def test_fit_on_sketch_lowers_nll_like_fit_on_sequences(store, tiny_backbone):
+    from ats.calibrators.sketch import LogitSketch
+
+    sketch = LogitSketch.from_chunks(store.logit_chunks(tiny_backbone.logits))
+    before = _nll(store, tiny_backbone, None)
+    fitted = {}
+    for route in ("sequences", "sketch"):
+        cal = Thermometer(hidden_size=tiny_backbone.hidden_size, mlp_hidden=32, epochs=6, lr=1e-2, batch_size=4)
+        if route == "sketch":
+            cal.fit_sketch(store.prompt_states(), sketch, store.response_sequence_ids())
+        else:
+            cal.fit_sequences(store, tiny_backbone.logits)
+        fitted[route] = _nll(store, tiny_backbone, cal)
+        assert len(cal.history) == 6 and cal.history[-1]["nll"] < cal.history[0]["nll"]
+    assert fitted["sketch"] < before - 0.05, (before, fitted)
+    assert fitted["sketch"] == pytest.approx(fitted["sequences"], abs=0.05)
+    with pytest.raises(ATSError, match="sketch rows"):
+        Thermometer(hidden_size=tiny_backbone.hidden_size).fit_sketch(store.prompt_states(), sketch,
+                                                                      torch.zeros(3, dtype=torch.long))

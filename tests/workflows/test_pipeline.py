@@ -83,3 +83,28 @@ def test_the_global_control_is_one_temperature_fitted_saved_and_applied(tiny_bac
     expected = z * min(torch.tensor(tau).exp().item(), control.config_.max_scale)
     torch.testing.assert_close(loaded.apply(z, hidden), expected)  # the same factor for every token
     assert loaded.label == "selective-temperature" and loaded.digest() == control.digest()
+
+
+def test_shared_pass_fits_like_the_reference_route_and_is_fingerprinted(tiny_backbone, tmp_path):
+    import numpy as np
+    import torch
+
+    from ats.workflows.pipeline import BASELINES
+
+    train, _ = prepare_features(tiny_backbone, tmp_path / "f", DATA, progress=False)
+    fits = {shared: fit_calibrators(tiny_backbone, train, tmp_path / str(shared), BASELINES, fit_tokens=200,
+                                    shared_pass=shared, progress=False) for shared in (True, False)}
+    new, ref = fits[True], fits[False]
+    assert new["temperature"].temperature == pytest.approx(ref["temperature"].temperature, rel=1e-3)
+    assert new["scaling-binning"].temperature == pytest.approx(ref["scaling-binning"].temperature, rel=1e-3)
+    np.testing.assert_allclose(new["scaling-binning"].values, ref["scaling-binning"].values, atol=2e-3)
+    for name in ("histogram", "isotonic", "vector"):  # exact top-1 statistics / the same logits replayed
+        for key, value in new[name].state_tensors().items():
+            torch.testing.assert_close(value, ref[name].state_tensors()[key], rtol=0, atol=0)
+    assert new["thermometer"].fitted and len(new["thermometer"].history) == new["thermometer"].epochs
+    assert stored_fingerprint(tmp_path / "True" / "temperature")["sketch"] == {"top_k": 64, "tail_bins": 32}
+    assert "sketch" not in stored_fingerprint(tmp_path / "False" / "temperature")
+    assert "sketch" not in stored_fingerprint(tmp_path / "True" / "vector")  # its result does not depend on the route
+    with pytest.raises(ATSError, match="calibrator 'temperature'.*other options"):
+        fit_calibrators(tiny_backbone, train, tmp_path / "True", ("temperature",), fit_tokens=200, shared_pass=False,
+                        progress=False)

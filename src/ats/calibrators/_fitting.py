@@ -72,6 +72,25 @@ def collect_top1(chunks: LogitChunks, transform: Callable[[Tensor], Tensor] | No
     return np.concatenate(confs), np.concatenate(corrects)
 
 
+def source_top1(source) -> tuple[np.ndarray, np.ndarray]:
+    """Top-1 confidence and correctness (N,) float64 of a fit source's tokens: from its `sketch` when it has one
+    (the exact values, no pass), else by one pass over its logit chunks (`collect_top1`).
+
+    Args:
+        source: a `FitSource`.
+
+    Returns:
+        (confidence (N,), correct (N,)).
+
+    Raises:
+        ATSError: if a chunk is malformed or there is no fitting token.
+    """
+    sketch = getattr(source, "sketch", None)
+    if sketch is None:
+        return collect_top1(source.logit_chunks)
+    return sketch.confidence.numpy(), sketch.correct.numpy()
+
+
 def vector_pair(tensors: dict[str, Tensor], first: str, second: str) -> tuple[np.ndarray, np.ndarray]:
     """Two saved equal-length, non-empty float64 vectors (bin edges and values, isotonic thresholds).
 

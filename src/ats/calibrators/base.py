@@ -42,7 +42,10 @@ class FitSource(Protocol):
     logit_chunks: token-level (logits, labels) chunks of the response tokens;
     store / logits_fn: the sequences of hidden states and the output layer, for methods that read hidden states;
     backbone / hidden_size: what the calibrator is sized for;
-    train_head(calibrator): train an ATS-family head with the run's training config (loss, data, steps, schedule).
+    train_head(calibrator): train an ATS-family head with the run's training config (loss, data, steps, schedule);
+    sketch (optional): a `LogitSketch` of the same tokens as logit_chunks, built once; the global-temperature,
+    binning and Thermometer methods fit on it instead of passing over the logits again; with it, sequence_ids (N,)
+    gives the sequence of each of its rows.
     """
 
     logit_chunks: LogitChunks
@@ -68,6 +71,7 @@ class Calibrator(ABC):
     needs_hidden: ClassVar[bool] = False  # reads the backbone's hidden states (ATS, Thermometer)
     maps_confidence: ClassVar[bool] = False  # maps the top-1 confidence (binning methods)
     trains_head: ClassVar[bool] = False  # trained by the ATS trainer with the run's TrainingConfig (ATS, controls)
+    fits_on_sketch: ClassVar[bool] = False  # fit_source uses the source's LogitSketch when it has one
 
     # --- fitting ----------------------------------------------------------------------------------------------------
     @classmethod

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..checks import check_positive_float, check_positive_int
 from ..errors import ATSError
-from ._fitting import collect_top1, vector_pair
+from ._fitting import collect_top1, source_top1, vector_pair
 from .base import Calibrator, LogitChunks
 from .temperature import TemperatureScaling
 
@@ -131,6 +131,7 @@ class ScalingBinning(_Binning):
     """
 
     name = "scaling-binning"
+    fits_on_sketch = True
 
     def __init__(self, *, n_bins: int = 15) -> None:
         super().__init__(n_bins=n_bins)
@@ -158,13 +159,20 @@ class ScalingBinning(_Binning):
         """Reuses the temperature of a temperature-scaling fit on the same source, if there is one.
 
         Args:
-            source: the fitting data; its logit chunks and `fitted["temperature"]` are read.
+            source: the fitting data; its `sketch` (if it has one, else its logit chunks) and
+                `fitted["temperature"]` are read.
 
         Returns:
             self, fitted.
         """
-        done = source.fitted.get("temperature")
-        return self.fit(source.logit_chunks, temperature=getattr(done, "temperature", None))
+        done = getattr(source.fitted.get("temperature"), "temperature", None)
+        sketch = getattr(source, "sketch", None)
+        if sketch is None:
+            return self.fit(source.logit_chunks, temperature=done)
+        self.temperature = done if done is not None else TemperatureScaling().fit_sketch(sketch).temperature
+        conf = sketch.top1_confidence(1.0 / self.temperature).numpy()
+        self.upper_edges, self.values = equal_mass_bins(conf, conf, self.n_bins)
+        return self
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
@@ -209,6 +217,7 @@ class HistogramBinning(_Binning):
     """
 
     name = "histogram"
+    fits_on_sketch = True
 
     def fit(self, chunks: LogitChunks) -> "HistogramBinning":
         """Fit the bins on the uncalibrated top-1 confidences and their correctness.
@@ -223,6 +232,19 @@ class HistogramBinning(_Binning):
             ATSError: if a chunk is malformed or there is no fitting token.
         """
         conf, correct = collect_top1(chunks)
+        self.upper_edges, self.values = equal_mass_bins(conf, correct, self.n_bins)
+        return self
+
+    def fit_source(self, source) -> "HistogramBinning":
+        """Fit on the source's `sketch` (its exact top-1 confidences) when it has one, else on its logit chunks.
+
+        Args:
+            source: the fitting data.
+
+        Returns:
+            self, fitted.
+        """
+        conf, correct = source_top1(source)
         self.upper_edges, self.values = equal_mass_bins(conf, correct, self.n_bins)
         return self
 

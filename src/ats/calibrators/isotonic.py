@@ -12,7 +12,7 @@ from sklearn.isotonic import IsotonicRegression
 from torch import Tensor
 
 from ..errors import ATSError
-from ._fitting import collect_top1, vector_pair
+from ._fitting import collect_top1, source_top1, vector_pair
 from .base import Calibrator, LogitChunks
 
 
@@ -20,6 +20,7 @@ class IsotonicCalibration(Calibrator):
     """Monotone map of the top-1 confidence to accuracy; calibrate() leaves the logits unchanged."""
 
     name = "isotonic"
+    fits_on_sketch = True
     maps_confidence = True
 
     def __init__(self) -> None:
@@ -38,7 +39,25 @@ class IsotonicCalibration(Calibrator):
         Raises:
             ATSError: if a chunk is malformed or there is no fitting token.
         """
-        conf, correct = collect_top1(chunks)
+        return self.fit_top1(*collect_top1(chunks))
+
+    def fit_source(self, source) -> "IsotonicCalibration":
+        """Fit on the source's `sketch` (its exact top-1 confidences) when it has one, else on its logit chunks.
+
+        Args:
+            source: the fitting data.
+
+        Returns:
+            self, fitted.
+        """
+        return self.fit_top1(*source_top1(source))
+
+    def fit_top1(self, conf: np.ndarray, correct: np.ndarray) -> "IsotonicCalibration":
+        """Fit the increasing map from top-1 confidence (N,) to correctness (N,) (both float64).
+
+        Returns:
+            self, with the thresholds set.
+        """
         iso = IsotonicRegression(out_of_bounds="clip", y_min=0.0, y_max=1.0, increasing=True).fit(conf, correct)
         self.x_thresholds = np.asarray(iso.X_thresholds_, dtype=np.float64)
         self.y_thresholds = np.asarray(iso.y_thresholds_, dtype=np.float64)

@@ -16,6 +16,7 @@ from ..checks import check_positive_float, check_positive_int
 from ..errors import ATSError
 from ._fitting import iter_chunks
 from .base import Calibrator, LogitChunks
+from .sketch import LogitSketch
 
 S_MIN, S_MAX = 1e-2, 1e2  # 1/T stays in [0.01, 100]: T in [0.01, 100]
 
@@ -56,6 +57,23 @@ def nll_derivatives(chunks: LogitChunks, s: float) -> tuple[float, float, float,
     return loss / n, grad / n, hess / n, n
 
 
+def sketch_derivatives(sketch: LogitSketch, s: float) -> tuple[float, float]:
+    """Mean dNLL/ds and d2NLL/ds2 at inverse temperature s, from a `LogitSketch` (in float64).
+
+    Args:
+        sketch: the per-token summaries.
+        s: the inverse temperature 1/T.
+
+    Returns:
+        (mean dNLL/ds, mean d2NLL/ds2).
+    """
+    s_t = torch.tensor(float(s), dtype=torch.float64, requires_grad=True)
+    loss = (sketch.logsumexp(s_t) - s_t * sketch.label_logit.double()).mean()  # terms in float64
+    (grad,) = torch.autograd.grad(loss, s_t, create_graph=True)
+    (hess,) = torch.autograd.grad(grad, s_t)
+    return float(grad.detach()), float(hess)
+
+
 class TemperatureScaling(Calibrator):
     """One temperature for every token: q = z / T, T fitted by NLL with guarded Newton steps on 1/T.
 
@@ -65,6 +83,7 @@ class TemperatureScaling(Calibrator):
     """
 
     name = "temperature"
+    fits_on_sketch = True
 
     def __init__(self, *, max_passes: int = 20, tol: float = 1e-4) -> None:
         self.max_passes = check_positive_int("max_passes", max_passes)
@@ -73,7 +92,7 @@ class TemperatureScaling(Calibrator):
         self.passes_: int = 0
 
     def fit(self, chunks: LogitChunks) -> "TemperatureScaling":
-        """Fit T by NLL (see the module docstring); T stays in [0.01, 100].
+        """Fit T by NLL (see the module docstring); T stays in [0.01, 100]. Each Newton step is one pass.
 
         Args:
             chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
@@ -84,9 +103,37 @@ class TemperatureScaling(Calibrator):
         Raises:
             ATSError: if a chunk is malformed or there is no fitting token.
         """
+        return self._newton(lambda s: nll_derivatives(chunks, s)[1:3])
+
+    def fit_sketch(self, sketch: LogitSketch) -> "TemperatureScaling":
+        """Fit T as `fit` does, every Newton step computed from a `LogitSketch` (no pass over the logits).
+
+        Args:
+            sketch: the per-token summaries of the fitting tokens.
+
+        Returns:
+            self, with `temperature` set (`passes_` counts the Newton steps, none of which reads the logits).
+        """
+        return self._newton(lambda s: sketch_derivatives(sketch, s))
+
+    def fit_source(self, source) -> "TemperatureScaling":
+        """Fit on the source's `sketch` when it has one (one shared pass for all global-temperature methods),
+        otherwise on its logit chunks.
+
+        Args:
+            source: the fitting data.
+
+        Returns:
+            self, fitted.
+        """
+        sketch = getattr(source, "sketch", None)
+        return self.fit_sketch(sketch) if sketch is not None else self.fit(source.logit_chunks)
+
+    def _newton(self, derivatives) -> "TemperatureScaling":
+        """Guarded Newton on s = 1/T; `derivatives(s)` -> (dNLL/ds, d2NLL/ds2)."""
         s, lo, hi = 1.0, S_MIN, S_MAX  # the optimum of the convex loss lies in [lo, hi] (clamped to the range)
         for passes in range(1, self.max_passes + 1):
-            _, grad, hess, _ = nll_derivatives(chunks, s)
+            grad, hess = derivatives(s)
             if grad > 0:
                 hi = s  # loss increases with s here: optimum is below
             elif grad < 0:

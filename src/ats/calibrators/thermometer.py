@@ -27,9 +27,10 @@ Which hidden state is "the prompt's last token":
   last real token of each row (per `attention_mask`) is used: the whole input is taken as the prompt. With 2-D
   logits (N, V) and hidden (N, H), each row is its own prompt.
 
-Logits are never built for the whole data: `ats.model.scaled_ce.scaled_cross_entropy` recomputes them from hidden
-states in
-chunks with an exact gradient w.r.t. the per-token scale.
+Logits are never built for the whole data. `fit_sequences` recomputes them from hidden states in chunks
+(`ats.model.scaled_ce.scaled_cross_entropy`, exact gradient w.r.t. the per-token scale), one full-vocabulary pass per
+epoch. `fit_sketch` (what `fit_source` uses when the source has one) reads each token's `LogitSketch` instead: after
+the sketch's one shared pass, every epoch costs K + B terms per token instead of V.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class Thermometer(Calibrator):
 
     name = "thermometer"
     needs_hidden = True
+    fits_on_sketch = True
 
     def __init__(self, *, hidden_size: int, mlp_hidden: int = 256, epochs: int = 2, lr: float = 1e-3,
                  weight_decay: float = 1e-4, batch_size: int = 8, prior_alpha: float = 1.25,
@@ -249,14 +251,18 @@ class Thermometer(Calibrator):
         return cls(**{"hidden_size": source.hidden_size, **options})
 
     def fit_source(self, source: FitSource) -> "Thermometer":
-        """Fit on the source's sequences of hidden states (see `fit_sequences`).
+        """Fit on the source's `sketch` when it has one (`fit_sketch`: no pass over the logits), otherwise on its
+        sequences of hidden states (`fit_sequences`).
 
         Args:
-            source: the fitting data; its `store` and `logits_fn` are read.
+            source: the fitting data; its `store` and `logits_fn`, or `sketch` and `sequence_ids`, are read.
 
         Returns:
             self, fitted.
         """
+        sketch = getattr(source, "sketch", None)
+        if sketch is not None:
+            return self.fit_sketch(source.store.prompt_states(), sketch, source.sequence_ids)
         return self.fit_sequences(source.store, source.logits_fn)
 
     def fit(self, chunks: LogitChunks) -> "Thermometer":
@@ -330,18 +336,68 @@ class Thermometer(Calibrator):
         if device is None:
             owner = getattr(logits_fn, "__self__", None)
             device = getattr(owner, "device", torch.device("cpu"))
+        return self._train(
+            lambda epoch: store.batches(self.batch_size, shuffle=True, seed=self.seed * 1000 + epoch),
+            lambda batch: self.sequence_loss(batch.hidden.to(device), batch.labels.to(device), logits_fn),
+            math.ceil(len(store) / self.batch_size), device, progress)
+
+    def fit_sketch(self, prompts: Tensor, sketch, sequence_ids: Tensor, *, progress: bool = False) -> "Thermometer":
+        """Fit as `fit_sequences` does, each sequence's mean cross-entropy computed from the `LogitSketch` rows of
+        its response tokens (all of them, or the fitting subset's: then the mean over the sampled ones).
+
+        Args:
+            prompts: (S, H) each sequence's prompt feature (`FeatureStore.prompt_states`).
+            sketch: the `LogitSketch` of the fitting tokens.
+            sequence_ids: (N,) the sequence of each sketch row, in [0, S).
+
+        Returns:
+            self, fitted, the network in eval mode (on the CPU).
+
+        Raises:
+            ATSError: if the sizes disagree, a loss is not finite, or no sequence has a fitting token.
+        """
+        if prompts.dim() != 2 or prompts.shape[1] != self.hidden_size:
+            raise ATSError(f"Thermometer: prompts must be (S, {self.hidden_size}), got {tuple(prompts.shape)}")
+        if sequence_ids.shape != (len(sketch),):
+            raise ATSError(f"Thermometer: {len(sketch)} sketch rows but sequence_ids of shape "
+                           f"{tuple(sequence_ids.shape)}")
+        counts = torch.bincount(sequence_ids, minlength=prompts.shape[0])  # (S,) fitting tokens per sequence
+        rows = torch.argsort(sequence_ids, stable=True)  # sketch rows grouped by sequence
+        starts = torch.cumsum(counts, 0) - counts
+        present = (counts > 0).nonzero().squeeze(1)
+        gen = torch.Generator().manual_seed(self.seed)
+
+        def batches(epoch: int):
+            return present[torch.randperm(len(present), generator=gen)].split(self.batch_size)
+
+        def loss_of(batch: Tensor):
+            local = torch.repeat_interleave(torch.arange(len(batch)), counts[batch])  # (n,) batch row of each token
+            picked = torch.cat([rows[starts[i]:starts[i] + counts[i]] for i in batch.tolist()])
+            s = self.inverse_temperature(prompts[batch])  # (b,)
+            nll = sketch.select(picked).nll(s[local])  # (n,)
+            per_seq = torch.zeros(len(batch), dtype=nll.dtype).index_add(0, local, nll) / counts[batch]
+            temperature = 1.0 / s
+            loss = per_seq.mean() + self.prior_weight * self.prior(temperature.to(per_seq.dtype)).mean()
+            return loss, float(per_seq.detach().mean()), float(temperature.detach().mean()), len(batch)
+
+        return self._train(batches, loss_of, math.ceil(len(present) / self.batch_size), torch.device("cpu"),
+                           progress)
+
+    def _train(self, epoch_batches: Callable, loss_of: Callable, steps_per_epoch: int, device,
+               progress: bool) -> "Thermometer":
+        """AdamW over `epoch_batches(epoch)`, each step minimising `loss_of(batch)` -> (loss, nll, T, sequences);
+        the per-epoch means go to `self.history`."""
         net = self.net.to(device).train()
         decay = [p for p in net.parameters() if p.dim() >= 2]
         no_decay = [p for p in net.parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
                                        {"params": no_decay, "weight_decay": 0.0}], lr=self.lr)
         self.history = []
-        bar = tqdm(total=self.epochs * math.ceil(len(store) / self.batch_size), desc="fit thermometer",
-                   disable=not progress)
+        bar = tqdm(total=self.epochs * steps_per_epoch, desc="fit thermometer", disable=not progress)
         for epoch in range(self.epochs):
             totals = {"loss": 0.0, "nll": 0.0, "temperature": 0.0, "sequences": 0}
-            for batch in store.batches(self.batch_size, shuffle=True, seed=self.seed * 1000 + epoch):
-                loss, nll, temp, n = self.sequence_loss(batch.hidden.to(device), batch.labels.to(device), logits_fn)
+            for batch in epoch_batches(epoch):
+                loss, nll, temp, n = loss_of(batch)
                 bar.update(1)
                 if n == 0:
                     continue

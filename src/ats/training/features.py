@@ -385,6 +385,46 @@ class FeatureStore:
             for start in range(0, len(labels), chunk_tokens):
                 yield hidden[start:start + chunk_tokens].float(), labels[start:start + chunk_tokens]
 
+    def response_sequence_ids(self, *, max_tokens: int | None = None, seed: int = 0) -> Tensor:
+        """(N,) long: the sequence (0 .. len(self) - 1, in stored order) of every response token, in the order of
+        `response_tokens` with the same `max_tokens` and `seed`.
+
+        Args:
+            max_tokens: the random subset, as in `response_tokens`; None: all.
+            seed: the seed of the subset.
+
+        Returns:
+            (N,) sequence indices.
+        """
+        ids, first = [], 0
+        for k in range(self.n_shards):
+            shard = self.load_shard(k)
+            lengths = shard["offsets"].diff()
+            seq = torch.repeat_interleave(torch.arange(first, first + len(lengths)), lengths)  # (N_tok,)
+            ids.append(seq[shard["labels"] != IGNORE_INDEX])
+            first += len(lengths)
+        ids = torch.cat(ids)
+        keep_subset = self._token_subset(max_tokens, seed)
+        return ids if keep_subset is None else ids[keep_subset]
+
+    def prompt_states(self) -> Tensor:
+        """(S, H) float32: each sequence's hidden state at its first response position (the last prompt token,
+        which predicts the first response token); zeros for a sequence without response tokens.
+
+        Returns:
+            (S, H) in stored order.
+        """
+        states = []
+        for k in range(self.n_shards):
+            shard = self.load_shard(k)
+            offsets = shard["offsets"].tolist()
+            for i in range(len(offsets) - 1):
+                labels = shard["labels"][offsets[i]:offsets[i + 1]]
+                where = (labels != IGNORE_INDEX).nonzero()
+                states.append(shard["hidden"][offsets[i] + int(where[0])].float() if len(where)
+                              else torch.zeros(self.hidden_size))
+        return torch.stack(states)
+
     def _token_subset(self, max_tokens: int | None, seed: int) -> Tensor | None:
         """A boolean mask over all response tokens (in shard order) selecting `max_tokens` of them, or None."""
         total = int(self.meta["response_tokens"])

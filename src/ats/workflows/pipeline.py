@@ -8,6 +8,7 @@ differs, unless `overwrite=True`; an interrupted step continues (`resume`) only 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from pathlib import Path
 from ..calibrators import calibrator_class, calibrator_for, entry, load_calibrator
 from ..calibrators.ats import ATSCalibrator
 from ..calibrators.base import CONFIG_NAME, Calibrator
+from ..calibrators.sketch import TAIL_BINS, TOP_K, LogitSketch
 from ..evaluation.token_eval import token_validator
 from ..fingerprint import check_reuse, digest, make_fingerprint, refusal, stored_fingerprint, write_fingerprint
 from ..io import write_json
@@ -193,6 +195,10 @@ class FeatureSource:
     fit_tokens: int | None = None  # token-level methods fit on a fixed seeded subset of this many tokens
     fitted: dict = field(default_factory=dict)  # name -> calibrator fitted on this source (reusable by others)
     history: object = None  # the TrainResult of the last head trained
+    use_sketch: bool = True  # fit the global-temperature, binning and Thermometer methods on one shared sketch
+    cache_bytes: int = 6 * 2**30  # keep the fitting tokens' float32 logits in memory if they fit in this
+    _sketch: LogitSketch | None = field(default=None, repr=False)
+    _cache: list | None = field(default=None, repr=False)
 
     @property
     def hidden_size(self) -> int:
@@ -206,8 +212,43 @@ class FeatureSource:
 
     @property
     def logit_chunks(self):
-        """The training split's `LogitChunks` (over `fit_tokens` seeded response tokens when set)."""
-        return self.store.logit_chunks(self.backbone.logits, max_tokens=self.fit_tokens)
+        """The training split's `LogitChunks` (over `fit_tokens` seeded response tokens when set).
+
+        When the fitting tokens' float32 logits fit in `cache_bytes`, the first complete pass keeps them and every
+        later pass (vector scaling's epochs, another method) replays them from memory without the output layer's
+        matmul; the values are the same. Consumers must not modify the chunks in place.
+        """
+        chunks = self.store.logit_chunks(self.backbone.logits, max_tokens=self.fit_tokens)
+        tokens = min(self.fit_tokens or math.inf, self.store.meta["response_tokens"])
+        if tokens * self.backbone.vocab_size * 4 > self.cache_bytes:
+            return chunks
+
+        def cached():
+            if self._cache is not None:
+                yield from self._cache
+                return
+            kept = []
+            for logits, labels in chunks():
+                kept.append((logits, labels))
+                yield logits, labels
+            self._cache = kept  # only a complete pass is kept
+
+        return cached
+
+    @property
+    def sketch(self) -> LogitSketch | None:
+        """The `LogitSketch` of the fitting tokens, built on first use in one pass over `logit_chunks` and shared by
+        every method that fits on it; None when `use_sketch` is off."""
+        if self.use_sketch and self._sketch is None:
+            logger.info("sketching the logits of %s response tokens (one full-vocabulary pass)",
+                        self.fit_tokens or self.store.meta["response_tokens"])
+            self._sketch = LogitSketch.from_chunks(self.logit_chunks)
+        return self._sketch
+
+    @property
+    def sequence_ids(self):
+        """(N,) the sequence of every fitting token, aligned with `logit_chunks` and `sketch`."""
+        return self.store.response_sequence_ids(max_tokens=self.fit_tokens)
 
     def train_head(self, calibrator: ATSCalibrator) -> None:
         """Train `calibrator.head` in place with the run's training config; the result goes to `history`.
@@ -361,23 +402,28 @@ def check_before_loading(features_dir: str | Path, head_dir: str | Path | None, 
         raise refusal(head_dir, "head", before, now)
 
 
-def calibrator_fingerprint(name: str, store, fit_tokens: int | None) -> dict:
+def calibrator_fingerprint(name: str, store, fit_tokens: int | None, *, shared_pass: bool = True) -> dict:
     """The fingerprint of a fitted (non-head) calibrator.
 
     Args:
         name: its registry name.
         store: the training features.
         fit_tokens: the size of the token subset it is fitted on, or None for all.
+        shared_pass: whether it was fitted from the shared `LogitSketch` (recorded for the methods that use it).
 
     Returns:
         A "calibrator" fingerprint.
     """
-    return make_fingerprint("calibrator", name=name, features=_store_fingerprint(store), fit_tokens=fit_tokens)
+    sketched = shared_pass and calibrator_class(name).fits_on_sketch
+    route = {"sketch": {"top_k": TOP_K, "tail_bins": TAIL_BINS}} if sketched else {}
+    return make_fingerprint("calibrator", name=name, features=_store_fingerprint(store), fit_tokens=fit_tokens,
+                            **route)
 
 
 def fit_calibrators(backbone: Backbone, train_store, out_dir: str | Path, names: tuple[str, ...] = BASELINES, *,
                     val_store=None, training: TrainingConfig | None = None, fit_tokens: int | None = None,
-                    overwrite: bool = False, progress: bool = True) -> dict[str, Calibrator]:
+                    shared_pass: bool = True, overwrite: bool = False, progress: bool = True
+                    ) -> dict[str, Calibrator]:
     """Fit each named calibrator on the same response tokens ATS trains on; saved under `out_dir/<name>` with its
     fingerprint and reused on a rerun with the same options. ATS-family names (the controls) are trained with
     `training`, exactly like the ATS head. fit_tokens: token-level methods fit on a fixed seeded subset of this many
@@ -392,6 +438,10 @@ def fit_calibrators(backbone: Backbone, train_store, out_dir: str | Path, names:
         val_store: the held-out features, for the ATS-family names.
         training: the training options of the ATS-family names.
         fit_tokens: fit token-level methods on a fixed seeded subset of this many training tokens; None: all.
+        shared_pass: fit temperature scaling, scaling-binning, histogram binning, isotonic regression and Thermometer
+            from one shared pass over the logits (a `LogitSketch`), and keep the fitting logits in memory for vector
+            scaling's epochs when they fit in 6 GiB; False: every method passes over the logits itself (the
+            reference route, slower).
         overwrite: replace calibrators made with other options instead of refusing.
         progress: show progress bars.
 
@@ -404,14 +454,15 @@ def fit_calibrators(backbone: Backbone, train_store, out_dir: str | Path, names:
     """
     out_dir = Path(out_dir)
     fitted = {}
-    source = FeatureSource(backbone, train_store, progress=progress, fit_tokens=fit_tokens)
+    source = FeatureSource(backbone, train_store, progress=progress, fit_tokens=fit_tokens, use_sketch=shared_pass,
+                           cache_bytes=FeatureSource.cache_bytes if shared_pass else 0)
     for name in names:
         target = out_dir / name
         if calibrator_class(name).trains_head:  # ATS and its controls: trained like the ATS head
             fitted[name] = train_head(backbone, train_store, val_store, target, method=name, training=training,
                                       overwrite=overwrite, progress=progress)
             continue
-        fp = calibrator_fingerprint(name, train_store, fit_tokens)
+        fp = calibrator_fingerprint(name, train_store, fit_tokens, shared_pass=shared_pass)
         if (target / CONFIG_NAME).exists() and check_reuse(target, f"calibrator {name!r}", stored_fingerprint(target),
                                                            fp, overwrite=overwrite):
             fitted[name] = source.fitted[name] = load_calibrator(target, backbone=backbone)
