@@ -19,7 +19,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import torch
 from safetensors.torch import load_file
@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from ..errors import ATSError
 from ..io import atomic_file, read_json, write_json
 from ..model.backbone import IGNORE_INDEX, Backbone
+from ..padding import pad_batch
 from .data import TokenizedExample
 
 META_NAME = "meta.json"
@@ -100,25 +101,6 @@ def micro_batch_plan(shard_sizes: list[int], batch_size: int, *, shuffle: bool =
             rng.shuffle(order)
         plan.extend((k, order[i:i + batch_size]) for i in range(0, len(order), batch_size))
     return plan
-
-
-def pad_batch(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Right-padded input_ids (B, T_max) and attention mask (B, T_max).
-
-    Args:
-        ids: B token-id lists (at least one).
-        pad_id: the id placed on padding.
-
-    Returns:
-        (input_ids (B, T_max) long, attention_mask (B, T_max) long, 1 on real tokens).
-    """
-    t_max = max(len(x) for x in ids)
-    input_ids = torch.full((len(ids), t_max), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(ids), t_max), dtype=torch.long)
-    for row, x in enumerate(ids):
-        input_ids[row, : len(x)] = torch.tensor(list(x), dtype=torch.long)
-        mask[row, : len(x)] = 1
-    return input_ids, mask
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ...calibrators.base import Calibrator
 from ...errors import ATSError
+from ...padding import pad_batch
 from .base import TaskResult, chunks, progress_bar
 
 
@@ -121,8 +122,6 @@ def gather_logits(backbone, hidden: Tensor, index: Tensor) -> Tensor:
 
 def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
     """`pad_batch(rows, pad_id)` on `device`: (ids (B, T_max), mask (B, T_max)), right-padded, long."""
-    from ...training.features import pad_batch  # imported here: it loads transformers, importing the tasks does not
-
     ids, mask = pad_batch(rows, pad_id)
     return ids.to(device), mask.to(device)
 
