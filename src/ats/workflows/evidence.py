@@ -227,22 +227,28 @@ def selection_table(selection: dict) -> str:
 class ScalingPlan:
     """How the result moves with training data: the same methods at the learning rates the main run chose."""
 
-    sizes: tuple[tuple[str, int], ...] = (("alpaca_cleaned", 2000), ("alpaca_cleaned", 5000),
-                                          ("alpaca_cleaned", 10000))
+    sizes: tuple[tuple[str, int], ...] = (("alpaca_cleaned", 2000), ("alpaca_cleaned", 5000))
     methods: tuple[str, ...] = ("ats", "ats-top-label", "selective-temperature")
     lrs: dict = field(default_factory=dict)  # method -> lr (the main run's choice)
     data: DataConfig = field(default_factory=lambda: DataConfig(pack=2048))
     training: TrainingConfig = field(default_factory=lambda: TrainingConfig(batch_size=2, micro_batch_size=1))
-    tasks: tuple[str, ...] = ("mmlu", "triviaqa", "truthfulqa_mc1")
-    task_limit: dict = field(default_factory=lambda: {"mmlu": 10, "triviaqa": 500, "truthfulqa_mc1": None})
+    tasks: tuple[str, ...] = ("mmlu", "triviaqa", "truthfulqa_gen")
+    task_limit: dict = field(default_factory=lambda: {"mmlu": 10, "triviaqa": 400, "truthfulqa_gen": 300})
     bootstrap: int = 1000
     seed: int = 0
 
 
+def size_tag(source: str, limit: int) -> str:
+    """The name of one data size: "<source>-<limit>"."""
+    return f"{source}-{limit}"
+
+
 def run_scaling(backbone: Backbone, out_dir: str | Path, plan: ScalingPlan, *, overwrite: bool = False,
                 progress: bool = True) -> dict:
-    """Per data size: features, the heads at their fixed learning rates, held-out tokens and tasks (with paired
-    differences of ATS minus the others). Each size's work lives in out_dir/<source>-<limit>/.
+    """Per data size: features, the heads at their fixed learning rates and the held-out tokens; then every size's
+    heads on the tasks in one shared pass (the backbone runs once per question, not once per size), with paired
+    differences of each size's ATS head minus every other method. Each size's work lives in
+    out_dir/<source>-<limit>/, the shared task results in out_dir/eval/.
 
     Args:
         backbone: the frozen backbone.
@@ -252,34 +258,39 @@ def run_scaling(backbone: Backbone, out_dir: str | Path, plan: ScalingPlan, *, o
         progress: show progress bars.
 
     Returns:
-        "<source>-<limit>" -> {"train_response_tokens", "token_level", "tasks"}.
+        {"sizes": "<source>-<limit>" -> {"train_response_tokens", "val_response_tokens", "token_level"},
+        "tasks": task -> "<method>@<source>-<limit>" (or "uncalibrated") -> metrics}.
 
     Raises:
         ATSError: if a step's stored results were made with other options (without `overwrite`) or a step fails.
     """
     out = Path(out_dir)
-    results = {}
+    calibrators: dict = {"uncalibrated": Uncalibrated()}
+    sizes = {}
     for source, limit in plan.sizes:
-        work = out / f"{source}-{limit}"
+        tag = size_tag(source, limit)
+        work = out / tag
         train_store, val_store = prepare_features(backbone, work / "features",
                                                   plan.data.replace(source=source, limit=limit),
                                                   overwrite=overwrite, progress=progress)
-        calibrators = {"uncalibrated": Uncalibrated()}
+        heads = {"uncalibrated": calibrators["uncalibrated"]}
         for name in plan.methods:
             method, overrides = SELECTED[name]
-            calibrators[name] = train_head(
+            heads[name] = train_head(
                 backbone, train_store, val_store, work / "heads" / name, method=method, label=name,
                 training=plan.training.replace(lr=plan.lrs[name], **overrides), overwrite=overwrite,
                 progress=progress).to(backbone.device)
-        token = token_confidences(val_store, backbone, calibrators, progress=progress)
-        built = build_tasks(plan.tasks, plan.task_limit, seed=plan.seed)
-        tasks = evaluate(backbone, calibrators, built, work / "eval", bootstrap=plan.bootstrap, seed=plan.seed,
-                         references=tuple(m for m in ("ats", "ats-top-label") if m in calibrators),
-                         overwrite=overwrite, progress=progress)
-        results[f"{source}-{limit}"] = jsonable({
+            calibrators[f"{name}@{tag}"] = heads[name]
+        token = token_confidences(val_store, backbone, heads, progress=progress)
+        sizes[tag] = jsonable({
             "train_response_tokens": train_store.meta["response_tokens"],
-            "token_level": {name: summarize(*value) for name, value in token.items()}, "tasks": tasks})
+            "val_response_tokens": val_store.meta["response_tokens"],
+            "token_level": {name: summarize(*value) for name, value in token.items()}})
+    built = build_tasks(plan.tasks, plan.task_limit, seed=plan.seed)
+    references = tuple(f"ats@{size_tag(*size)}" for size in plan.sizes if "ats" in plan.methods)
+    tasks = evaluate(backbone, calibrators, built, out / "eval", bootstrap=plan.bootstrap, seed=plan.seed,
+                     references=references, overwrite=overwrite, progress=progress)
+    results = {"sizes": sizes, "tasks": tasks}
     write_json(out / "scaling.json", {"plan": jsonable({**asdict(plan), "data": plan.data.to_dict(),
-                                                        "training": plan.training.to_dict()}),
-                                      "results": results})
+                                                        "training": plan.training.to_dict()}), **results})
     return results
