@@ -8,7 +8,7 @@ from scipy import stats
 
 from ats.calibrators import calibrator_class, load_calibrator
 from ats.calibrators.base import Uncalibrated
-from ats.calibrators.thermometer import Thermometer, gamma_neg_log_prior, prompt_positions
+from ats.calibrators.thermometer import Thermometer, gamma_neg_log_prior, prompt_positions, prompt_states
 from ats.errors import ATSError
 from ats.evaluation.evaluate import evaluate
 from ats.evaluation.token_eval import token_confidences
@@ -132,7 +132,7 @@ def test_fitting_lowers_nll_and_round_trips(store, tiny_backbone, tmp_path):
 
 def test_sequence_ids_and_prompt_states_align_with_the_sequences(store):
     ids = store.response_sequence_ids()
-    prompts = store.prompt_states()
+    prompts = prompt_states(store)
     for i, (hidden, labels) in enumerate(store.sequences()):
         pos = (labels != IGNORE_INDEX).nonzero().squeeze(-1)
         assert int((ids == i).sum()) == pos.numel()
@@ -152,7 +152,7 @@ def test_fit_on_sketch_lowers_nll_like_fit_on_sequences(store, tiny_backbone):
     for route in ("sequences", "sketch"):
         cal = Thermometer(hidden_size=tiny_backbone.hidden_size, mlp_hidden=32, epochs=6, lr=1e-2, batch_size=4)
         if route == "sketch":
-            cal.fit_sketch(store.prompt_states(), sketch, store.response_sequence_ids())
+            cal.fit_sketch(prompt_states(store), sketch, store.response_sequence_ids())
         else:
             cal.fit_sequences(store, tiny_backbone.logits)
         fitted[route] = _nll(store, tiny_backbone, cal)
@@ -160,5 +160,5 @@ def test_fit_on_sketch_lowers_nll_like_fit_on_sequences(store, tiny_backbone):
     assert fitted["sketch"] < before - 0.05, (before, fitted)
     assert fitted["sketch"] == pytest.approx(fitted["sequences"], abs=0.05)
     with pytest.raises(ATSError, match="sketch rows"):
-        Thermometer(hidden_size=tiny_backbone.hidden_size).fit_sketch(store.prompt_states(), sketch,
+        Thermometer(hidden_size=tiny_backbone.hidden_size).fit_sketch(prompt_states(store), sketch,
                                                                       torch.zeros(3, dtype=torch.long))

@@ -113,6 +113,23 @@ def prompt_positions(labels: Tensor) -> Tensor:
     return torch.where(has.any(dim=1), first, torch.full_like(first, -1))
 
 
+def prompt_states(store) -> Tensor:
+    """(S, H) float32: each stored sequence's hidden state at its prompt position (`prompt_positions`), in stored
+    order; zeros for a sequence without response tokens.
+
+    Args:
+        store: a `FeatureStore` (anything with `sequences()` and `hidden_size`).
+
+    Returns:
+        (S, H), row i for the i-th sequence of `store.sequences()`.
+    """
+    states = []
+    for hidden, labels in store.sequences():
+        pos = int(prompt_positions(labels[None])[0])
+        states.append(hidden[pos].float() if pos >= 0 else torch.zeros(store.hidden_size))
+    return torch.stack(states)
+
+
 class Thermometer(Calibrator):
     """One temperature per prompt, predicted by an MLP from the prompt's last-token hidden state (Shen et al. 2024).
 
@@ -262,7 +279,7 @@ class Thermometer(Calibrator):
         """
         sketch = getattr(source, "sketch", None)
         if sketch is not None:
-            return self.fit_sketch(source.store.prompt_states(), sketch, source.sequence_ids)
+            return self.fit_sketch(prompt_states(source.store), sketch, source.sequence_ids)
         return self.fit_sequences(source.store, source.logits_fn)
 
     def fit(self, chunks: LogitChunks) -> "Thermometer":
@@ -346,7 +363,7 @@ class Thermometer(Calibrator):
         its response tokens (all of them, or the fitting subset's: then the mean over the sampled ones).
 
         Args:
-            prompts: (S, H) each sequence's prompt feature (`FeatureStore.prompt_states`).
+            prompts: (S, H) each sequence's prompt feature (`prompt_states`).
             sketch: the `LogitSketch` of the fitting tokens.
             sequence_ids: (N,) the sequence of each sketch row, in [0, S).
 

@@ -389,24 +389,6 @@ class FeatureStore:
         keep_subset = self._token_subset(max_tokens, seed)
         return ids if keep_subset is None else ids[keep_subset]
 
-    def prompt_states(self) -> Tensor:
-        """(S, H) float32: each sequence's hidden state at its first response position (the last prompt token,
-        which predicts the first response token); zeros for a sequence without response tokens.
-
-        Returns:
-            (S, H) in stored order.
-        """
-        states = []
-        for k in range(self.n_shards):
-            shard = self.load_shard(k)
-            offsets = shard["offsets"].tolist()
-            for i in range(len(offsets) - 1):
-                labels = shard["labels"][offsets[i]:offsets[i + 1]]
-                where = (labels != IGNORE_INDEX).nonzero()
-                states.append(shard["hidden"][offsets[i] + int(where[0])].float() if len(where)
-                              else torch.zeros(self.hidden_size))
-        return torch.stack(states)
-
     def _token_subset(self, max_tokens: int | None, seed: int) -> Tensor | None:
         """A boolean mask over all response tokens (in shard order) selecting `max_tokens` of them, or None."""
         total = int(self.meta["response_tokens"])
