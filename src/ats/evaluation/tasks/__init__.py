@@ -1,7 +1,7 @@
 """Evaluation tasks: MMLU, TriviaQA, TruthfulQA MC1 and generation, and any multiple-choice JSONL file.
 
-`build_task(spec)` accepts 'mmlu', 'triviaqa', 'truthfulqa_mc1', 'truthfulqa_gen', 'mc:PATH', 'mc:PATH:letters',
-'mc:PATH:likelihood'.
+`build_task(spec)` accepts 'mmlu', 'triviaqa', 'truthfulqa_mc1', 'truthfulqa_gen', 'nq_open', 'mc:PATH',
+'mc:PATH:letters', 'mc:PATH:likelihood'.
 Every task runs the backbone once per example and applies every calibrator to that same forward.
 """
 
@@ -11,13 +11,14 @@ from ...errors import ATSError
 from .base import Task, TaskResult
 from .mmlu import MMLUTask
 from .multiple_choice import MODES, MultipleChoiceTask
+from .nq_open import NQOpenTask
 from .triviaqa import TriviaQATask
 from .truthfulqa import TruthfulQAMC1Task
 from .truthfulqa_gen import TruthfulQAGenTask
 
 TASKS = {"mmlu": MMLUTask, "triviaqa": TriviaQATask, "truthfulqa_mc1": TruthfulQAMC1Task,
-         "truthfulqa_gen": TruthfulQAGenTask}
-KNOWN_SPECS = ("mmlu", "triviaqa", "truthfulqa_mc1", "truthfulqa_gen", "mc:PATH", "mc:PATH:letters",
+         "truthfulqa_gen": TruthfulQAGenTask, "nq_open": NQOpenTask}
+KNOWN_SPECS = ("mmlu", "triviaqa", "truthfulqa_mc1", "truthfulqa_gen", "nq_open", "mc:PATH", "mc:PATH:letters",
                "mc:PATH:likelihood")
 
 
@@ -88,5 +89,5 @@ def build_tasks(tasks, task_limit=None, *, seed: int = 0, mmlu_options: dict | N
     return built
 
 
-__all__ = ["build_tasks", "KNOWN_SPECS", "MMLUTask", "MultipleChoiceTask", "Task", "TaskResult", "TriviaQATask",
-           "TruthfulQAGenTask", "TruthfulQAMC1Task", "build_task"]
+__all__ = ["build_tasks", "KNOWN_SPECS", "MMLUTask", "MultipleChoiceTask", "NQOpenTask", "Task", "TaskResult",
+           "TriviaQATask", "TruthfulQAGenTask", "TruthfulQAMC1Task", "build_task"]

@@ -23,7 +23,7 @@ import torch
 
 from ...calibrators.base import Calibrator
 from .base import Task, TaskResult, chunks, progress_bar
-from .scoring import PrefixCache, gather_logits
+from .scoring import PrefixCache, gather_logits, mean_token_confidence
 
 
 def stop_token_ids(backbone) -> set[int]:
@@ -102,6 +102,40 @@ class GenerativeTask(Task):
     max_new_tokens: int
     batch_size: int
 
+    def prompts(self, tokenizer) -> tuple[list[int], list[list[int]]]:
+        """(the shared prompt prefix, each question's full prompt) as token ids; subclasses define it.
+
+        Args:
+            tokenizer: the backbone's tokenizer.
+
+        Returns:
+            (prefix ids, one prompt per question, each starting with the prefix).
+        """
+        raise NotImplementedError
+
+    def judge_answers(self, texts: list[str]) -> tuple[list[bool], dict[str, np.ndarray]]:
+        """(whether each answer is right, per-question extra arrays) for the answers `texts` to the questions of
+        `prompts`, in order; subclasses define it.
+
+        Args:
+            texts: one answer per question.
+
+        Returns:
+            (correct, extra arrays added to every method's result).
+        """
+        raise NotImplementedError
+
+    def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
+        """Greedy answers to `prompts`, judged by `judge_answers`, scored by every calibrator (the module docstring).
+
+        Same arguments as `Task.run`; returns method -> per-question results (extra: "confidence_product",
+        "n_tokens", "prediction" and the judge's arrays).
+        """
+        prefix_ids, prompts = self.prompts(backbone.tokenizer)
+        answers = self.answer(backbone, calibrators, prompts, PrefixCache(backbone, prefix_ids), progress=progress)
+        correct, extra = self.judge_answers(answers.text)
+        return answers.results(correct, extra)
+
     @torch.no_grad()
     def generate(self, backbone, prompts: list[list[int]]) -> list[list[int]]:
         """Greedy continuations (new tokens only) of a batch of prompts, left-padded for generation.
@@ -167,5 +201,5 @@ class GenerativeTask(Task):
             q = calibrator.apply(z, hidden, attention_mask=mask, index=index)
             p = torch.softmax(q, dim=-1).gather(2, targets[..., None])[..., 0]  # (B, K)
             p = calibrator.map_confidence(p)
-            out.mean[method].extend((p * valid).sum(1) / valid.sum(1))
+            out.mean[method].extend(mean_token_confidence(p, valid))
             out.product[method].extend(np.prod(np.where(valid, p, 1.0), axis=1))

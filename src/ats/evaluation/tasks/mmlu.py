@@ -25,9 +25,9 @@ from collections import defaultdict
 from ...calibrators.base import Calibrator
 from ...errors import ATSError
 from ...sources import hub_dataset, local_file
-from .base import Task, TaskResult, progress_bar, read_jsonl, seeded_subset
+from .base import Task, TaskResult, read_jsonl, seeded_subset
 from .multiple_choice import letter_prompt
-from .scoring import LetterItem, PrefixCache, concat_results, encode, letter_token_ids, score_letters
+from .scoring import ItemGroup, LetterItem, encode, letter_token_ids, score_groups
 
 LETTERS = "ABCD"
 
@@ -197,6 +197,28 @@ class MMLUTask(Task):
                                f"{self.n_shots}")
         return questions, shots
 
+    def groups(self, tokenizer) -> list[ItemGroup]:
+        """One group per subject: the few-shot prefix and the letter-scored questions (the prompts `run` scores).
+
+        Args:
+            tokenizer: the backbone's tokenizer.
+
+        Returns:
+            The groups, subjects in sorted order.
+
+        Raises:
+            ATSError: if the data cannot be loaded or the letters are not single tokens.
+        """
+        letters = letter_token_ids(tokenizer, 4)
+        questions, shots = self.load()
+        groups = []
+        for subject in questions:
+            prefix_text = few_shot_prefix(subject, shots[subject])
+            items = [LetterItem(ids=encode(tokenizer, prefix_text + format_example(r, with_answer=False), special=True),
+                                letters=letters, answer=r["answer"]) for r in questions[subject]]
+            groups.append(ItemGroup(subject, encode(tokenizer, prefix_text, special=True), items))
+        return groups
+
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
         """Score every selected question by its letters, subject by subject (each prefix encoded once).
 
@@ -204,15 +226,5 @@ class MMLUTask(Task):
         "prediction", "answer"). Raises `ATSError` if the data cannot be loaded or the letters are not single
         tokens.
         """
-        tok = backbone.tokenizer
-        letters = letter_token_ids(tok, 4)
-        questions, shots = self.load()
-        parts = []
-        for subject in progress_bar(list(questions), enabled=progress, desc="mmlu subjects"):
-            prefix_text = few_shot_prefix(subject, shots[subject])
-            prefix = PrefixCache(backbone, encode(tok, prefix_text, special=True))
-            items = [LetterItem(ids=encode(tok, prefix_text + format_example(r, with_answer=False), special=True),
-                                letters=letters, answer=r["answer"]) for r in questions[subject]]
-            parts.append(score_letters(backbone, calibrators, items, prefix=prefix, batch_size=self.batch_size,
-                                       progress=progress, desc=subject))
-        return concat_results(parts, calibrators)
+        return score_groups(backbone, calibrators, self.groups(backbone.tokenizer), batch_size=self.batch_size,
+                            progress=progress)

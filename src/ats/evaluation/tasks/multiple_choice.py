@@ -22,7 +22,7 @@ from ...calibrators.base import Calibrator
 from ...errors import ATSError
 from ...io import read_jsonl
 from .base import Task, TaskResult, seeded_subset
-from .scoring import ChoiceItem, LetterItem, encode, letter_token_ids, score_choices, score_letters
+from .scoring import ChoiceItem, ItemGroup, LetterItem, encode, letter_token_ids, score_groups
 
 logger = logging.getLogger(__name__)
 
@@ -153,20 +153,34 @@ class MultipleChoiceTask(Task):
         """
         return [self.rows[i] for i in seeded_subset(len(self.rows), self.limit, self.seed, salt=self.name)]
 
+    def groups(self, tokenizer) -> list[ItemGroup]:
+        """The selected questions as one group without a shared prefix, letter- or likelihood-scored by `mode`.
+
+        Args:
+            tokenizer: the backbone's tokenizer.
+
+        Returns:
+            [the group].
+
+        Raises:
+            ATSError: if the letters are not single tokens (letters mode).
+        """
+        rows = self.selected()
+        if self.mode == "letters":
+            items = [LetterItem(ids=encode(tokenizer, letter_prompt(r["question"], r["choices"]), special=True),
+                                letters=letter_token_ids(tokenizer, len(r["choices"])), answer=r["answer"])
+                     for r in rows]
+        else:
+            items = [ChoiceItem(context=encode(tokenizer, f"Q: {r['question']}\nA:", special=True),
+                                choices=[encode(tokenizer, " " + c, special=False) for c in r["choices"]],
+                                answer=r["answer"]) for r in rows]
+        return [ItemGroup(self.name, [], items)]
+
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
         """Score the selected questions by letters or by choice likelihood (see the module docstring).
 
         Same arguments as `Task.run`; returns method -> per-question results (extra: "prediction", "answer").
         Raises `ATSError` if the letters are not single tokens (letters mode) or a choice has no tokens.
         """
-        tok = backbone.tokenizer
-        rows = self.selected()
-        if self.mode == "letters":
-            items = [LetterItem(ids=encode(tok, letter_prompt(r["question"], r["choices"]), special=True),
-                                letters=letter_token_ids(tok, len(r["choices"])), answer=r["answer"]) for r in rows]
-            return score_letters(backbone, calibrators, items, batch_size=self.batch_size, progress=progress,
-                                 desc=self.name)
-        items = [ChoiceItem(context=encode(tok, f"Q: {r['question']}\nA:", special=True),
-                            choices=[encode(tok, " " + c, special=False) for c in r["choices"]], answer=r["answer"])
-                 for r in rows]
-        return score_choices(backbone, calibrators, items, progress=progress, desc=self.name)
+        return score_groups(backbone, calibrators, self.groups(backbone.tokenizer), batch_size=self.batch_size,
+                            progress=progress)

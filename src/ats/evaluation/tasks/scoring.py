@@ -198,6 +198,32 @@ class PrefixCache:
 
 
 # --- two scoring rules shared by the multiple-choice tasks -----------------------------------------------------------
+def softmax_confidence(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """(confidence, prediction) of a multiple-choice answer: the softmax over its choices' scores, at its argmax.
+
+    The one rule of both multiple-choice scorings (letters: the calibrated letter logits; likelihood: the summed
+    calibrated log-likelihoods), shared with answer-level training (`ats.training.answers`), where it is
+    differentiated.
+
+    Args:
+        scores: (B, n) one row per question; -inf on absent choices (rows with fewer choices).
+
+    Returns:
+        (confidence (B,), prediction (B,) long).
+    """
+    return torch.softmax(scores, dim=-1).max(dim=-1)
+
+
+def sequence_log_likelihood(logp: Tensor, valid: Tensor) -> Tensor:
+    """A continuation's summed log-likelihood: (..., K) token log-probabilities, summed where `valid` (..., K)."""
+    return (logp * valid).sum(-1)
+
+
+def mean_token_confidence(p: Tensor, valid: Tensor) -> Tensor:
+    """A free-form answer's confidence: the mean of its token probabilities `p` (..., K) where `valid`."""
+    return (p * valid).sum(-1) / valid.sum(-1)
+
+
 @dataclass
 class LetterItem:
     """One question scored by letters: its full prompt tokens (ending at "Answer:") and the letter token ids."""
@@ -241,9 +267,7 @@ def score_letters(backbone, calibrators: dict[str, Calibrator], items: Sequence[
         answers.extend(it.answer for it in batch)
         for method, calibrator in calibrators.items():
             q = calibrator.apply(z, hidden, attention_mask=mask, index=last)[:, 0]  # (B, V)
-            letter_logits = q.gather(1, letter_ids).masked_fill(~valid, float("-inf"))
-            probs = torch.softmax(letter_logits, dim=-1)
-            c, p = probs.max(dim=-1)
+            c, p = softmax_confidence(q.gather(1, letter_ids).masked_fill(~valid, float("-inf")))
             conf[method].append(calibrator.map_confidence(c))
             pred[method].append(p.cpu().numpy())
     return _collect(conf, pred, np.asarray(answers, dtype=np.int64))
@@ -288,10 +312,8 @@ def score_choices(backbone, calibrators: dict[str, Calibrator], items: Sequence[
         for method, calibrator in calibrators.items():
             q = calibrator.apply(z, hidden, attention_mask=mask, index=index)
             logp = torch.log_softmax(q, dim=-1).gather(2, targets[..., None])[..., 0]  # (C, K)
-            total = (logp * valid).sum(dim=1)  # (C,)
-            probs = torch.softmax(total, dim=0)
-            c, p = probs.max(dim=0)
-            conf[method].append(calibrator.map_confidence(c.reshape(1)))
+            c, p = softmax_confidence(sequence_log_likelihood(logp, valid)[None])  # (1,) each
+            conf[method].append(calibrator.map_confidence(c))
             pred[method].append(p.reshape(1).cpu().numpy())
     return _collect(conf, pred, np.asarray(answers, dtype=np.int64))
 
@@ -326,3 +348,41 @@ def concat_results(parts: list[dict[str, TaskResult]], methods: Iterable[str]) -
         out[m] = TaskResult(np.concatenate([r.confidence for r in rs]), np.concatenate([r.correct for r in rs]),
                             {k: np.concatenate([r.extra[k] for r in rs]) for k in keys})
     return out
+
+
+@dataclass
+class ItemGroup:
+    """Questions that share one prompt prefix (encoded once): what a scored task asks of the backbone.
+
+    Every item of a group is a `LetterItem` (letter scoring) or every one a `ChoiceItem` (choice likelihood).
+    """
+
+    name: str
+    prefix: list[int]
+    items: list
+
+
+def score_groups(backbone, calibrators: dict[str, Calibrator], groups: Sequence[ItemGroup], *, batch_size: int = 8,
+                 progress: bool = False) -> dict[str, TaskResult]:
+    """Score every group by its items' rule (letters or choice likelihood), each prefix encoded once; in order.
+
+    Args:
+        backbone: the frozen backbone.
+        calibrators: method name -> fitted calibrator.
+        groups: the question groups (a task's `groups(tokenizer)`).
+        batch_size: questions per forward pass (letter scoring).
+        progress: show progress bars.
+
+    Returns:
+        method -> per-question results, the groups' questions in order.
+    """
+    parts = []
+    for group in groups:
+        prefix = PrefixCache(backbone, group.prefix)
+        if group.items and isinstance(group.items[0], LetterItem):
+            parts.append(score_letters(backbone, calibrators, group.items, prefix=prefix, batch_size=batch_size,
+                                       progress=progress, desc=group.name))
+        else:
+            parts.append(score_choices(backbone, calibrators, group.items, prefix=prefix, progress=progress,
+                                       desc=group.name))
+    return concat_results(parts, calibrators)

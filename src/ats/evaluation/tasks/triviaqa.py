@@ -30,12 +30,11 @@ import string
 
 import numpy as np
 
-from ...calibrators.base import Calibrator
 from ...errors import ATSError
 from ...sources import hub_dataset, local_file
-from .base import TaskResult, read_jsonl
+from .base import read_jsonl
 from .generative import GenerativeTask
-from .scoring import PrefixCache, encode
+from .scoring import encode
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
@@ -144,13 +143,16 @@ class TriviaQATask(GenerativeTask):
         n_shots: few-shot examples per prompt.
         max_new_tokens: the longest greedy answer.
         batch_size: questions per generation batch.
+        offset: questions of the permutation skipped after the few-shot examples (a training pool disjoint from
+            the reported questions).
     """
 
     name = "triviaqa"
 
     def __init__(self, *, limit: int | None = None, seed: int = 0, n_shots: int = 5, max_new_tokens: int = 16,
-                 batch_size: int = 8) -> None:
+                 batch_size: int = 8, offset: int = 0) -> None:
         self.limit = limit
+        self.offset = offset
         self.seed = seed
         self.n_shots = n_shots
         self.max_new_tokens = max_new_tokens
@@ -162,38 +164,64 @@ class TriviaQATask(GenerativeTask):
         Returns:
             {"name", "limit", "seed", "n_shots", "max_new_tokens"}.
         """
-        return {"name": self.name, "limit": self.limit, "seed": self.seed, "n_shots": self.n_shots,
-                "max_new_tokens": self.max_new_tokens}
+        out = {"name": self.name, "limit": self.limit, "seed": self.seed, "n_shots": self.n_shots,
+               "max_new_tokens": self.max_new_tokens}
+        return {**out, "offset": self.offset} if self.offset else out  # old results (no offset) stay valid
+
+    def rows(self) -> list[dict]:
+        """Every question of the data set as {question, value, aliases}.
+
+        Returns:
+            The rows (TriviaQA validation).
+        """
+        return load_triviaqa()
 
     def load(self) -> tuple[list[dict], list[dict]]:
         """(few-shot examples, evaluated questions).
 
         Returns:
-            (the `n_shots` examples of a seeded permutation; the next `limit` questions, in file order).
+            (the `n_shots` examples of a seeded permutation; after skipping `offset` more, the next `limit`
+            questions, in file order: offset 1000 gives questions disjoint from every reported subset of up to
+            1000).
 
         Raises:
             ATSError: if the data cannot be read or holds no more than `n_shots` questions.
         """
-        rows = load_triviaqa()
+        rows = self.rows()
         if len(rows) <= self.n_shots:
             raise ATSError(f"triviaqa: {len(rows)} questions, not more than n_shots={self.n_shots}")
         order = np.random.default_rng(self.seed).permutation(len(rows))
         shots = [rows[i] for i in order[:self.n_shots]]
-        rest = order[self.n_shots:]
+        rest = order[self.n_shots + self.offset:]
         if self.limit is not None:
             rest = rest[:self.limit]
         return shots, [rows[i] for i in sorted(rest)]
 
-    def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
-        """Greedy answers judged by exact match, scored by every calibrator (see the module docstring).
+    def prompts(self, tokenizer) -> tuple[list[int], list[list[int]]]:
+        """(the few-shot prefix, each question's prompt ending with "A:") as token ids.
 
-        Same arguments as `Task.run`; returns method -> per-question results (extra: "confidence_product",
-        "n_tokens", "prediction"). Raises `ATSError` if the data cannot be loaded.
+        Args:
+            tokenizer: the backbone's tokenizer.
+
+        Returns:
+            (prefix ids, prompts).
+
+        Raises:
+            ATSError: if the data cannot be loaded.
         """
-        tok = backbone.tokenizer
         shots, questions = self.load()
         prefix_text = few_shot_prefix(shots)
-        prefix = PrefixCache(backbone, encode(tok, prefix_text, special=True) if prefix_text else [])
-        prompts = [encode(tok, render_prompt(shots, q["question"]), special=True) for q in questions]
-        answers = self.answer(backbone, calibrators, prompts, prefix, progress=progress)
-        return answers.results([exact_match(text, q["aliases"]) for text, q in zip(answers.text, questions)])
+        prefix = encode(tokenizer, prefix_text, special=True) if prefix_text else []
+        return prefix, [encode(tokenizer, render_prompt(shots, q["question"]), special=True) for q in questions]
+
+    def judge_answers(self, texts: list[str]) -> tuple[list[bool], dict[str, np.ndarray]]:
+        """Exact match against each question's aliases (no extra arrays).
+
+        Args:
+            texts: one answer per evaluated question.
+
+        Returns:
+            (correct, {}).
+        """
+        _, questions = self.load()
+        return [exact_match(text, q["aliases"]) for text, q in zip(texts, questions)], {}

@@ -19,7 +19,7 @@ from ...errors import ATSError
 from ...io import read_json
 from ...sources import hub_dataset, local_file
 from .base import Task, TaskResult, seeded_subset
-from .scoring import ChoiceItem, PrefixCache, encode, score_choices
+from .scoring import ChoiceItem, ItemGroup, encode, score_groups
 
 QA_PRIMER = (
     "Q: What is human life expectancy in the United States?\n"
@@ -115,15 +115,27 @@ class TruthfulQAMC1Task(Task):
         rows = load_truthfulqa_mc1()
         return [rows[i] for i in seeded_subset(len(rows), self.limit, self.seed, salt=self.name)]
 
+    def groups(self, tokenizer) -> list[ItemGroup]:
+        """The selected questions, likelihood-scored after the QA primer (their shared prefix).
+
+        Args:
+            tokenizer: the backbone's tokenizer.
+
+        Returns:
+            [the group].
+
+        Raises:
+            ATSError: if the data cannot be loaded.
+        """
+        items = [ChoiceItem(context=encode(tokenizer, render_context(r["question"]), special=True),
+                            choices=[encode(tokenizer, " " + c, special=False) for c in r["choices"]],
+                            answer=r["answer"]) for r in self.load()]
+        return [ItemGroup(self.name, encode(tokenizer, QA_PRIMER, special=True), items)]
+
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
         """Score each question's choices by likelihood after the primer (encoded once).
 
         Same arguments as `Task.run`; returns method -> per-question results (extra: "prediction", "answer").
         Raises `ATSError` if the data cannot be loaded or a choice has no tokens.
         """
-        tok = backbone.tokenizer
-        prefix = PrefixCache(backbone, encode(tok, QA_PRIMER, special=True))
-        items = [ChoiceItem(context=encode(tok, render_context(r["question"]), special=True),
-                            choices=[encode(tok, " " + c, special=False) for c in r["choices"]], answer=r["answer"])
-                 for r in self.load()]
-        return score_choices(backbone, calibrators, items, prefix=prefix, progress=progress, desc=self.name)
+        return score_groups(backbone, calibrators, self.groups(backbone.tokenizer), progress=progress)

@@ -27,14 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ...calibrators.base import Calibrator
 from ...checks import check_choice, check_positive_int
 from ...errors import ATSError
 from ...sources import hub_dataset, local_file
-from .base import TaskResult, seeded_subset
+from .base import seeded_subset
 from .generative import GenerativeTask
 from .judge import JUDGES, NO_COMMENT, close_references, judge_answer
-from .scoring import PrefixCache, encode
+from .scoring import encode
 from .truthfulqa import QA_PRIMER, render_context
 
 COLUMNS = ("Category", "Question", "Best Answer", "Correct Answers", "Incorrect Answers")
@@ -175,21 +174,38 @@ class TruthfulQAGenTask(GenerativeTask):
         rows = load_truthfulqa_gen()
         return [rows[i] for i in seeded_subset(len(rows), self.limit, self.seed, salt=self.name)]
 
-    def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:
-        """Greedy answers after the primer, judged against the references, scored by every calibrator.
+    def prompts(self, tokenizer) -> tuple[list[int], list[list[int]]]:
+        """(the QA primer, each question's prompt after it) as token ids.
 
-        Same arguments as `Task.run`; returns method -> per-question results (extra: the module docstring's
-        arrays). Raises `ATSError` if the data cannot be loaded or the judge's package is missing.
+        Args:
+            tokenizer: the backbone's tokenizer.
+
+        Returns:
+            (prefix ids, prompts).
+
+        Raises:
+            ATSError: if the data cannot be loaded.
         """
-        tok = backbone.tokenizer
+        return (encode(tokenizer, QA_PRIMER, special=True),
+                [encode(tokenizer, render_context(r["question"]), special=True) for r in self.load()])
+
+    def judge_answers(self, texts: list[str]) -> tuple[list[bool], dict[str, np.ndarray]]:
+        """Each answer against its question's true and false references (the module docstring's arrays).
+
+        Args:
+            texts: one answer per evaluated question.
+
+        Returns:
+            (correct, {"similarity_true", "similarity_false", "margin", "category"}).
+
+        Raises:
+            ATSError: if the judge's package is missing.
+        """
         rows = self.load()
-        prefix = PrefixCache(backbone, encode(tok, QA_PRIMER, special=True))
-        prompts = [encode(tok, render_context(r["question"]), special=True) for r in rows]
-        answers = self.answer(backbone, calibrators, prompts, prefix, progress=progress)
         verdicts = [judge_answer(text, r["true_refs"], r["false_refs"], self.judge)
-                    for text, r in zip(answers.text, rows)]
+                    for text, r in zip(texts, rows)]
         extra = {"similarity_true": np.asarray([v.true_max for v in verdicts]),
                  "similarity_false": np.asarray([v.false_max for v in verdicts]),
                  "margin": np.asarray([v.margin for v in verdicts]),
                  "category": np.asarray([r["category"] for r in rows], dtype=str)}
-        return answers.results([v.correct for v in verdicts], extra)
+        return [v.correct for v in verdicts], extra
