@@ -21,8 +21,8 @@ interpolant. With G, per token:
 
 A row (float32) holds the header `HEADER` (z_top, z_top - z_y, z_top - mean z, correct, gap2, max_scale, knee) and
 then l(0) = log(V - 1) with the K increments l(s_k) - l(s_{k-1}) (stored as increments so that float32 rounding of
-l ~ log V does not reach the derivative between close nodes), l' (K + 1) and l'' (K + 1): 7 + 3 (K + 1) numbers, 328 bytes at the default K = 24 (SmolLM2's fp16
-hidden state is 1152 bytes).
+l ~ log V does not reach the derivative between close nodes), l' (K + 1) and l'' (K + 1): 7 + 3 (K + 1) numbers,
+328 bytes at the default K = 24 (SmolLM2's fp16 hidden state is 1152 bytes).
 """
 
 from __future__ import annotations
