@@ -22,7 +22,7 @@ interpolant. With G, per token:
 A row (float32) holds the header `HEADER` (z_top, z_top - z_y, z_top - mean z, correct, gap2, max_scale, knee) and
 then l(0) = log(V - 1) with the K increments l(s_k) - l(s_{k-1}) (stored as increments so that float32 rounding of
 l ~ log V does not reach the derivative between close nodes), l' (K + 1) and l'' (K + 1): 7 + 3 (K + 1) numbers,
-328 bytes at the default K = 24 (SmolLM2's fp16 hidden state is 1152 bytes).
+616 bytes at the default K = 48 (SmolLM2's fp16 hidden state is 1152 bytes).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ __all__ = ["SUMMARY_VERSION", "ScaleSummarySpec", "SummaryView", "scaled_ce_from
 SUMMARY_VERSION = 1
 HEADER = ("z_top", "gap_y", "gap_mean", "correct", "gap2", "max_scale", "knee")
 Z_TOP, GAP_Y, GAP_MEAN, CORRECT, GAP2, MAX_SCALE, KNEE = range(len(HEADER))
-DEFAULT_INTERVALS = 24
+DEFAULT_INTERVALS = 48
 DEFAULT_KNEE = 0.25
 _EXCLUDED = 1.0e4  # the top token's gap while summing over the others: its exp is floored to e^-87, i.e. nothing
 

@@ -36,6 +36,8 @@ class TrainingConfig(ConfigMixin):
     seed: int = option(0, "seed of the head's initialisation and the data order")
     bf16: bool = option(False, "bf16 autocast for the head (GPU); the loss is always float32")
     chunk_size: int = option(1024, "tokens per logits chunk in the loss", low=1)
+    exact_loss: bool = option(False, "compute the loss from the full-vocabulary logits even when the features carry "
+                              "a scale summary (the reference route; slower by about the vocabulary size)")
     save_every: int = option(0, "checkpoint every N optimizer steps (0: once per epoch)", low=0)
 
     def __post_init__(self) -> None:

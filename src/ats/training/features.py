@@ -4,13 +4,18 @@ Layout of a feature folder:
 
     meta.json                  backbone identity, dtype, sizes, the list of shards with their sha256
     shard-00000.safetensors    hidden (N_tok, H) fp16/bf16, input_ids (N_tok,), labels (N_tok,), offsets (S+1,),
-                               example_index (S,)  -- S sequences packed end to end, no padding stored
+                               example_index (S,)  -- S sequences packed end to end, no padding stored;
+                               summary (N_resp, D) float32: the scale summary of each response token, in order
+                               (`ats.model.scale_summary`), when extracted with one
     shard-00000.json           the shard's sha256 and sizes, written after the shard (marks it finished)
 
 Sequences are sorted by length and assigned to shards deterministically, so an interrupted extraction resumes by
 skipping finished shards. Shards are read one at a time (memory stays flat as the data grows) and their checksum is
-verified on first read. Logits are never stored: `(N, V)` for a whole data set would not fit; they are recomputed
-from `h` in chunks (`z = backbone.logits(h)`).
+verified on first read. Logits are never stored: `(N, V)` for a whole data set would not fit. The extraction computes
+the logits of the response positions once (from the hidden states as stored, so both routes see the same `z`) and
+keeps their scale summary, from which the training losses follow without the vocabulary; the exact route
+(`--exact-loss`, online features, folders extracted without a summary) recomputes them from `h` in chunks
+(`z = backbone.logits(h)`).
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ from tqdm.auto import tqdm
 from ..errors import ATSError
 from ..io import atomic_file, read_json, write_json
 from ..model.backbone import IGNORE_INDEX, Backbone
+from ..model.scale_summary import ScaleSummarySpec, summarize_logits
 from ..padding import pad_batch
 from .data import TokenizedExample
 
 META_NAME = "meta.json"
 FORMAT_VERSION = 1
+SUMMARY_CHUNK = 128  # response tokens per summary computation: a few (chunk, V) float32 buffers
 
 
 def _sha256(path: Path) -> str:
@@ -115,6 +122,7 @@ def extract_features(
     shards: list[int] | None = None,
     progress: bool = True,
     extra_meta: dict | None = None,
+    summary: ScaleSummarySpec | None = None,
 ) -> "FeatureStore":
     """Run the backbone over `examples` once and write hidden states + labels as shards.
 
@@ -131,6 +139,8 @@ def extract_features(
         shards: which shard indices this process writes (distributed extraction); default all.
         progress: show a progress bar.
         extra_meta: more entries for meta.json (e.g. the data's description).
+        summary: also store the scale summary of every response token with these settings (meta.json records
+            them); None: hidden states only.
 
     Returns:
         The `FeatureStore` of the folder; None when `shards` is given (the main process writes meta.json with
@@ -154,16 +164,20 @@ def extract_features(
         marker = out_dir / f"shard-{k:05d}.json"
         indices = plan[k]
         n_tok = sum(len(examples[i].input_ids) for i in indices)
-        if marker.exists() and shard_path.exists() and read_json(marker).get("sha256") == _sha256(shard_path):
+        if _finished(marker, shard_path, summary):
             bar.update(n_tok)
             continue
         pieces: dict[int, Tensor] = {}
+        rows: dict[int, Tensor] = {}
         for batch in _token_batches([len(examples[i].input_ids) for i in indices], batch_tokens):
             ids = [examples[indices[j]].input_ids for j in batch]
             input_ids, mask = pad_batch(ids, pad_id)
             hidden, _ = backbone.forward(input_ids.to(backbone.device), mask.to(backbone.device))  # (B, T, H)
             for row, j in enumerate(batch):
-                pieces[j] = hidden[row, : len(ids[row])].to("cpu", store_dtype)
+                pieces[j] = hidden[row, : len(ids[row])].to(store_dtype)
+                if summary is not None:
+                    rows[j] = _summary_rows(backbone, pieces[j], examples[indices[j]].labels, summary)
+                pieces[j] = pieces[j].cpu()
             bar.update(int(mask.sum()))
         lengths = torch.tensor([len(examples[i].input_ids) for i in indices])
         tensors = {
@@ -173,15 +187,55 @@ def extract_features(
             "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
             "example_index": torch.tensor(indices, dtype=torch.long),
         }
+        if summary is not None:
+            tensors["summary"] = torch.cat([rows[j] for j in range(len(indices))]).contiguous()
         with atomic_file(shard_path, "wb") as f:
             f.write(_serialize(tensors))
         write_json(marker, {"sha256": _sha256(shard_path), "sequences": len(indices), "tokens": n_tok,
-                            "response_tokens": int((tensors["labels"] != IGNORE_INDEX).sum())})
+                            "response_tokens": int((tensors["labels"] != IGNORE_INDEX).sum()),
+                            **({"scale_summary": summary.describe()} if summary is not None else {})})
     bar.close()
     if shards is None:
-        write_meta(out_dir, backbone, n_shards=len(plan), dtype=dtype, extra=extra_meta)
+        write_meta(out_dir, backbone, n_shards=len(plan), dtype=dtype,
+                   extra={**(extra_meta or {}), **summary_meta(summary)})
         return FeatureStore(out_dir)
     return None  # type: ignore[return-value]  # distributed: the main process writes meta once all ranks finish
+
+
+def _finished(marker: Path, shard_path: Path, summary: ScaleSummarySpec | None) -> bool:
+    """Whether a shard is written, intact, and with the requested scale summary (or none, as requested)."""
+    if not (marker.exists() and shard_path.exists()):
+        return False
+    done = read_json(marker)
+    wanted = summary.describe() if summary is not None else None
+    return done.get("scale_summary") == wanted and done.get("sha256") == _sha256(shard_path)
+
+
+def summary_meta(summary: ScaleSummarySpec | None) -> dict:
+    """The meta.json entry of a scale summary: {"scale_summary": its settings}, or {} without one.
+
+    Args:
+        summary: the settings, or None.
+
+    Returns:
+        The entry to merge into meta.json.
+    """
+    return {"scale_summary": summary.describe()} if summary is not None else {}
+
+
+def _summary_rows(backbone: Backbone, hidden: Tensor, labels: list[int], summary: ScaleSummarySpec) -> Tensor:
+    """The summary rows (n_resp, D) of one sequence's response tokens, from its stored hidden states (T, H).
+
+    The logits come from the hidden states as stored (rounded to the feature dtype), so that the summary and the
+    exact route, which recomputes z from the stored h, describe the same logits.
+    """
+    y = torch.tensor(labels, dtype=torch.long)  # (T,)
+    keep = y != IGNORE_INDEX
+    h = hidden[keep.to(hidden.device)]  # (n_resp, H)
+    out = [summarize_logits(backbone.logits(h[a:a + SUMMARY_CHUNK]), y[keep][a:a + SUMMARY_CHUNK].to(h.device),
+                            max_scale=summary.max_scale, intervals=summary.intervals, knee=summary.knee).cpu()
+           for a in range(0, h.shape[0], SUMMARY_CHUNK)]
+    return torch.cat(out) if out else torch.empty(0, summary.width)
 
 
 def _serialize(tensors: dict[str, Tensor]) -> bytes:
@@ -223,6 +277,7 @@ class SequenceBatch:
     hidden: Tensor  # (B, T, H) float32, right-padded with zeros
     attention_mask: Tensor  # (B, T) 1 on real tokens
     labels: Tensor  # (B, T) next-token ids on response positions, IGNORE_INDEX elsewhere
+    summary: Tensor | None = None  # (N_resp, D) scale summary rows of the response positions, row by row; or None
 
 
 class FeatureStore:
@@ -252,6 +307,12 @@ class FeatureStore:
         return len(self.meta["shards"])
 
     @property
+    def scale_summary(self) -> ScaleSummarySpec | None:
+        """The settings of the stored scale summary, or None for a folder extracted without one."""
+        entry = self.meta.get("scale_summary")
+        return ScaleSummarySpec(**entry) if entry is not None else None
+
+    @property
     def hidden_size(self) -> int:
         """H, the backbone's hidden size the features were extracted with."""
         return int(self.meta["hidden_size"])
@@ -278,7 +339,7 @@ class FeatureStore:
 
         Returns:
             {"hidden": (N_tok, H), "input_ids": (N_tok,), "labels": (N_tok,), "offsets": (S+1,),
-            "example_index": (S,)}.
+            "example_index": (S,)}, and "summary" (N_resp, D) when extracted with a scale summary.
 
         Raises:
             ATSError: if the shard file is missing or its checksum does not match.
@@ -338,8 +399,12 @@ class FeatureStore:
             if k != loaded_k:
                 shard, loaded_k = self.load_shard(k), k
                 offsets = shard["offsets"].tolist()
-            yield collate([(shard["hidden"][offsets[i]:offsets[i + 1]], shard["labels"][offsets[i]:offsets[i + 1]])
-                           for i in rows])
+                summary_offsets = _response_offsets(shard) if "summary" in shard else None
+            seqs = [(shard["hidden"][offsets[i]:offsets[i + 1]], shard["labels"][offsets[i]:offsets[i + 1]])
+                    for i in rows]
+            summaries = None if summary_offsets is None else [
+                shard["summary"][summary_offsets[i]:summary_offsets[i + 1]] for i in rows]
+            yield collate(seqs, summaries)
 
     def response_tokens(self, chunk_tokens: int = 4096, *, max_tokens: int | None = None,
                         seed: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
@@ -423,15 +488,23 @@ class FeatureStore:
         return chunks
 
 
-def collate(seqs: list[tuple[Tensor, Tensor]]) -> SequenceBatch:
+def _response_offsets(shard: dict[str, Tensor]) -> list[int]:
+    """(S + 1) offsets of each sequence's rows in the shard's "summary" (its response tokens, in order)."""
+    before = torch.cat([torch.zeros(1, dtype=torch.long), (shard["labels"] != IGNORE_INDEX).long().cumsum(0)])
+    return before[shard["offsets"]].tolist()  # response tokens before each sequence's first token
+
+
+def collate(seqs: list[tuple[Tensor, Tensor]], summaries: list[Tensor] | None = None) -> SequenceBatch:
     """Right-pad (hidden (T_i, H), labels (T_i,)) sequences into one batch.
 
     Args:
         seqs: B pairs (hidden (T_i, H), labels (T_i,)), at least one.
+        summaries: B scale summaries (n_resp_i, D) of the sequences' response tokens, or None.
 
     Returns:
         The batch: hidden (B, T_max, H) float32 with zeros on padding, attention_mask (B, T_max), labels (B, T_max)
-        with -100 on padding.
+        with -100 on padding, and the summary rows (N_resp, D) in the order of `labels != IGNORE_INDEX` (row by
+        row) when `summaries` is given.
     """
     t_max = max(h.shape[0] for h, _ in seqs)
     width = seqs[0][0].shape[1]
@@ -442,4 +515,5 @@ def collate(seqs: list[tuple[Tensor, Tensor]]) -> SequenceBatch:
         hidden[row, : len(y)] = h.float()
         mask[row, : len(y)] = 1
         labels[row, : len(y)] = y
-    return SequenceBatch(hidden=hidden, attention_mask=mask, labels=labels)
+    summary = torch.cat(summaries) if summaries is not None else None
+    return SequenceBatch(hidden=hidden, attention_mask=mask, labels=labels, summary=summary)

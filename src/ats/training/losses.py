@@ -1,7 +1,9 @@
 """Calibration losses for a head's per-token scale `s` (calibrated logits `q = z * s`), on N response tokens.
 
 The per-token quantities (CE to the label, CE to uniform, the calibrated top-1 log-probability, correctness) come from
-one chunked pass, `ats.model.scaled_ce.scaled_cross_entropy`, so (N, V) logits never exist at once. A token is correct
+the tokens' scale summaries when the batch carries them (`ats.model.scale_summary`, no vocabulary-sized work), or
+else from one chunked pass over the logits, `ats.model.scaled_ce.scaled_cross_entropy` (the exact route), so (N, V)
+logits never exist at once. Both give the same `ScaledCE`, so every loss below is written once. A token is correct
 when argmax z == y (the same as argmax q, since s > 0). alpha is the smoothing weight (the reference code's
 `smooth_loss_weight`).
 
@@ -35,7 +37,8 @@ from torch import Tensor
 
 from ..checks import check_choice, check_nonnegative_int, check_number, check_positive_int
 from ..errors import ATSError
-from ..model.scaled_ce import LogitsFn, scaled_cross_entropy
+from ..model.scale_summary import scaled_ce_from_summary
+from ..model.scaled_ce import LogitsFn, ScaledCE, scaled_cross_entropy
 
 LOSS_TYPES = ("selective", "none", "full", "top-label")
 WEIGHTINGS = ("token", "reference")
@@ -98,6 +101,16 @@ def reference_selective(ce_y: Tensor, ce_u: Tensor, correct: Tensor, alpha: floa
     return (w_c * _group_mean(ce_y, c) + w_w * smooth) / total
 
 
+def _scaled_ce(hidden: Tensor, scale: Tensor, labels: Tensor, logits_fn: LogitsFn, chunk_size: int,
+               summary: Tensor | None) -> ScaledCE:
+    """The per-token quantities of q = z * scale: from the summary rows when given, else by the exact route."""
+    if summary is None:
+        return scaled_cross_entropy(hidden, scale, labels, logits_fn, chunk_size)
+    if summary.dim() != 2 or summary.shape[0] != scale.shape[0]:
+        raise ATSError(f"calibration_loss: expected summary ({scale.shape[0]}, D), got {tuple(summary.shape)}")
+    return scaled_ce_from_summary(summary, scale)
+
+
 def calibration_loss(
     hidden: Tensor,  # (N, H) response-token hidden states, no grad
     scale: Tensor,  # (N,) exp(tau) clamped, > 0, with grad
@@ -109,6 +122,7 @@ def calibration_loss(
     weighting: str = "token",
     chunk_size: int = 1024,
     ignored: int = 0,
+    summary: Tensor | None = None,  # (N, D) scale summary rows, or None: the exact route
 ) -> LossOutput:
     """The head's training loss on N response tokens (see the module docstring for loss types and weightings).
 
@@ -122,6 +136,8 @@ def calibration_loss(
         weighting: "token" or "reference"; used by the selective loss only.
         chunk_size: tokens per logits chunk.
         ignored: positions labelled -100 in the batch; only the reference weighting uses it.
+        summary: (N, D) the tokens' scale summary rows (`ats.model.scale_summary`): the loss is computed from them,
+            without `hidden` and `logits_fn`; None: the exact full-vocabulary route.
 
     Returns:
         The scalar loss (with grad w.r.t. `scale`) and counts; N == 0 gives a zero loss still in the graph.
@@ -142,7 +158,7 @@ def calibration_loss(
     if N == 0:
         return LossOutput(loss=scale.sum() * 0.0, n_correct=0, n_tokens=0, nll=0.0)
 
-    out = scaled_cross_entropy(hidden, scale, labels, logits_fn, chunk_size)  # (N,) each
+    out = _scaled_ce(hidden, scale, labels, logits_fn, chunk_size, summary)  # (N,) each
     ce_y, ce_u, correct = out.ce_label, out.ce_uniform, out.correct
     if loss_type == "none":
         loss = ce_y.mean()

@@ -3,7 +3,8 @@ accumulation, checkpoints, resume, several processes.
 
 The backbone stays frozen; only the head learns. Each micro-batch holds whole sequences of hidden states (the
 transformer head needs the context); the head gives tau for every position and the loss (`training.losses`) is
-applied to the response tokens, whose logits are recomputed from `h` in chunks.
+applied to the response tokens: from their scale summaries when the features carry them (no vocabulary-sized work),
+else (`exact_loss`, online features, folders extracted without a summary) from logits recomputed from `h` in chunks.
 
 Checkpoints are written each epoch and every `save_every` optimizer steps; `resume=True` continues from the last one
 and ends with the same weights as an uninterrupted run, because the data order depends only on (seed, epoch).
@@ -69,6 +70,33 @@ def steps_per_epoch(store, config: TrainingConfig) -> int:
     return math.ceil(micro_per_epoch(store, config) / config.accumulation)
 
 
+def uses_summary(store, config: TrainingConfig, calibrator: ATSCalibrator) -> bool:
+    """Whether the loss is computed from the features' scale summaries (else by the exact full-vocabulary route).
+
+    The summary route is taken when the store carries a summary and `config.exact_loss` is off; online features
+    carry none.
+
+    Args:
+        store: a FeatureStore or OnlineFeatures.
+        config: the training settings.
+        calibrator: the calibrator trained (its max_scale must be covered by the summary).
+
+    Returns:
+        True for the summary route.
+
+    Raises:
+        ATSError: if the head's max_scale exceeds the summary's.
+    """
+    spec = getattr(store, "scale_summary", None)
+    if spec is None or config.exact_loss:
+        return False
+    if calibrator.config_.max_scale > spec.max_scale:
+        raise ATSError(f"the head's max_scale {calibrator.config_.max_scale:g} exceeds the scale summary's "
+                       f"{spec.max_scale:g} of the features in {getattr(store, 'directory', '?')}; train with "
+                       "--exact-loss or extract the features with a larger summary max_scale")
+    return True
+
+
 class Trainer:
     """Trains `calibrator.head` in place; `run()` returns the loss history and per-epoch validation metrics.
 
@@ -111,6 +139,7 @@ class Trainer:
         self.local_accumulation = config.accumulation // self.dist.world_size
         train_store.check_backbone(backbone)
         calibrator.check_backbone(backbone)
+        self.use_summary = uses_summary(train_store, config, calibrator)
         self.result = TrainResult()
         self._setup(resume)
 
@@ -172,9 +201,11 @@ class Trainer:
             select = labels != IGNORE_INDEX  # (b, T)
             n = int(select.sum())
             ignored = labels.shape[0] * (labels.shape[1] - 1) - n  # -100 positions among the shifted (b, T - 1)
+            summary = batch.summary.to(device) if self.use_summary else None  # (n, D) or None
             out = calibration_loss(hidden[select], self.calibrator.scale(tau.float())[select], labels[select],
                                    self.backbone.logits, loss_type=config.loss_type, alpha=config.alpha,
-                                   weighting=config.weighting, chunk_size=config.chunk_size, ignored=max(ignored, 0))
+                                   weighting=config.weighting, chunk_size=config.chunk_size, ignored=max(ignored, 0),
+                                   summary=summary)
             if not self.dist.distributed and not torch.isfinite(out.loss):  # distributed: checked over all ranks
                 raise ATSError(f"non-finite loss {out.loss.item()} at {where}; the last good checkpoint is kept in "
                                f"{self.out_dir}")

@@ -9,13 +9,15 @@ from ..model.backbone import IGNORE_INDEX, Backbone
 from .config import TrainingConfig
 from .distributed import SINGLE, Dist
 from .losses import calibration_loss
+from .trainer import uses_summary
 
 
 @torch.no_grad()
 def heldout_objective(calibrator: ATSCalibrator, store, backbone: Backbone, config: TrainingConfig,
                       dist: Dist | None = None) -> float:
     """Mean of the head's training loss (config's loss type, alpha, weighting) over the held-out micro-batches,
-    weighted by their response tokens; over every process's batches when distributed.
+    weighted by their response tokens; over every process's batches when distributed. The loss takes the route
+    the trainer takes (`trainer.uses_summary`).
 
     Args:
         calibrator: the ATS calibrator whose head is evaluated (without gradients).
@@ -28,6 +30,7 @@ def heldout_objective(calibrator: ATSCalibrator, store, backbone: Backbone, conf
         The token-weighted mean loss (0.0 when there is no response token).
     """
     dist = dist or SINGLE
+    summarised = uses_summary(store, config, calibrator)
     total = tokens = 0.0
     for batch in store.batches(config.micro_batch_size, rank=dist.rank, world_size=dist.world_size):
         hidden = batch.hidden.to(backbone.device)  # (b, T, H)
@@ -39,7 +42,8 @@ def heldout_objective(calibrator: ATSCalibrator, store, backbone: Backbone, conf
             continue
         out = calibration_loss(hidden[select], calibrator.scale(tau.float())[select], labels[select], backbone.logits,
                                loss_type=config.loss_type, alpha=config.alpha, weighting=config.weighting,
-                               chunk_size=config.chunk_size, ignored=labels.shape[0] * (labels.shape[1] - 1) - n)
+                               chunk_size=config.chunk_size, ignored=labels.shape[0] * (labels.shape[1] - 1) - n,
+                               summary=batch.summary.to(backbone.device) if summarised else None)
         total += float(out.loss) * n
         tokens += n
     total, tokens = dist.all_sum([total, tokens])

@@ -23,10 +23,11 @@ from ..fingerprint import check_reuse, digest, make_fingerprint, refusal, stored
 from ..io import write_json
 from ..model.backbone import Backbone
 from ..model.heads import HeadConfig
+from ..model.scale_summary import ScaleSummarySpec
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig, load_instructions, prepare_examples
 from ..training.distributed import SINGLE, Dist
-from ..training.features import META_NAME, FeatureStore, extract_features, shard_plan, write_meta
+from ..training.features import META_NAME, FeatureStore, extract_features, shard_plan, summary_meta, write_meta
 from ..training.online import OnlineFeatures
 from ..training.trainer import train_ats
 from ..training.validation import heldout_objective
@@ -37,6 +38,7 @@ BASELINES = ("temperature", "vector", "scaling-binning", "histogram", "isotonic"
 SPLITS = ("train", "val")
 # options that change how work is done, never its result
 _NOT_IN_FINGERPRINT = {"batch_tokens", "save_every"}
+DEFAULT_SUMMARY = ScaleSummarySpec()  # the scale summary extracted with the features (max_scale = the head's default)
 
 
 def data_fingerprint(config: DataConfig) -> dict:
@@ -58,7 +60,8 @@ def data_fingerprint(config: DataConfig) -> dict:
     return {**options, "records": len(records), "checksum": digest([vars(r) for r in records])}
 
 
-def features_fingerprint(backbone: Backbone, config: DataConfig, split: str, *, data: dict | None = None) -> dict:
+def features_fingerprint(backbone: Backbone, config: DataConfig, split: str, *, data: dict | None = None,
+                         summary: ScaleSummarySpec | None = None) -> dict:
     """The fingerprint of one split's feature cache.
 
     Args:
@@ -66,21 +69,49 @@ def features_fingerprint(backbone: Backbone, config: DataConfig, split: str, *, 
         config: the data options.
         split: "train" or "val".
         data: `data_fingerprint(config)` if already computed.
+        summary: the settings of the scale summary stored with the features, or None (hidden states only).
 
     Returns:
-        A "features" fingerprint of the backbone, the data and the split.
+        A "features" fingerprint of the backbone, the data, the split and the scale summary's settings.
     """
     return make_fingerprint("features", backbone=backbone.describe(), data=data or data_fingerprint(config),
-                            split=split)
+                            split=split, **summary_meta(summary))
+
+
+def _without_summary(fingerprint: dict | None) -> dict | None:
+    """A features fingerprint less its scale summary: what a folder extracted before summaries existed records."""
+    return None if fingerprint is None else {k: v for k, v in fingerprint.items() if k != "scale_summary"}
+
+
+def training_options(training: TrainingConfig, summary: ScaleSummarySpec | None) -> dict:
+    """The training options a head's fingerprint records: those that can change the result, with the loss route.
+
+    `exact_loss` is replaced by the route the trainer takes: "loss_route" names the scale summary when the loss is
+    computed from it, and is absent on the exact route, so heads trained before the summary existed (always exact)
+    keep their fingerprints.
+
+    Args:
+        training: the training options.
+        summary: the scale summary of the training features (`FeatureStore.scale_summary`), or None.
+
+    Returns:
+        The options, JSON-ready.
+    """
+    options = {k: v for k, v in training.to_dict().items() if k not in _NOT_IN_FINGERPRINT | {"exact_loss"}}
+    if summary is not None and not training.exact_loss:
+        options["loss_route"] = {"scale_summary": summary.describe()}
+    return options
 
 
 def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataConfig | None = None, *,
-                     overwrite: bool = False, progress: bool = True, dist: Dist | None = None
-                     ) -> tuple[FeatureStore, FeatureStore]:
+                     overwrite: bool = False, progress: bool = True, dist: Dist | None = None,
+                     summary: ScaleSummarySpec | None = DEFAULT_SUMMARY) -> tuple[FeatureStore, FeatureStore]:
     """Tokenize the instruction data, split it, and extract (or reuse) the train / val feature caches.
 
-    Finished features are reused only for the same backbone, data and options; a partial extraction resumes only with
-    them.
+    Finished features are reused only for the same backbone, data and options (the scale summary's settings
+    included); a partial extraction resumes only with them. A finished folder extracted before scale summaries
+    existed (its fingerprint has none, all else equal) is reused as it is: heads train on it by the exact
+    full-vocabulary route, and `overwrite=True` re-extracts it with the summary.
 
     Args:
         backbone: the frozen backbone.
@@ -90,6 +121,8 @@ def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataC
         progress: show progress bars (main process only).
         dist: with several processes, rank r extracts shards r, r+W, ... of each split; the main process writes
             meta.json once every rank has finished (a barrier), then every rank opens the stores.
+        summary: the settings of the per-token scale summary stored beside the hidden states (training without the
+            vocabulary); None: hidden states only.
 
     Returns:
         (train store, val store).
@@ -102,11 +135,16 @@ def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataC
     dist = dist or SINGLE
     features_dir = Path(features_dir)
     data = data_fingerprint(config)
-    prints = {split: features_fingerprint(backbone, config, split, data=data) for split in SPLITS}
+    prints = {split: features_fingerprint(backbone, config, split, data=data, summary=summary) for split in SPLITS}
     finished = {split: (features_dir / split / META_NAME).exists() for split in SPLITS}
     for split in SPLITS:
         folder = features_dir / split
         old = stored_fingerprint(folder) if folder.is_dir() else None
+        if (finished[split] and not overwrite and old is not None and "scale_summary" not in old
+                and old == _without_summary(prints[split])):
+            logger.info("%s: features extracted without a scale summary; heads train on them by the exact "
+                        "full-vocabulary loss (--overwrite re-extracts them with the summary)", folder)
+            continue
         if folder.is_dir() and any(folder.iterdir()) and old != prints[split]:
             if not overwrite:
                 raise refusal(folder, "features", old, prints[split])
@@ -134,11 +172,11 @@ def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataC
         extract_features(backbone, part, folder, batch_tokens=config.batch_tokens,
                          shard_sequences=config.shard_sequences, dtype=config.feature_dtype,
                          shards=dist.my_shards(n_shards) if dist.distributed else None,
-                         progress=progress and dist.is_main, extra_meta={**meta, "split": split})
+                         progress=progress and dist.is_main, extra_meta={**meta, "split": split}, summary=summary)
         dist.barrier()  # every rank's shards are written
         if dist.distributed and dist.is_main:
             write_meta(folder, backbone, n_shards=n_shards, dtype=config.feature_dtype,
-                       extra={**meta, "split": split})
+                       extra={**meta, "split": split, **summary_meta(summary)})
         dist.barrier()  # meta.json is there
         stores.append(FeatureStore(folder))
     return stores[0], stores[1]
@@ -289,9 +327,9 @@ def head_fingerprint(store, head: HeadConfig, max_scale: float, method: str, tra
     Returns:
         A "head" fingerprint.
     """
-    options = {k: v for k, v in training.to_dict().items() if k not in _NOT_IN_FINGERPRINT}
     return make_fingerprint("head", features=_store_fingerprint(store), head=head.to_dict(), max_scale=max_scale,
-                            method=method, training=options)
+                            method=method,
+                            training=training_options(training, getattr(store, "scale_summary", None)))
 
 
 def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, *, method: str = "ats",
@@ -392,7 +430,9 @@ def check_before_loading(features_dir: str | Path, head_dir: str | Path | None, 
     old = stored_fingerprint(head_dir) if head_dir is not None and Path(head_dir).is_dir() else None
     if old is None or training is None:
         return
-    options = {k: v for k, v in training.to_dict().items() if k not in _NOT_IN_FINGERPRINT}
+    features = stored_fingerprint(Path(features_dir) / "train") if (Path(features_dir) / "train").is_dir() else None
+    summary = features.get("scale_summary") if features is not None else DEFAULT_SUMMARY.describe()
+    options = training_options(training, ScaleSummarySpec(**summary) if summary is not None else None)
     preset = entry(method).preset
     now = {"head_type": preset.get("head_type", head_type or "transformer"), "max_scale": max_scale,
            "method": method, "training": options}
