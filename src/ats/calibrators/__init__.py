@@ -148,12 +148,21 @@ def calibrator_for(name: str, source: FitSource, **options) -> Calibrator:
     return _construct(name, options, lambda cls, merged: cls.for_source(source, **merged))
 
 
+# types that load from a saved folder but are not names to fit: the paper's released heads, converted
+SAVED_TYPES: dict[str, Entry] = {"ats-official": Entry(".official:OfficialATSCalibrator",
+                                                        help="the paper's released heads (docs/official_heads.md)")}
+
+
 def load_calibrator(directory: str | Path, backbone=None) -> Calibrator:
     """Load any saved calibrator, dispatching on the "type" field of its calibrator_config.json; with `backbone`,
     check that it matches.
 
+    A folder in the layout of the paper's code (config.json with "calibration_type" + calibration_head.safetensors)
+    is read as an `OfficialATSCalibrator`. A name that is not a local folder but has the shape owner/name is a Hub
+    repo id, read from the Hugging Face cache or downloaded (`ats.hub.resolve_folder`); local folders come first.
+
     Args:
-        directory: the calibrator's folder (as written by `save_pretrained`).
+        directory: the calibrator's folder (as written by `save_pretrained`, or the official layout), or a Hub id.
         backbone: the `Backbone` it will be applied to, or None to skip the check.
 
     Returns:
@@ -161,22 +170,30 @@ def load_calibrator(directory: str | Path, backbone=None) -> Calibrator:
 
     Raises:
         ATSError: if the config is missing or invalid, its "type" is not a class name in the registry, the weights
-            do not match, or the calibrator was fitted for another backbone.
+            do not match, the calibrator was fitted for another backbone, or a Hub id cannot be resolved.
     """
-    directory = Path(directory)
+    from ..hub import resolve_folder
+
+    directory = resolve_folder(directory)
+    if not (directory / CONFIG_NAME).exists():
+        from .official import OfficialATSCalibrator, is_official_folder
+
+        if is_official_folder(directory):
+            return OfficialATSCalibrator.from_official(directory, backbone=backbone)
     kind = read_config(directory).get("type")
-    if kind not in REGISTRY or REGISTRY[kind].preset:
-        raise ATSError(f"{directory / CONFIG_NAME}: field 'type' is {kind!r}; known: "
-                       f"{', '.join(n for n, e in REGISTRY.items() if not e.preset)}")
-    return REGISTRY[kind].load().from_pretrained(directory, backbone=backbone)
+    loadable = {**{n: e for n, e in REGISTRY.items() if not e.preset}, **SAVED_TYPES}
+    if kind not in loadable:
+        raise ATSError(f"{directory / CONFIG_NAME}: field 'type' is {kind!r}; known: {', '.join(loadable)}")
+    return loadable[kind].load().from_pretrained(directory, backbone=backbone)
 
 
 def __getattr__(name: str):  # the classes, imported on first use: `from ats.calibrators import TemperatureScaling`
-    for item in REGISTRY.values():
+    for item in (*REGISTRY.values(), *SAVED_TYPES.values()):
         if item.target.endswith(":" + name):
             return item.load()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CONFIG_NAME", "Calibrator", "Entry", "FitSource", "LogitChunks", "REGISTRY", "Uncalibrated",
-           "build_calibrator", "calibrator_class", "calibrator_for", "entry", "load_calibrator", "names", "register"]
+__all__ = ["CONFIG_NAME", "Calibrator", "Entry", "FitSource", "LogitChunks", "REGISTRY", "SAVED_TYPES",
+           "Uncalibrated", "build_calibrator", "calibrator_class", "calibrator_for", "entry", "load_calibrator",
+           "names", "register"]

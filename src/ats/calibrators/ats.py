@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from .. import __version__
 from ..config import ConfigMixin, option
 from ..errors import ATSError
+from ..hub import resolve_folder
 from ..io import atomic_dir
 from ..model.backbone import Backbone
 from ..model.heads import HeadConfig, build_head
@@ -276,7 +277,7 @@ class ATSCalibrator(Calibrator):
         """Load a saved head; with `backbone`, check that it matches.
 
         Args:
-            directory: the head's folder.
+            directory: the head's folder, or a Hub repo id (owner/name) when no such folder exists.
             backbone: the backbone it will read, or None to skip the check.
 
         Returns:
@@ -286,10 +287,10 @@ class ATSCalibrator(Calibrator):
             ATSError: if the config is missing or invalid, its "type" is not "ats", the weights do not match the
                 config, or the backbone does not match.
         """
-        directory = Path(directory)
+        directory = resolve_folder(directory)
         data = read_config(directory)
         if data.pop("type", None) != cls.name:
-            raise ATSError(f"{directory / CONFIG_NAME}: field 'type' must be 'ats'")
+            raise ATSError(f"{directory / CONFIG_NAME}: field 'type' must be {cls.name!r}")
         calibrator = cls(ATSConfig.from_dict(data, where=str(directory / CONFIG_NAME)))
         state = read_tensors(directory)
         try:

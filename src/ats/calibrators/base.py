@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from ..errors import ATSError
-from ..io import atomic_dir, read_json
+from ..hub import resolve_folder
+from ..io import atomic_dir, atomic_file, read_json
 
 CONFIG_NAME = "calibrator_config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -287,12 +288,71 @@ class Calibrator(ABC):
             if tensors:
                 save_file(tensors, str(tmp / WEIGHTS_NAME))
 
+    def card_info(self) -> dict:
+        """What a model card records about this calibrator: its type and label, and from its config the backbone
+        (base_model, revision, hidden_size) and the training record, where it has them."""
+        config = self.config()
+        return {"type": self.name, "label": self.label, "base_model": config.get("base_model"),
+                "revision": config.get("revision"), "hidden_size": config.get("hidden_size"),
+                "training": config.get("training") or {}}
+
+    def save_for_hub(self, directory: str | Path, repo_id: str, *, datasets: list[str] | None = None,
+                     evidence: dict[str, dict[str, float]] | None = None) -> Path:
+        """`save_pretrained(directory)` plus the model card README.md that `push_to_hub` uploads.
+
+        Args:
+            directory: the folder to write; an existing one is replaced.
+            repo_id: the Hub repo the card's usage lines name (owner/name).
+            datasets: the training data (Hub ids or descriptions).
+            evidence: numbers to record, {row: {metric: value}} (e.g. {"held-out tokens": {"ece": 0.01}}).
+
+        Returns:
+            The folder.
+        """
+        from ..hub import model_card
+
+        directory = Path(directory)
+        self.save_pretrained(directory)
+        card = model_card({**self.card_info(), "repo_id": repo_id, "datasets": datasets or [], "evidence": evidence})
+        with atomic_file(directory / "README.md") as f:
+            f.write(card)
+        return directory
+
+    def push_to_hub(self, repo_id: str, *, datasets: list[str] | None = None,
+                    evidence: dict[str, dict[str, float]] | None = None, private: bool = False,
+                    token: str | None = None, commit_message: str = "Upload calibrator") -> str:
+        """Upload the config, the safetensors weights and a generated model card to the Hub repo `repo_id`.
+
+        Needs the network and a write token (`hf auth login`); `save_for_hub` writes the same folder locally.
+
+        Args:
+            repo_id: owner/name; created if it does not exist.
+            datasets: the training data, recorded in the card.
+            evidence: numbers recorded in the card, {row: {metric: value}}.
+            private: create the repo private.
+            token: a Hub token (None: the logged-in one).
+            commit_message: the commit's message.
+
+        Returns:
+            The URL of the commit.
+
+        Raises:
+            ATSError: if `repo_id` is not owner/name or the upload fails.
+        """
+        import tempfile
+
+        from ..hub import upload_folder
+
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = self.save_for_hub(Path(tmp) / "calibrator", repo_id, datasets=datasets, evidence=evidence)
+            return upload_folder(folder, repo_id, private=private, token=token, commit_message=commit_message)
+
     @classmethod
     def from_pretrained(cls, directory: str | Path, backbone=None) -> "Calibrator":
         """Load a saved calibrator of this type; with `backbone`, check that it matches.
 
         Args:
-            directory: the calibrator's folder.
+            directory: the calibrator's folder, or a Hub repo id (owner/name) when no such folder exists.
             backbone: the `Backbone` it will be applied to, or None to skip the check.
 
         Returns:
@@ -302,7 +362,7 @@ class Calibrator(ABC):
             ATSError: if the config or weights are missing or invalid, the saved "type" is not this class's, or
                 the backbone does not match.
         """
-        directory = Path(directory)
+        directory = resolve_folder(directory)
         config = read_config(directory)
         if config.get("type") != cls.name:
             raise ATSError(f"{directory / CONFIG_NAME}: field 'type' is {config.get('type')!r}, expected {cls.name!r}")
