@@ -202,7 +202,7 @@ def softmax_confidence(scores: Tensor) -> tuple[Tensor, Tensor]:
     """(confidence, prediction) of a multiple-choice answer: the softmax over its choices' scores, at its argmax.
 
     The one rule of both multiple-choice scorings (letters: the calibrated letter logits; likelihood: the summed
-    calibrated log-likelihoods), shared with answer-level training (`ats.training.answers`), where it is
+    calibrated log-likelihoods), shared with answer-level training (`ats.evaluation.answers`), where it is
     differentiated.
 
     Args:

@@ -1,0 +1,299 @@
+"""Heads trained on the backbone's own answers (issue 21): the answer pool, its cache, and the experiment protocol.
+
+The pool (training and model selection only; `../shared/data/README.md`, last paragraph): NQ-open (free-form),
+SciQ, Social IQa, BoolQ and Winogrande (multiple choice, scored by choice likelihood: letter scoring is at chance for
+the small embedded models), MMLU validation (5-shot letters, as the MMLU task scores it) and TriviaQA questions
+disjoint from every reported one (`offset=1000`). The reported tasks (MMLU test, TriviaQA, TruthfulQA MC1 and
+free-form) are never trained or selected on.
+
+Protocol (`run_answers`):
+1. answers of every pool and reported task, generated once per backbone and cached (`answers/<task>/`, checked
+   against the task's and the backbone's description on reuse);
+2. learning rate per method chosen by the criterion declared in the plan (the mean answer log loss on a held-out 20%
+   of the selection tasks, which are never left out, after training on 80% of every pool task), before any
+   reported number is computed;
+3. leave one pool task out: train on the other pool tasks, score the left-out one;
+4. every method trained on the whole pool with several seeds, scored on the reported tasks; paired bootstrap
+   intervals against the global control and against the uncalibrated model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ATSError
+from ..evaluation.answers import AnswerSet, build_answer_set
+from ..evaluation.metrics import paired_differences, summarize
+from ..evaluation.tasks import (
+    MMLUTask,
+    MultipleChoiceTask,
+    NQOpenTask,
+    TriviaQATask,
+    TruthfulQAGenTask,
+    TruthfulQAMC1Task,
+)
+from ..io import read_json, write_json
+from ..sources import local_file
+from ..training.config import TrainingConfig
+from .answer_training import score_answers, train_on_answers
+
+logger = logging.getLogger(__name__)
+
+POOL_MC = ("sciq", "social_iqa", "boolq", "winogrande")
+TRIVIAQA_POOL_OFFSET = 1000  # reported TriviaQA subsets use the first <= 1000 questions after the few-shot ones
+
+
+@dataclass
+class AnswerPlan:
+    """What `run_answers` does: sizes, methods, the selection grid and criterion, seeds (serialised beside the
+    results, so a reader sees what was fixed before any reported task ran)."""
+
+    pool_size: int = 300  # questions per pool task (MMLU validation: per subject, see mmlu_pool_per_subject)
+    mmlu_pool_per_subject: int = 3
+    reported: dict = field(default_factory=lambda: {"mmlu": 3, "triviaqa": 400, "truthfulqa_mc1": 300,
+                                                     "truthfulqa_gen": 300})
+    methods: dict = field(default_factory=lambda: {"ats-answers": "transformer", "linear-answers": "linear",
+                                                   "control-answers": "constant"})
+    loss_type: str = "answer-log"
+    lr_grid: tuple = (3e-4, 1e-3, 3e-3)
+    epochs: int = 2
+    batch_size: int = 16
+    seeds: tuple = (0, 1, 2)
+    holdout_fraction: float = 0.2
+    selection_tasks: tuple = ("triviaqa_pool", "mmlu_validation")  # never left out, so LOTO never selects on its task
+    criterion: str = ("mean answer log loss on the held-out 20% of the selection tasks' questions (pooled), after "
+                      "training on 80% of every pool task's questions; lowest wins")
+    bootstrap: int = 1000
+    leave_one_out: tuple = POOL_MC + ("nq_open",)
+
+
+def pool_tasks(plan: AnswerPlan) -> dict:
+    """name -> task of the training pool (local files under ATS_DATA_DIR)."""
+    tasks = {}
+    for name in POOL_MC:
+        path = local_file(f"qa_pool/{name}.jsonl")
+        if path is None:
+            raise ATSError("the answer pool reads qa_pool/ under ATS_DATA_DIR; set ATS_DATA_DIR")
+        tasks[name] = MultipleChoiceTask(path, "likelihood", limit=plan.pool_size, seed=0)
+    tasks["nq_open"] = NQOpenTask(limit=plan.pool_size, seed=0)
+    trivia = TriviaQATask(limit=plan.pool_size, seed=0, offset=TRIVIAQA_POOL_OFFSET)
+    trivia.name = "triviaqa_pool"
+    tasks["triviaqa_pool"] = trivia
+    mmlu = MMLUTask(limit=plan.mmlu_pool_per_subject, seed=0, split="validation")
+    mmlu.name = "mmlu_validation"
+    tasks["mmlu_validation"] = mmlu
+    return tasks
+
+
+def reported_tasks(plan: AnswerPlan) -> dict:
+    """name -> task reported and never trained or selected on."""
+    r = plan.reported
+    if r.get("triviaqa", 0) > TRIVIAQA_POOL_OFFSET:
+        raise ATSError(f"reported TriviaQA questions ({r['triviaqa']}) would overlap the pool (offset "
+                       f"{TRIVIAQA_POOL_OFFSET})")
+    return {"mmlu": MMLUTask(limit=r["mmlu"], seed=0), "triviaqa": TriviaQATask(limit=r["triviaqa"], seed=0),
+            "truthfulqa_mc1": TruthfulQAMC1Task(limit=r["truthfulqa_mc1"], seed=0),
+            "truthfulqa_gen": TruthfulQAGenTask(limit=r["truthfulqa_gen"], seed=0)}
+
+
+def cached_answers(backbone, task, folder: Path, *, progress: bool = True) -> AnswerSet:
+    """The task's answers from `folder` when they were made by this task and backbone; built and saved otherwise.
+
+    Raises:
+        ATSError: if the folder holds another task's or backbone's answers.
+    """
+    want = {"task": task.describe(), "backbone": backbone.describe()}
+    if (folder / "answers.json").is_file():
+        meta = read_json(folder / "answers.json")
+        have = {"task": meta.get("task"), "backbone": meta.get("backbone")}
+        if have != want:
+            raise ATSError(f"{folder}: answers of {have}, not of {want}; remove the folder or use another --out")
+        logger.info("reusing the answers in %s", folder)
+        return AnswerSet.load(folder)
+    start = time.perf_counter()
+    answers = build_answer_set(backbone, task, progress=progress)
+    answers.meta["seconds"] = round(time.perf_counter() - start, 1)
+    answers.save(folder)
+    logger.info("%s: %d answers in %.0f s", task.name, len(answers), answers.meta["seconds"])
+    return answers
+
+
+def split_holdout(answers: AnswerSet, fraction: float, seed: int = 0) -> tuple[AnswerSet, AnswerSet]:
+    """(train, held-out) subsets of a set's questions, a seeded `fraction` held out."""
+    order = np.random.default_rng(seed).permutation(len(answers))
+    n_out = max(1, round(fraction * len(answers)))
+    return answers.subset(sorted(order[n_out:].tolist())), answers.subset(sorted(order[:n_out].tolist()))
+
+
+def leave_one_out_splits(names: list[str], left_out: tuple) -> list[tuple[str, list[str]]]:
+    """[(left-out task, the training tasks)]: every training list lacks its left-out task."""
+    return [(out, [n for n in names if n != out]) for out in left_out if out in names]
+
+
+def mean_log_loss(confidence: np.ndarray, correct: np.ndarray) -> float:
+    """The mean binary log loss of answer confidences."""
+    p = np.clip(confidence, 1e-7, 1 - 1e-7)
+    return float(-np.mean(np.where(correct, np.log(p), np.log1p(-p))))
+
+
+def fresh_head(backbone, head_type: str, seed: int, method: str):
+    """An untrained ATS-family calibrator for `backbone` (identity at start)."""
+    from ..calibrators.ats import ATSCalibrator
+
+    return ATSCalibrator.for_backbone(backbone, head_type=head_type, seed=seed, method=method)
+
+
+def train_method(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
+                 progress: bool = False):
+    """A head of `method`'s type trained on `sets` with the plan's objective and schedule."""
+    calibrator = fresh_head(backbone, plan.methods[method], seed, method)
+    config = TrainingConfig(lr=lr, epochs=plan.epochs, batch_size=plan.batch_size, micro_batch_size=plan.batch_size,
+                            seed=seed)
+    train_on_answers(calibrator, sets, backbone.logits, config=config, loss_type=plan.loss_type, progress=progress)
+    return calibrator
+
+
+def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
+                 folder: Path, progress: bool = False):
+    """`train_method`'s head, saved in `folder`; reused from there when its training record matches.
+
+    Raises:
+        ATSError: if the folder holds a head trained with other settings.
+    """
+    from ..calibrators import load_calibrator
+
+    if (folder / "calibrator_config.json").is_file():
+        calibrator = load_calibrator(folder, backbone)
+        record = calibrator.config_.training
+        want = {"lr": lr, "seed": seed, "epochs": plan.epochs, "loss_type": plan.loss_type,
+                "batch_size": plan.batch_size}
+        have = {k: record.get(k) for k in want}
+        if have != want:
+            raise ATSError(f"{folder}: head trained with {have}, not {want}; use another --out")
+        return calibrator
+    calibrator = train_method(backbone, sets, plan, method, lr=lr, seed=seed, progress=progress)
+    calibrator.save_pretrained(folder)
+    return calibrator
+
+
+def isotonic_on_answers(sets: list[AnswerSet], logits_fn):
+    """The answer-level binning baseline: isotonic regression of correctness on the uncalibrated answer confidence,
+    fitted on the pool's answers; returns conf -> calibrated conf."""
+    from sklearn.isotonic import IsotonicRegression
+
+    pairs = [score_answers(None, s, logits_fn) for s in sets]
+    conf = np.concatenate([c for c, _ in pairs])
+    correct = np.concatenate([k for _, k in pairs])
+    model = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(conf, correct.astype(float))
+    return lambda c: np.clip(model.predict(c), 0.0, 1.0)
+
+
+def evaluate_methods(heads: dict, maps: dict, answers: AnswerSet, logits_fn, plan: AnswerPlan) -> dict:
+    """Metrics with intervals per method on one task, and paired differences against the control and the
+    uncalibrated model; `heads`: method -> [calibrators, one per seed], `maps`: method -> conf map."""
+    base = score_answers(None, answers, logits_fn)
+    scored = {"uncalibrated": [base]}
+    for method, calibrators in heads.items():
+        scored[method] = [score_answers(c, answers, logits_fn) for c in calibrators]
+    for method, fn in maps.items():
+        scored[method] = [(fn(base[0]), base[1])]
+    out = {"n": len(answers), "methods": {}}
+    control = scored.get("control-answers", [None])
+    for method, runs in scored.items():
+        per_seed = [summarize(c, k, bootstrap=plan.bootstrap) for c, k in runs]
+        entry = {"seeds": per_seed, "mean": {key: float(np.mean([m[key] for m in per_seed]))
+                                             for key in ("ece", "brier", "auroc", "mean_confidence", "accuracy")},
+                 "spread": {key: float(np.std([m[key] for m in per_seed]))
+                            for key in ("ece", "brier", "auroc")}}
+        if method != "uncalibrated":
+            entry["minus_uncalibrated"] = paired_differences(runs[0], base, bootstrap=plan.bootstrap)
+        if method not in ("uncalibrated", "control-answers") and control[0] is not None:
+            entry["minus_control"] = paired_differences(runs[0], control[0], bootstrap=plan.bootstrap)
+        out["methods"][method] = entry
+    out["reliability"] = {m: [r[0][0].tolist(), r[0][1].tolist()] for m, r in scored.items()}
+    return out
+
+
+def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, instruction_heads: dict | None = None,
+                progress: bool = True, stages: tuple = ("select", "loo", "reported")) -> dict:
+    """The whole protocol of the module docstring; results in OUT/results.json (each stage saved as it ends, and
+    reused when rerun with the same plan).
+
+    Args:
+        backbone: the frozen backbone.
+        out: the run folder (answers cached under OUT/answers).
+        plan: sizes, methods, grid, seeds; default `AnswerPlan()`.
+        instruction_heads: method -> a calibrator trained elsewhere (e.g. the paper's head on instruction data),
+            scored on the reported tasks beside the answer-trained ones.
+        progress: show progress bars.
+        stages: which stages to run.
+
+    Returns:
+        The results dict.
+    """
+    plan = plan or AnswerPlan()
+    out = Path(out)
+    results_path = out / "results.json"
+    plan_dict = {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.__dict__.items()}
+    results = read_json(results_path) if results_path.is_file() else {}
+    if results and results.get("plan") != plan_dict:
+        raise ATSError(f"{results_path}: made with another plan; use another --out")
+    results.update({"plan": plan_dict, "backbone": backbone.describe()})
+    pool = {name: cached_answers(backbone, task, out / "answers" / name, progress=progress)
+            for name, task in pool_tasks(plan).items()}
+    results["pool"] = {n: {"questions": len(s), "kind": s.kind, "accuracy": float(np.mean(
+        score_answers(None, s, backbone.logits)[1]))} for n, s in pool.items()}
+    write_json(results_path, results)
+    logits_fn = backbone.logits
+
+    if "select" in stages and "selection" not in results:
+        splits = {n: split_holdout(s, plan.holdout_fraction) for n, s in pool.items()}
+        train_sets = [a for a, _ in splits.values()]
+        selection = {}
+        for method in plan.methods:
+            rows = []
+            for lr in plan.lr_grid:
+                head = train_method(backbone, train_sets, plan, method, lr=lr, seed=0, progress=progress)
+                losses = [score_answers(head, splits[n][1], logits_fn) for n in plan.selection_tasks]
+                conf = np.concatenate([c for c, _ in losses])
+                ok = np.concatenate([k for _, k in losses])
+                rows.append({"lr": lr, "heldout_log_loss": mean_log_loss(conf, ok)})
+            best = min(rows, key=lambda r: r["heldout_log_loss"])
+            selection[method] = {"grid": rows, "lr": best["lr"]}
+            logger.info("%s: lr %.3g chosen", method, best["lr"])
+        results["selection"] = selection
+        write_json(results_path, results)
+    lrs = {m: results["selection"][m]["lr"] for m in plan.methods}
+
+    if "loo" in stages:
+        loo = results.setdefault("leave_one_out", {})
+        for left_out, train_names in leave_one_out_splits(list(pool), plan.leave_one_out):
+            if left_out in loo:
+                continue
+            sets = [pool[n] for n in train_names]
+            heads = {m: [train_method(backbone, sets, plan, m, lr=lrs[m], seed=0, progress=progress)]
+                     for m in plan.methods}
+            maps = {"isotonic-answers": isotonic_on_answers(sets, logits_fn)}
+            loo[left_out] = {"train": train_names, **evaluate_methods(heads, maps, pool[left_out], logits_fn, plan)}
+            write_json(results_path, results)
+
+    if "reported" in stages:
+        heads = {m: [trained_head(backbone, list(pool.values()), plan, m, lr=lrs[m], seed=s,
+                                  folder=out / "heads" / m / f"seed{s}", progress=progress) for s in plan.seeds]
+                 for m in plan.methods}
+        heads.update({name: [c] for name, c in (instruction_heads or {}).items()})
+        maps = {"isotonic-answers": isotonic_on_answers(list(pool.values()), logits_fn)}
+        reported = {}
+        for name, task in reported_tasks(plan).items():
+            answers = cached_answers(backbone, task, out / "answers" / name, progress=progress)
+            reported[name] = evaluate_methods(heads, maps, answers, logits_fn, plan)
+            results["reported"] = {**results.get("reported", {}), **reported}
+            write_json(results_path, results)
+    torch.set_grad_enabled(True)
+    return results

@@ -1,0 +1,126 @@
+"""The answer-trained heads' results as markdown and reliability diagrams (results of `ats.workflows.answers`).
+
+One block per task (metrics as columns, methods as rows): accuracy, mean confidence, ECE, Brier and AUROC with 95%
+intervals (the mean and spread over seeds where there are several), then the paired differences "method minus
+control" and "method minus uncalibrated" with their intervals; and the issue's targets checked per task.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..evaluation.plots import reliability_figure
+from ..evaluation.report import cell, markdown_table
+from ..io import read_json
+
+CHANCE = {"sciq": 0.25, "social_iqa": 1 / 3, "boolq": 0.5, "winogrande": 0.5, "mmlu_validation": 0.25, "mmlu": 0.25}
+
+
+def _diff(entry: dict | None, key: str) -> str:
+    if not entry or key not in entry:
+        return "-"
+    d = entry[key]
+    mark = "*" if d["excludes_zero"] else ""
+    return f"{d['diff']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]{mark}"
+
+
+def _seeded(entry: dict, key: str) -> str:
+    runs = entry["seeds"]
+    if len(runs) == 1:
+        return cell(runs[0], key)
+    return f"{entry['mean'][key]:.3f} ± {entry['spread'][key]:.3f}"
+
+
+def task_block(name: str, task: dict) -> str:
+    """One task's table: a row per method."""
+    rows = []
+    for method, entry in task["methods"].items():
+        first = entry["seeds"][0]
+        rows.append([method, f"{first['accuracy']:.3f}", f"{first['mean_confidence']:.3f}", _seeded(entry, "ece"),
+                     _seeded(entry, "brier"), _seeded(entry, "auroc"),
+                     _diff(entry.get("minus_control"), "ece"), _diff(entry.get("minus_control"), "auroc"),
+                     _diff(entry.get("minus_uncalibrated"), "ece"), _diff(entry.get("minus_uncalibrated"), "auroc")])
+    header = ["method", "acc", "conf", "ECE", "Brier", "AUROC", "ECE - control", "AUROC - control",
+              "ECE - uncal.", "AUROC - uncal."]
+    return f"### {name} ({task['n']} questions)\n\n" + markdown_table(header, rows)
+
+
+def targets(name: str, task: dict, method: str = "ats-answers") -> str:
+    """The issue's targets for `method` on one task, each marked met or not, with its numbers."""
+    m = task["methods"]
+    if method not in m or "control-answers" not in m:
+        return f"- {name}: {method} or the control is missing"
+    ece, base = m[method]["seeds"][0]["ece"], m["uncalibrated"]["seeds"][0]["ece"]
+    vs_control = m[method]["minus_control"]["ece"]
+    vs_base_auroc = m[method]["minus_uncalibrated"]["auroc"]
+    others = [k for k in m if k not in ("uncalibrated", method, "control-answers") and "minus_control" in m[k]]
+    beats = all(m[method]["seeds"][0]["ece"] < m[k]["seeds"][0]["ece"] for k in others)
+    checks = [
+        (ece <= 0.5 * base, f"ECE {ece:.3f} <= 0.5 x uncalibrated {base:.3f}"),
+        (vs_control["diff"] < 0 and vs_control["excludes_zero"], f"below the control {vs_control['diff']:+.3f} "
+         f"[{vs_control['ci'][0]:+.3f}, {vs_control['ci'][1]:+.3f}]"),
+        (beats, "ECE below every other method" if beats else "ECE not below every other method"),
+        (vs_base_auroc["diff"] >= 0.03 and vs_base_auroc["excludes_zero"],
+         f"AUROC {vs_base_auroc['diff']:+.3f} [{vs_base_auroc['ci'][0]:+.3f}, {vs_base_auroc['ci'][1]:+.3f}] vs "
+         "uncalibrated (target +0.03, interval excluding 0)"),
+    ]
+    return f"- {name}: " + "; ".join(("met: " if ok else "NOT met: ") + text for ok, text in checks)
+
+
+def render(results_path: str | Path, results_dir: str | Path) -> Path:
+    """Write results.md, a compact results.json and reliability diagrams into `results_dir`.
+
+    Args:
+        results_path: the run's results.json.
+        results_dir: the committed results folder.
+
+    Returns:
+        The markdown file's path.
+    """
+    results = read_json(results_path)
+    out = Path(results_dir)
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    plan = results["plan"]
+    lines = [f"# Heads trained on answers: {results['backbone']['base_model']}", ""]
+    if "command" in results:
+        lines += [f"Command: `{results['command']}`", "", f"Machine: {results.get('machine', '?')}", ""]
+    lines += [f"Plan (fixed before any reported task ran): `{json.dumps(plan)}`", "",
+              "`*`: the paired 95% bootstrap interval excludes 0. ECE - control < 0 means better calibrated than the "
+              "global control (one temperature trained with the same answer loss, data and schedule); AUROC - "
+              "control > 0 means it ranks right above wrong answers better.", "", "## The pool", ""]
+    pool_rows = [[n, p["kind"], str(p["questions"]), f"{p['accuracy']:.3f}",
+                  f"{CHANCE[n]:.3f}" if n in CHANCE else "-"] for n, p in results.get("pool", {}).items()]
+    lines += [markdown_table(["task", "scoring", "questions", "accuracy (uncalibrated)", "chance"], pool_rows), ""]
+    if "selection" in results:
+        lines += ["## Learning rate selection", "", f"Criterion: {plan['criterion']}.", ""]
+        rows = [[m, f"{r['lr']:g}", f"{r['heldout_log_loss']:.4f}", "yes" if r["lr"] == s["lr"] else ""]
+                for m, s in results["selection"].items() for r in s["grid"]]
+        lines += [markdown_table(["method", "lr", "held-out log loss", "chosen"], rows), ""]
+    if results.get("leave_one_out"):
+        lines += ["## Leave one pool task out (seed 0)", ""]
+        for name, task in results["leave_one_out"].items():
+            lines += [task_block(f"{name} (left out)", task), ""]
+    if results.get("reported"):
+        lines += [f"## Reported tasks (trained on the whole pool; seeds {plan['seeds']}: mean ± spread; intervals "
+                  "and paired differences of seed 0)", ""]
+        for name, task in results["reported"].items():
+            lines += [task_block(name, task), ""]
+            curves = {m: (np.asarray(c), np.asarray(k, dtype=bool)) for m, (c, k) in task["reliability"].items()}
+            reliability_figure(curves, out / "figures" / name, title=name)
+    blocks = {**{f"{k} (left out)": v for k, v in results.get("leave_one_out", {}).items()},
+              **results.get("reported", {})}
+    if blocks:
+        lines += ["## Targets (issue 21), for the transformer head trained on answers", ""]
+        lines += [targets(name, task) for name, task in blocks.items()] + [""]
+    md = out / "results.md"
+    md.write_text("\n".join(lines))
+    compact = {k: v for k, v in results.items() if k not in ("leave_one_out", "reported")}
+    for key in ("leave_one_out", "reported"):
+        if key in results:
+            compact[key] = {n: {k: v for k, v in t.items() if k != "reliability"} for n, t in results[key].items()}
+    (out / "results.json").write_text(json.dumps(compact, indent=1, allow_nan=True))
+    return md
+

@@ -1,0 +1,223 @@
+"""Answer-level calibration: the answer source against the tasks' own scoring, the answer loss and its gradient
+against an independent full-vocabulary computation, the head's position-only pass, leave-one-task-out splits, and a
+planted signal that a per-token head must recover and a global temperature cannot."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ats.calibrators.ats import ATSCalibrator, ATSConfig
+from ats.calibrators.base import Uncalibrated
+from ats.errors import ATSError
+from ats.evaluation.answers import AnswerSet, build_answer_set
+from ats.evaluation.metrics import auroc
+from ats.evaluation.tasks import build_task
+from ats.evaluation.tasks.nq_open import NQOpenTask
+from ats.evaluation.tasks.triviaqa import TriviaQATask
+from ats.model.heads import HeadConfig, tau_at
+from ats.training.config import TrainingConfig
+from ats.workflows.answer_training import answer_loss, score_answers, scored_confidence, train_on_answers
+from ats.workflows.answers import leave_one_out_splits, mean_log_loss
+
+from helpers import calibrator_for, make_tiny_backbone
+
+QUESTIONS = [("What color is the sky?", ["blue", "green", "red"], 0), ("2+2?", ["3", "4"], 1),
+             ("Capital of France?", ["Paris", "Rome", "Berlin", "Madrid"], 0),
+             ("Water freezes at?", ["0 C", "100 C"], 0),
+             ("Largest planet?", ["Mars", "Jupiter", "Venus"], 1), ("Fastest animal?", ["cheetah", "snail"], 0)]
+
+
+@pytest.fixture(scope="module")
+def sharp(tokenizer):
+    """A tiny random Llama that writes varied text with non-trivial confidences."""
+    return make_tiny_backbone(tokenizer, tie_word_embeddings=False, output_scale=60.0)
+
+
+@pytest.fixture()
+def mc_file(tmp_path):
+    path = tmp_path / "mc.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
+    return path
+
+
+@pytest.fixture()
+def data_dir(tmp_path, monkeypatch):
+    """A data folder with small NQ-open and TriviaQA files written here (no folder outside the repository)."""
+    (tmp_path / "qa_pool").mkdir()
+    (tmp_path / "triviaqa").mkdir()
+    rows = [{"question": f"what is item number {i}", "answers": [f"item {i}", str(i)]} for i in range(12)]
+    (tmp_path / "qa_pool" / "nq_open.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trivia = [{"question": f"Question {i}?", "answer": {"value": f"A{i}", "aliases": [f"A{i}"]}} for i in range(30)]
+    (tmp_path / "triviaqa" / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trivia))
+    monkeypatch.setenv("ATS_DATA_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("mode", ["letters", "likelihood"])
+def test_multiple_choice_answers_equal_the_task_scoring(sharp, mc_file, mode):
+    task = build_task(f"mc:{mc_file}:{mode}")
+    head = calibrator_for(sharp)
+    expected = task.run(sharp, {"uncalibrated": Uncalibrated(), "ats": head}, progress=False)
+    answers = build_answer_set(sharp, task, dtype="float32", progress=False)
+    assert answers.kind == ("letters" if mode == "letters" else "choices") and len(answers) == len(QUESTIONS)
+    for name, calibrator in (("uncalibrated", None), ("ats", head)):
+        for exact, tolerance in ((True, 1e-5), (False, 1e-4)):  # the logits from h, or the stored scale summary
+            conf, correct = score_answers(calibrator, answers, sharp.logits, exact=exact)
+            np.testing.assert_allclose(conf, expected[name].confidence, atol=tolerance)
+            np.testing.assert_array_equal(correct, expected[name].correct)
+
+
+def test_free_form_answers_equal_the_task_scoring(sharp, data_dir):
+    task = NQOpenTask(limit=6, n_shots=2, max_new_tokens=5, batch_size=3)
+    head = calibrator_for(sharp)
+    expected = task.run(sharp, {"uncalibrated": Uncalibrated(), "ats": head}, progress=False)
+    answers = build_answer_set(sharp, task, dtype="float32", batch_size=4, progress=False)  # other batching
+    assert answers.kind == "free" and answers.meta["text"] == list(expected["ats"].extra["prediction"])
+    for name, calibrator in (("uncalibrated", None), ("ats", head)):
+        for exact, tolerance in ((True, 1e-5), (False, 1e-4)):  # the logits from h, or the stored scale summary
+            conf, correct = score_answers(calibrator, answers, sharp.logits, exact=exact)
+            np.testing.assert_allclose(conf, expected[name].confidence, atol=tolerance)
+            np.testing.assert_array_equal(correct, expected[name].correct)
+
+
+SHORT = [("Pick a color", [" red", " blue", " green"], 0), ("Pick a number", [" one", " two"], 1),
+         ("Pick a pet", [" cat", " dog", " fish", " bird"], 2), ("Pick a day", [" today", " tomorrow"], 0)]
+
+
+def test_answer_loss_and_gradient_equal_a_full_vocabulary_computation(tokenizer, tmp_path):
+    sharp = make_tiny_backbone(tokenizer, tie_word_embeddings=False, output_scale=6.0)  # confidences away from 1
+    path = tmp_path / "short.jsonl"  # short choices: likelihoods a few nats apart, so no confidence saturates
+    path.write_text("".join(json.dumps({"question": q, "choices": [c.strip() for c in cs], "answer": a}) + "\n"
+                            for q, cs, a in SHORT))
+    answers = build_answer_set(sharp, build_task(f"mc:{path}:likelihood"), dtype="float32", progress=False)
+    head = calibrator_for(sharp, head_type="linear")
+    conf, correct = scored_confidence(head, answers, torch.arange(len(answers)), sharp.logits, exact=True)
+    assert float(conf.detach().max()) < 1 - 1e-5 and 0 < int(correct.sum()) < len(SHORT)  # the clamp is not reached
+    loss = answer_loss(conf, correct, "answer-log")
+    loss.backward()
+    grad = head.head.proj.weight.grad.clone()
+    head.head.zero_grad()
+    # independently: every row's whole logits, scaled per token, log-softmax over the vocabulary, summed choice
+    # log-likelihoods, softmax over the choices, the binary log loss of the top choice
+    t, losses = answers.tensors, []
+    for q, (_, choices, answer) in enumerate(SHORT):
+        totals = []
+        for r in (t["row_question"] == q).nonzero().flatten().tolist():
+            h = t["hidden"][t["row_offsets"][r]:t["row_offsets"][r + 1]]  # (T, H)
+            s = torch.exp(head.head.proj(h)[:, 0]).clamp(max=10.0)  # (T,)
+            log_p = torch.log_softmax(sharp.logits(h).double() * s[:, None].double(), dim=-1)  # (T, V)
+            at = t["pos_row"] == r
+            totals.append(log_p[t["pos_in_row"][at], t["pos_target"][at]].sum())
+        probs = torch.softmax(torch.stack(totals), dim=0)
+        p, pred = probs.max(dim=0)
+        losses.append(-torch.log(p) if int(pred) == answer else -torch.log1p(-p))
+    reference = torch.stack(losses).mean()
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
+    torch.testing.assert_close(grad, head.head.proj.weight.grad.float(), rtol=1e-4, atol=1e-9)
+    head.head.zero_grad()  # the scale-summary route: the same loss and gradient to the summary's accuracy
+    conf, correct = scored_confidence(head, answers, torch.arange(len(answers)), sharp.logits)
+    summary_loss = answer_loss(conf, correct, "answer-log")
+    summary_loss.backward()
+    assert summary_loss.item() == pytest.approx(reference.item(), rel=1e-4)
+    torch.testing.assert_close(grad, head.head.proj.weight.grad, rtol=1e-3, atol=1e-8)
+
+
+def test_brier_loss_by_hand():
+    conf = torch.tensor([0.9, 0.2, 0.5])
+    correct = torch.tensor([True, False, False])
+    assert float(answer_loss(conf, correct, "answer-brier")) == pytest.approx((0.01 + 0.04 + 0.25) / 3)
+    assert float(answer_loss(conf, correct, "answer-log")) == pytest.approx(
+        -(np.log(0.9) + np.log(0.8) + np.log(0.5)) / 3, rel=1e-6)
+    with pytest.raises(ATSError, match="answer loss"):
+        answer_loss(conf, correct, "selective")
+
+
+def test_transformer_head_at_positions_equals_the_full_pass(sharp):
+    head = calibrator_for(sharp).head
+    hidden = torch.randn(2, 9, sharp.hidden_size)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0  # right padding
+    index = torch.tensor([[0, 4, 8], [2, 5, 5]])
+    torch.testing.assert_close(tau_at(head, hidden, mask, index), head(hidden, mask).gather(1, index),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_saved_answers_round_trip_and_refuse_corruption(sharp, mc_file, tmp_path):
+    answers = build_answer_set(sharp, build_task(f"mc:{mc_file}:likelihood"), progress=False)
+    answers.save(tmp_path / "a")
+    loaded = AnswerSet.load(tmp_path / "a")
+    assert loaded.kind == "choices" and set(loaded.tensors) == set(answers.tensors)
+    np.testing.assert_array_equal(score_answers(None, loaded, sharp.logits)[0],
+                                  score_answers(None, answers, sharp.logits)[0])
+    data = bytearray((tmp_path / "a" / "answers.safetensors").read_bytes())
+    data[-1] ^= 1
+    (tmp_path / "a" / "answers.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ATSError, match="checksum"):
+        AnswerSet.load(tmp_path / "a")
+
+
+def test_subset_scores_like_the_whole(sharp, mc_file):
+    answers = build_answer_set(sharp, build_task(f"mc:{mc_file}:likelihood"), dtype="float32", progress=False)
+    whole = score_answers(None, answers, sharp.logits)[0]
+    part = answers.subset([1, 3, 4])
+    np.testing.assert_allclose(score_answers(None, part, sharp.logits)[0], whole[[1, 3, 4]], atol=1e-6)
+
+
+def test_leave_one_out_never_trains_on_the_left_out_task():
+    names = ["sciq", "boolq", "nq_open", "mmlu_validation"]
+    splits = leave_one_out_splits(names, ("sciq", "boolq", "nq_open", "absent"))
+    assert [out for out, _ in splits] == ["sciq", "boolq", "nq_open"]
+    for out, train in splits:
+        assert out not in train and sorted(train + [out]) == sorted(names)
+
+
+def test_triviaqa_pool_is_disjoint_from_reported_questions(data_dir):
+    reported = {q["question"] for q in TriviaQATask(limit=10, n_shots=2).load()[1]}
+    pool = {q["question"] for q in TriviaQATask(limit=10, n_shots=2, offset=10).load()[1]}
+    shots = {q["question"] for q in TriviaQATask(limit=10, n_shots=2).load()[0]}
+    assert len(reported) == 10 and len(pool) == 10
+    assert not reported & pool and not shots & pool
+
+
+def _planted(n: int, hidden_size: int, seed: int) -> AnswerSet:
+    """Letter-scored answers whose correctness is the sign of the first hidden unit at the answer position, with the
+    same uncalibrated confidence everywhere (so nothing but h tells right from wrong)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n * 3, hidden_size, generator=g)  # rows of 3 tokens
+    right = hidden[2::3, 0] > 0  # (n,)
+    return AnswerSet(kind="letters", tensors={
+        "hidden": hidden, "row_offsets": torch.arange(0, 3 * n + 1, 3), "row_question": torch.arange(n),
+        "pos_row": torch.arange(n), "pos_in_row": torch.full((n,), 2), "pos_target": torch.full((n,), -1),
+        "letter_logits": torch.tensor([[2.0, 0.0, 0.0]]).repeat(n, 1),
+        "answer": torch.where(right, 0, 1), "n_choices": torch.full((n,), 3)}, meta={"task": {"name": "planted"}})
+
+
+def _head(head_type: str, hidden_size: int) -> ATSCalibrator:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return ATSCalibrator(ATSConfig(head=HeadConfig(head_type=head_type, hidden_size=hidden_size),
+                                       hidden_size=hidden_size))
+
+
+def test_planted_correctness_is_recovered_by_a_per_token_head_not_by_a_global_temperature():
+    train, test = _planted(400, 16, seed=0), _planted(200, 16, seed=1)
+    config = TrainingConfig(lr=3e-2, epochs=8, batch_size=16, micro_batch_size=16)
+    scores = {}
+    for head_type in ("linear", "constant"):
+        calibrator = _head(head_type, 16)
+        train_on_answers(calibrator, [train], None, config=config, loss_type="answer-log", progress=False)
+        conf, correct = score_answers(calibrator, test, None)
+        scores[head_type] = (auroc(conf, correct), mean_log_loss(conf, correct))
+    base_conf, base_correct = score_answers(None, test, None)
+    assert auroc(base_conf, base_correct) == pytest.approx(0.5)  # every confidence the same
+    assert scores["linear"][0] > 0.95  # the head reads the sign of h_0
+    assert scores["constant"][0] == pytest.approx(0.5)  # one temperature cannot rank equal confidences
+    assert scores["linear"][1] < scores["constant"][1] - 0.2
+    # the constant head still learns the level: the log loss of the base rate (~0.69), not of 0.79 confidence
+    assert scores["constant"][1] == pytest.approx(mean_log_loss(np.full(len(test), base_correct.mean()),
+                                                                base_correct), abs=0.05)
