@@ -65,6 +65,55 @@ def _base_type(annotation) -> type:
     return typing.get_origin(annotation) or annotation
 
 
+def check_field(name: str, value, kind: type | None, meta, *, none_ok: bool):
+    """One field's value checked against its metadata (choices, range, type): the rule `ConfigMixin.validate` and
+    the command line's early check (`check_parsed`) share.
+
+    Args:
+        name: the field's name, quoted in errors.
+        value: the value.
+        kind: int / float / str / bool / ..., from the field's annotation.
+        meta: the field's metadata, as `option` makes it (`choices`, `checks`).
+        none_ok: None passes (the field's default is None).
+
+    Returns:
+        The value, numbers in their clean form (int or float).
+
+    Raises:
+        ATSError: naming the field and the value.
+    """
+    if value is None and none_ok:
+        return value
+    if meta.get("choices"):
+        check_choice(name, value, meta["choices"])
+    if kind in (int, float):
+        return check_number(name, value, integer=kind is int, **meta.get("checks", {}))
+    if kind is bool and not isinstance(value, bool):
+        raise ATSError(f"{name}: expected true or false, got {value!r}")
+    if kind is str and not isinstance(value, str):
+        raise ATSError(f"{name}: expected a string, got {value!r}")
+    return value
+
+
+CHECKS_PREFIX = "_field_checks_"  # parsed-argument attributes holding a config's field checks (see add_arguments)
+_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def check_parsed(args: argparse.Namespace) -> None:
+    """Run the field checks that `add_arguments` left in `args` on the parsed values, without importing the config
+    classes: the command line refuses a bad value (`--lr 0`) before it imports torch.
+
+    Raises:
+        ATSError: naming the first field whose value fails its choices, range or type.
+    """
+    for attr, fields in sorted(vars(args).items()):
+        if not attr.startswith(CHECKS_PREFIX):
+            continue
+        for name, spec in fields.items():
+            if hasattr(args, name):
+                check_field(name, getattr(args, name), _KINDS.get(spec["kind"]), spec, none_ok=spec["none_ok"])
+
+
 @dataclass
 class ConfigMixin:
     """Validation on construction, `to_dict` / `from_dict`, and `add_arguments` / `from_args` for the CLI."""
@@ -86,20 +135,9 @@ class ConfigMixin:
         """
         types = self._types()
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            meta = f.metadata
-            if not meta or (value is None and f.default is None):
-                continue
-            if meta.get("choices"):
-                check_choice(f.name, value, meta["choices"])
-            kind = types.get(f.name)
-            if kind in (int, float):
-                value = check_number(f.name, value, integer=kind is int, **meta.get("checks", {}))
-                setattr(self, f.name, value)
-            elif kind is bool and not isinstance(value, bool):
-                raise ATSError(f"{f.name}: expected true or false, got {value!r}")
-            elif kind is str and not isinstance(value, str):
-                raise ATSError(f"{f.name}: expected a string, got {value!r}")
+            if f.metadata:
+                setattr(self, f.name, check_field(f.name, getattr(self, f.name), types.get(f.name), f.metadata,
+                                                  none_ok=f.default is None))
 
     def to_dict(self) -> dict:
         """A JSON-ready dict of every field (nested configs as dicts).
@@ -175,10 +213,13 @@ class ConfigMixin:
             defaults: {field name: default} replacing the fields' own defaults.
         """
         types, exclude, defaults = cls._types(), set(exclude), defaults or {}
+        checks = {}
         for f in cls.cli_fields():
             if f.name in exclude:
                 continue
             meta = f.metadata
+            checks[f.name] = {"kind": types[f.name].__name__, "choices": list(meta["choices"] or []),
+                              "checks": dict(meta.get("checks", {})), "none_ok": f.default is None}
             default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else None)
             flag = meta.get("flag") or "--" + f.name.replace("_", "-")
             kind = types[f.name]
@@ -189,6 +230,7 @@ class ConfigMixin:
             shown = meta.get("unset", "automatic") if default is None else default
             parser.add_argument(flag, dest=f.name, type=kind, default=default, choices=meta.get("choices"),
                                 help=f"{help_text} (default: {shown})")
+        parser.set_defaults(**{CHECKS_PREFIX + cls.__name__: checks})  # for check_parsed
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides):

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..evaluation.tasks import KNOWN_SPECS, build_tasks
-from ..workflows.ablate import ABLATIONS, ablation_plan, run_ablations
-from ..workflows.pipeline import prepare_features
 from . import options
 
 
 def add_parser(sub) -> None:
     """Add `ats ablate` to `sub`, the sub-command parsers of `ats`."""
+    from ..evaluation.tasks import KNOWN_SPECS
+    from ..workflows.ablate import ABLATIONS
+
     p = sub.add_parser("ablate", help="ATS ablations: smoothing type, alpha, head (one feature cache, shared runs)")
     options.add_model(p)
     options.add_data(p)
@@ -26,6 +26,10 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """Run `ats ablate` with the parsed `args`; returns the exit code."""
+    from ..evaluation.tasks import build_tasks
+    from ..workflows.ablate import ablation_plan, run_ablations
+    from ..workflows.pipeline import prepare_features
+
     out = Path(args.out)
     options.check_model(args.model)
     ablation_plan(args.ablations)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ATSError
-from ..integrations.calibration_report import calibration_report, format_report
-from ..integrations.lm_eval_samples import read_samples
 
 
 def add_parser(sub) -> None:
@@ -54,6 +52,9 @@ def sample_files(items: list[str]) -> list[Path]:
 
 def run(args) -> int:
     """Run `ats calibration-report` with the parsed `args`; returns the exit code."""
+    from ..integrations.calibration_report import calibration_report, format_report
+    from ..integrations.lm_eval_samples import read_samples
+
     files = sample_files(args.samples)
     if args.label is not None and len(args.label) != len(files):
         raise ATSError(f"--label: {len(args.label)} label(s) for {len(files)} file(s)")

@@ -6,16 +6,13 @@ import os
 import time
 from pathlib import Path
 
-from ..evaluation.evaluate import format_paired
-from ..evaluation.report import format_table, token_table
-from ..model.backbone import load_backbone
-from ..sources import data_dir
-from ..workflows.experiment import SIZES, run_experiment
 from . import options
 
 
 def add_parser(sub) -> None:
     """Add `ats demo` to `sub`, the sub-command parsers of `ats`."""
+    from ..workflows.experiment import SIZES
+
     p = sub.add_parser("demo", help="the end-to-end demo on the embedded model and local data")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -30,6 +27,12 @@ def run(args) -> int:
 
     `args`: the parsed options; returns the exit code.
     """
+    from ..evaluation.evaluate import format_paired
+    from ..evaluation.report import format_table, token_table
+    from ..model.backbone import load_backbone
+    from ..sources import data_dir
+    from ..workflows.experiment import SIZES, run_experiment
+
     options.check_model(args.model)
     start = time.time()
     if data_dir() is None and Path("../shared/data").is_dir():

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..calibrators import REGISTRY
-from ..calibrators.base import Uncalibrated
 from ..errors import ATSError
-from ..evaluation.evaluate import evaluate, format_paired
-from ..evaluation.report import format_table
-from ..evaluation.tasks import KNOWN_SPECS, build_task
-from ..workflows.pipeline import fit_calibrators, prepare_features
 from . import options
 
 
 def add_parser(sub) -> None:
     """Add `ats eval` to `sub`, the sub-command parsers of `ats`."""
+    from ..calibrators import REGISTRY
+    from ..evaluation.tasks import KNOWN_SPECS
+
     p = sub.add_parser("eval", help="evaluate calibrators on MMLU / TriviaQA / TruthfulQA / your own MC sets")
     options.add_model(p)
     options.add_data(p)
@@ -36,22 +33,28 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """Run `ats eval` with the parsed `args`; returns the exit code."""
+    from ..calibrators.base import Uncalibrated
+    from ..evaluation.evaluate import evaluate, format_paired
+    from ..evaluation.report import format_table
+    from ..evaluation.tasks import build_task
+    from ..workflows.pipeline import fit_calibrators, prepare_features
+
     out = Path(args.out)
     names = options.split_names(args.calibrator, "none")
     options.check_model(args.model)
-    options.check_calibrators(names)
+    folders = options.calibrator_folders(names)
     tasks = [build_task(t, limit=args.task_limit) for t in options.split_names([args.tasks], "")]  # files read here
     if args.bootstrap < 0:
         raise ATSError(f"--bootstrap: expected a non-negative integer, got {args.bootstrap}")
-    to_fit = [n for n in names if not Path(n).is_dir() and n != "none"]
+    to_fit = [n for n in names if folders[n] is None and n != "none"]
     data = options.data_config(args) if to_fit else None
     training = options.training_config(args) if to_fit else None
 
     backbone = options.backbone_from_args(args)
     calibrators: dict = {"uncalibrated": Uncalibrated()}
     for name in names:
-        if Path(name).is_dir():
-            calibrator = options.load_calibrator_folder(name, backbone)
+        if folders[name] is not None:
+            calibrator = options.load_calibrator_folder(folders[name], backbone)
             label = calibrator.label if calibrator.label not in calibrators else Path(name).name
             calibrators[label] = calibrator
     if to_fit:

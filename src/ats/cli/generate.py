@@ -2,14 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
-from ..calibrators.ats import ATSCalibrator
-from ..calibrators.base import read_config
-from ..checks import check_number, check_positive_int
-from ..generation import generate_calibrated, print_stream
 from . import options
 
 
@@ -17,7 +9,8 @@ def add_parser(sub) -> None:
     """Add `ats generate` to `sub`, the sub-command parsers of `ats`."""
     p = sub.add_parser("generate", help="generate with calibrated per-token confidence")
     options.add_model(p)
-    p.add_argument("--calibrator", required=True, help="a saved ATS head folder (e.g. runs/smol/head)")
+    p.add_argument("--calibrator", required=True,
+                   help="a saved ATS head folder (e.g. runs/smol/head), the paper's released head, or a Hub id")
     p.add_argument("prompt", nargs="+")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--do-sample", action="store_true")
@@ -32,8 +25,13 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """Run `ats generate` with the parsed `args`; returns the exit code."""
+    import torch
+
+    from ..checks import check_number, check_positive_int
+    from ..generation import generate_calibrated, print_stream
+
     options.check_model(args.model)
-    read_config(Path(args.calibrator))  # a missing or wrong folder fails before the model loads
+    folder = options.calibrator_folder(args.calibrator)  # a missing or wrong folder fails before the model loads
     check_positive_int("--max-new-tokens", args.max_new_tokens)
     check_number("--temperature", args.temperature, low=0, low_open=True)
     if args.top_k is not None:
@@ -41,7 +39,7 @@ def run(args) -> int:
     if args.top_p is not None:
         check_number("--top-p", args.top_p, low=0, high=1, low_open=True)
     backbone = options.backbone_from_args(args)
-    calibrator = ATSCalibrator.from_pretrained(args.calibrator, backbone=backbone).to(backbone.device)
+    calibrator = options.load_ats_head(folder, backbone, "generate")
     torch.manual_seed(args.seed)
     outputs = generate_calibrated(backbone, calibrator, [" ".join(args.prompt)], max_new_tokens=args.max_new_tokens,
                                   do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,

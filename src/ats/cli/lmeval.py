@@ -19,9 +19,6 @@ import time
 from pathlib import Path
 
 from ..errors import ATSError
-from ..integrations.calibration_report import calibration_report, format_report
-from ..integrations.lm_eval_samples import SAMPLES_NAME, NotMultipleChoice, read_samples
-from ..model.backbone import DEFAULT_MODEL
 from .options import check_model
 
 logger = logging.getLogger(__name__)
@@ -77,6 +74,7 @@ def check_ats_model(known: argparse.Namespace) -> None:
     if known.model != "ats":
         return
     from ..integrations.lm_eval_model import check_calibrator
+    from ..model.backbone import DEFAULT_MODEL
 
     given = model_args(known.model_args)
     try:
@@ -102,6 +100,8 @@ def run(args) -> int:
     except ImportError:
         raise ATSError("lm-eval is not installed: pip install 'ats[lm-eval]'") from None
     from ..integrations import lm_eval_model  # noqa: F401  registers the `ats` model with lm-eval
+    from ..integrations.calibration_report import calibration_report, format_report
+    from ..integrations.lm_eval_samples import SAMPLES_NAME, NotMultipleChoice, read_samples
 
     argv = list(args.lm_eval_args)
     known = _known(argv)

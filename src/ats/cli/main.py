@@ -21,19 +21,37 @@ import logging
 import os
 import sys
 
+from ..config import check_parsed
 from ..errors import ATSError
-from . import ablate, calibration_report, demo, eval, generate, lmeval, serve, train
+from . import ablate, calibration_report, convert, demo, eval, generate, lmeval, serve, train
+from .parser_cache import cached_parser
 
-COMMANDS = (train, eval, generate, ablate, demo, serve, lmeval, calibration_report)
+# Command modules import only argparse-level things at the top; torch, transformers and the library load in `run`.
+COMMANDS = (train, eval, generate, ablate, demo, serve, lmeval, calibration_report, convert)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `ats` parser: -q/--quiet and one sub-command per module in `COMMANDS`."""
-    parser = argparse.ArgumentParser(prog="ats", description="Adaptive Temperature Scaling for causal LMs")
+def _root_parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog="ats", description="Adaptive Temperature Scaling for causal LMs")
+
+
+def _define(parser: argparse.ArgumentParser) -> None:
+    """Add -q/--quiet and one sub-command per module in `COMMANDS` to `parser`."""
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or progress messages")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
+
+
+def build_parser(*, cached: bool = False) -> argparse.ArgumentParser:
+    """The `ats` parser: -q/--quiet and one sub-command per module in `COMMANDS`.
+
+    Args:
+        cached: replay the saved record of the parser (`parser_cache`: no torch import) instead of building it.
+    """
+    if cached:
+        return cached_parser(_root_parser, _define)
+    parser = _root_parser()
+    _define(parser)
     return parser
 
 
@@ -57,17 +75,20 @@ def _configure_output(quiet: bool) -> None:
     library.setLevel(logging.WARNING if quiet else logging.INFO)
     if quiet:
         os.environ["TQDM_DISABLE"] = "1"
-        from transformers.utils import logging as hf_logging
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub / transformers load
+        if "transformers" in sys.modules or "huggingface_hub" in sys.modules:  # loaded already (main() in-process)
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+            hf_logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (None: sys.argv), run the sub-command and return its exit code: an `ATSError` or `OSError` is
     printed as one line and gives 2, an interrupt gives 130."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(cached=True).parse_args(argv)
     _configure_output(args.quiet)
     try:
+        check_parsed(args)  # the configs' range checks, before a command imports the library
         return args.run(args)
     except ATSError as err:
         print(f"ats: error: {err}", file=sys.stderr)

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..calibrators import REGISTRY, load_calibrator
-from ..calibrators.ats import ATSConfig
-from ..calibrators.base import read_config
 from ..errors import ATSError
-from ..model.backbone import EMBEDDED_MODELS, Backbone, load_backbone
-from ..model.heads import HeadConfig
-from ..training.config import TrainingConfig
-from ..training.data import DataConfig, load_instructions
+
+if TYPE_CHECKING:
+    from ..model.backbone import Backbone
+    from ..training.config import TrainingConfig
+    from ..training.data import DataConfig
+
+# The library (and with it torch and transformers) is imported inside the functions: `import ats.cli.main` stays
+# light, and the parser itself is replayed from a record (`parser_cache`).
 
 
 def add_model(p: argparse.ArgumentParser) -> None:
@@ -34,6 +34,8 @@ def add_model(p: argparse.ArgumentParser) -> None:
 
 def add_data(p: argparse.ArgumentParser) -> None:
     """Add `DataConfig`'s options and --features to parser `p`."""
+    from ..training.data import DataConfig
+
     g = p.add_argument_group("instruction data (features)")
     DataConfig.add_arguments(g)
     g.add_argument("--features", default=None, help="feature cache folder (default: OUT/features)")
@@ -41,6 +43,10 @@ def add_data(p: argparse.ArgumentParser) -> None:
 
 def add_training(p: argparse.ArgumentParser, *, exclude=()) -> None:
     """Add the head, ATS and training options to parser `p`; `exclude`: `TrainingConfig` fields left out."""
+    from ..calibrators.ats import ATSConfig
+    from ..model.heads import HeadConfig
+    from ..training.config import TrainingConfig
+
     g = p.add_argument_group("head and training")
     HeadConfig.add_arguments(g)
     ATSConfig.add_arguments(g)
@@ -55,6 +61,8 @@ def add_overwrite(p: argparse.ArgumentParser) -> None:
 
 def device(name: str | None) -> str:
     """The device `name`, or None: "cuda" when available, else "cpu"."""
+    import torch
+
     return name or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -64,6 +72,8 @@ def check_model(name: str) -> None:
     Raises:
         ATSError: if `name` is a missing path, a folder without config.json, or not shaped like a Hub id.
     """
+    from ..model.backbone import EMBEDDED_MODELS
+
     path = Path(name).expanduser()
     local = name.startswith((".", "/", "~")) or path.suffix == ".gguf" or path.exists()
     if name in EMBEDDED_MODELS:
@@ -82,6 +92,8 @@ def check_model(name: str) -> None:
 
 def backbone_from_args(args) -> Backbone:
     """The backbone named by the model options in `args` (see `add_model`)."""
+    from ..model.backbone import load_backbone
+
     return load_backbone(args.model, dtype=getattr(args, "dtype", "float32"), device=device(getattr(args, "device",
                                                                                                      None)),
                          trust_remote_code=getattr(args, "trust_remote_code", False))
@@ -90,6 +102,8 @@ def backbone_from_args(args) -> Backbone:
 def data_config(args) -> DataConfig:
     """The data options in `args`, checked (the data itself is read once here, so a bad file fails before the model
     loads); `ATSError` if they or the data are invalid."""
+    from ..training.data import DataConfig, load_instructions
+
     config = DataConfig.from_args(args, seed=getattr(args, "seed", 0))
     load_instructions(config.source, limit=config.limit, seed=config.seed)
     return config
@@ -97,6 +111,8 @@ def data_config(args) -> DataConfig:
 
 def training_config(args, **overrides) -> TrainingConfig:
     """The `TrainingConfig` from the options in `args`, with `overrides` (field -> value) on top."""
+    from ..training.config import TrainingConfig
+
     return TrainingConfig.from_args(args, **overrides)
 
 
@@ -105,17 +121,64 @@ def split_names(values: list[str] | None, default: str) -> list[str]:
     return [v.strip() for item in (values or [default]) for v in item.split(",") if v.strip()]
 
 
-def check_calibrators(names: list[str]) -> None:
-    """Check that each of `names` is a calibrator folder (its config readable) or a registered name; `ATSError` if
-    not."""
+def calibrator_folder(name: str | Path) -> Path:
+    """The folder of --calibrator `name` (a local folder, or a Hub repo id read from the cache or downloaded), its
+    config checked: an `ats` calibrator_config.json or the paper's config.json (docs/official_heads.md).
+
+    Raises:
+        ATSError: if the folder, its config or the Hub id is missing or invalid (one line).
+    """
+    from ..calibrators.base import CONFIG_NAME, read_config
+    from ..calibrators.official import is_official_folder, read_official_config
+    from ..hub import resolve_folder
+
+    folder = resolve_folder(name)
+    if not (folder / CONFIG_NAME).exists() and is_official_folder(folder):
+        read_official_config(folder)
+    else:
+        read_config(folder)
+    return folder
+
+
+def calibrator_folders(names: list[str]) -> dict[str, Path | None]:
+    """Each of `names` as a checked calibrator folder (see `calibrator_folder`), or None for a registered name to
+    fit: a local folder first, then a registered name, then a Hub repo id.
+
+    Raises:
+        ATSError: if a name is none of these, or its folder is invalid.
+    """
+    from ..calibrators import REGISTRY
+    from ..hub import is_repo_id
+
+    folders: dict[str, Path | None] = {}
     for name in names:
-        if Path(name).is_dir():
-            read_config(Path(name))
-        elif name not in REGISTRY:
-            raise ATSError(f"--calibrator {name!r}: not a folder and not a known calibrator "
-                           f"({', '.join(REGISTRY)})")
+        if Path(name).is_dir() or (name not in REGISTRY and is_repo_id(name)):
+            folders[name] = calibrator_folder(name)
+        elif name in REGISTRY:
+            folders[name] = None
+        else:
+            raise ATSError(f"--calibrator {name!r}: not a folder, a known calibrator ({', '.join(REGISTRY)}) or a "
+                           f"Hub id (owner/name)")
+    return folders
 
 
-def load_calibrator_folder(name: str, backbone: Backbone):
-    """The calibrator saved in folder `name`, checked against `backbone` and moved to its device."""
+def load_calibrator_folder(name: str | Path, backbone: Backbone):
+    """The calibrator saved in folder `name` (or Hub id), checked against `backbone` and moved to its device."""
+    from ..calibrators import load_calibrator
+
     return load_calibrator(name, backbone=backbone).to(backbone.device)
+
+
+def load_ats_head(name: str | Path, backbone: Backbone, command: str):
+    """As `load_calibrator_folder`, for commands that run an ATS-family head (generate, serve).
+
+    Raises:
+        ATSError: if the calibrator is not an ATS-family head, naming its type.
+    """
+    from ..calibrators.ats import ATSCalibrator
+
+    calibrator = load_calibrator_folder(name, backbone)
+    if not isinstance(calibrator, ATSCalibrator):
+        raise ATSError(f"--calibrator {name}: ats {command} runs ATS-family heads (types ats, ats-official), this is "
+                       f"{calibrator.name!r}")
+    return calibrator

@@ -7,13 +7,7 @@ import ipaddress
 import logging
 import os
 import socket
-from pathlib import Path
 
-import torch
-
-from ..calibrators.ats import ATSCalibrator
-from ..calibrators.base import read_config
-from ..checks import check_number, check_positive_int
 from ..errors import ATSError
 from . import options
 
@@ -63,9 +57,14 @@ def _check_port_free(host: str, port: int) -> None:
 
 def run(args) -> int:
     """Run `ats serve` with the parsed `args`; returns the exit code."""
+    import torch
+
+    from ..checks import check_number, check_positive_int
+
     options.check_model(args.model)
+    folder = None
     if args.calibrator != "none":
-        read_config(Path(args.calibrator))  # a missing or wrong folder fails before the model loads
+        folder = options.calibrator_folder(args.calibrator)  # a missing or wrong folder fails before the model loads
     check_number("--port", args.port, integer=True, low=1, high=65535)
     check_positive_int("--max-batch", args.max_batch)
     check_positive_int("--max-queue", args.max_queue)
@@ -88,8 +87,8 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     backbone = options.backbone_from_args(args)
     calibrator = None
-    if args.calibrator != "none":
-        calibrator = ATSCalibrator.from_pretrained(args.calibrator, backbone=backbone)
+    if folder is not None:
+        calibrator = options.load_ats_head(folder, backbone, "serve")
     engine = Engine(backbone, calibrator, max_batch=args.max_batch, max_queue=args.max_queue,
                     max_model_len=args.max_model_len)
     name = args.served_model_name or args.model

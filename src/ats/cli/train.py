@@ -6,15 +6,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..calibrators.ats import ATSConfig
-from ..calibrators.base import Uncalibrated
-from ..evaluation.metrics import summarize
-from ..evaluation.report import token_table
-from ..evaluation.token_eval import gathered_token_confidences
-from ..model.backbone import load_backbone
-from ..model.heads import HeadConfig
-from ..training.distributed import init_distributed
-from ..workflows.pipeline import check_before_loading, online_features, prepare_features, train_head
 from . import options
 
 logger = logging.getLogger(__name__)
@@ -38,6 +29,16 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """Run `ats train` with the parsed `args`; returns the exit code."""
+    from ..calibrators.ats import ATSConfig
+    from ..calibrators.base import Uncalibrated
+    from ..evaluation.metrics import summarize
+    from ..evaluation.report import token_table
+    from ..evaluation.token_eval import gathered_token_confidences
+    from ..model.backbone import load_backbone
+    from ..model.heads import HeadConfig
+    from ..training.distributed import init_distributed
+    from ..workflows.pipeline import check_before_loading, online_features, prepare_features, train_head
+
     # every option is checked before the backbone loads
     options.check_model(args.model)
     data = options.data_config(args)

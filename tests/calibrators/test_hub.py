@@ -1,0 +1,132 @@
+"""The Hub: a repo id resolved from a local snapshot (HF_HUB_CACHE + HF_HUB_OFFLINE=1, as snapshot_download lays it
+out), local folders first, one line for a missing id; the folder and model card that push_to_hub uploads."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ats.hub
+from ats.calibrators import load_calibrator
+from ats.calibrators.ats import ATSCalibrator, ATSConfig
+from ats.errors import ATSError
+from ats.hub import is_repo_id, resolve_folder
+from ats.model.heads import HeadConfig
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+TRAINING = {"loss_type": "selective", "lr": 0.001, "optimizer_steps": 120, "alpha": 0.5}
+
+
+def tiny_calibrator(seed: int = 0) -> ATSCalibrator:
+    config = ATSConfig(head=HeadConfig(head_type="linear", hidden_size=8), hidden_size=8, vocab_size=11,
+                       base_model="HuggingFaceTB/SmolLM2-135M-Instruct", revision="abc123", training=dict(TRAINING))
+    calibrator = ATSCalibrator(config)
+    with torch.no_grad():
+        calibrator.head.proj.weight.copy_(torch.randn(1, 8, generator=torch.Generator().manual_seed(seed)))
+    return calibrator
+
+
+def snapshot(cache, repo_id: str, files_from) -> None:
+    """The cache layout snapshot_download writes: models--owner--name/refs/main -> snapshots/<commit>/files."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    shutil.copytree(files_from, repo / "snapshots" / COMMIT)
+
+
+def _load_offline(cache, cwd, name: str) -> str:
+    code = ("import sys\nfrom ats.calibrators import load_calibrator\nfrom ats.calibrators.ats import ATSCalibrator\n"
+            "from ats.errors import ATSError\n"
+            f"try:\n    c = load_calibrator({name!r})\nexcept ATSError as e:\n    print('error:', e)\n    sys.exit()\n"
+            "print(type(c).__name__, c.digest())\n"
+            "if isinstance(c, ATSCalibrator) and c.name == 'ats':\n"
+            f"    print(ATSCalibrator.from_pretrained({name!r}).digest())")
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_hub_id_resolves_from_a_local_snapshot_and_local_folders_come_first(tmp_path):
+    cache, work = tmp_path / "hub", tmp_path / "work"
+    work.mkdir()
+    hub_head, local_head = tiny_calibrator(seed=1), tiny_calibrator(seed=2)
+    hub_head.save_pretrained(tmp_path / "saved")
+    snapshot(cache, "someone/ats-tiny", tmp_path / "saved")
+    out = _load_offline(cache, work, "someone/ats-tiny").split()
+    assert out == ["ATSCalibrator", hub_head.digest(), hub_head.digest()]  # load_calibrator and from_pretrained
+
+    local_head.save_pretrained(work / "someone" / "ats-tiny")  # a folder of the same name wins
+    assert _load_offline(cache, work, "someone/ats-tiny").split()[1] == local_head.digest()
+
+    missing = _load_offline(cache, work, "someone/not-there").strip()
+    assert missing.startswith("error: someone/not-there: no such folder, and not in the Hugging Face cache")
+    assert "\n" not in missing and "HF_HUB_OFFLINE=1" in missing
+
+
+def test_official_head_resolves_from_the_hub_cache(tmp_path):
+    from test_official import write_official  # the official-layout writer of the official-head tests
+
+    official = write_official(tmp_path / "official")
+    snapshot(tmp_path / "hub", "jxie/ATS-calibration-tiny", official)
+    out = _load_offline(tmp_path / "hub", tmp_path, "jxie/ATS-calibration-tiny").split()
+    assert out == ["OfficialATSCalibrator", load_calibrator(official).digest()]
+
+
+@pytest.mark.parametrize("name, expected", [("owner/name", True), ("jxie/ATS-calibration-Llama-2-7b-chat-hf", True),
+                                            ("runs/smol/head", False), ("./a/b", False), ("/abs/x", False),
+                                            ("~/x/y", False), ("head", False), ("a/../b", False)])
+def test_repo_id_shape(name, expected):
+    assert is_repo_id(name) is expected
+
+
+def test_a_missing_local_path_is_returned_for_the_callers_error(tmp_path):
+    assert resolve_folder(tmp_path / "nope") == tmp_path / "nope"
+    with pytest.raises(ATSError, match="calibrator_config.json: file not found"):
+        load_calibrator(tmp_path / "nope")
+
+
+def test_save_for_hub_writes_config_weights_and_the_model_card(tmp_path):
+    calibrator = tiny_calibrator()
+    evidence = {"held-out tokens": {"ece": 0.0123, "brier": 0.2}, "MMLU": {"ece": 0.067}}
+    folder = calibrator.save_for_hub(tmp_path / "up", "someone/ats-tiny", datasets=["vicgalle/alpaca-gpt4"],
+                                     evidence=evidence)
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "calibrator_config.json", "model.safetensors"]
+    assert load_calibrator(folder).digest() == calibrator.digest()
+    card = (folder / "README.md").read_text()
+    front = card.split("---\n")[1]
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct\n" in front and "library_name: ats\n" in front
+    assert "datasets:\n- vicgalle/alpaca-gpt4\n" in front
+    assert "load_calibrator('someone/ats-tiny', backbone=backbone)" in card
+    assert "- revision: abc123\n" in card and "- hidden size: 8\n" in card
+    assert "| lr | 0.001 |" in card and "| optimizer_steps | 120 |" in card and "| loss_type | selective |" in card
+    assert "| | brier | ece |\n|---|---:|---:|\n| held-out tokens | 0.2 | 0.0123 |\n| MMLU |  | 0.067 |" in card
+
+
+def test_card_without_evidence_or_backbone_says_so():
+    card = ats.hub.model_card({"type": "temperature", "label": "temperature", "repo_id": "a/b"})
+    assert "base_model" not in card.split("---\n")[1]
+    assert "- not recorded" in card and "No evaluation numbers were recorded" in card
+
+
+def test_push_to_hub_uploads_the_saved_folder(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_upload(folder, repo_id, **options):  # the real one needs the network and a token
+        seen.update(files=sorted(p.name for p in folder.iterdir()), repo_id=repo_id, options=options,
+                    config=json.loads((folder / "calibrator_config.json").read_text()))
+        return "https://huggingface.co/someone/ats-tiny/commit/1"
+
+    monkeypatch.setattr(ats.hub, "upload_folder", fake_upload)
+    url = tiny_calibrator().push_to_hub("someone/ats-tiny", datasets=["vicgalle/alpaca-gpt4"], private=True)
+    assert url.endswith("/commit/1") and seen["repo_id"] == "someone/ats-tiny"
+    assert seen["files"] == ["README.md", "calibrator_config.json", "model.safetensors"]
+    assert seen["options"]["private"] is True and seen["config"]["type"] == "ats"
+
+
+def test_push_to_hub_refuses_a_bad_repo_id(tmp_path):
+    with pytest.raises(ATSError, match="'not a repo' is not a Hub repo id"):
+        ats.hub.upload_folder(tmp_path, "not a repo")
