@@ -34,9 +34,11 @@ def main() -> None:
     parser.add_argument("--lr-grid", default="3e-4,1e-3,3e-3")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--stages", default="select,loo,reported")
+    parser.add_argument("--stages", default="select,loo,reported,tokens")
     parser.add_argument("--instruction-head", action="append", default=[], metavar="NAME=DIR",
                         help="a head trained elsewhere (e.g. the paper's ATS on instruction data), scored too")
+    parser.add_argument("--token-features", default=None,
+                        help="instruction features (train/ val/) whose held-out split scores every head per token")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--results", default=None, help="where the committed results go (default "
                         "benchmarks/results/answers/<model>)")
@@ -66,7 +68,7 @@ def main() -> None:
             name, _, folder = spec.partition("=")
             heads[name] = load_calibrator(folder, backbone)
         start = time.perf_counter()
-        results = run_answers(backbone, out, plan, instruction_heads=heads,
+        results = run_answers(backbone, out, plan, instruction_heads=heads, token_features=args.token_features,
                               stages=tuple(args.stages.split(",")))
         results["command"] = "python " + " ".join(sys.argv)
         results["machine"] = machine()

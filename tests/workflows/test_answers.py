@@ -221,3 +221,42 @@ def test_planted_correctness_is_recovered_by_a_per_token_head_not_by_a_global_te
     # the constant head still learns the level: the log loss of the base rate (~0.69), not of 0.79 confidence
     assert scores["constant"][1] == pytest.approx(mean_log_loss(np.full(len(test), base_correct.mean()),
                                                                 base_correct), abs=0.05)
+
+
+def test_the_protocol_runs_end_to_end_and_refuses_another_plan(sharp, tmp_path):
+    from ats.workflows.answers import AnswerPlan, run_answers
+    from ats.workflows.answers_report import render
+
+    def mc(name, rows):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in rows))
+        return build_task(f"mc:{path}:likelihood")
+
+    rows = [(f"Pick {i}", ["yes", "no", "maybe"][: 2 + i % 2], i % 2) for i in range(10)]
+    pool = {"alpha": mc("alpha", rows), "beta": mc("beta", rows[::-1]), "gamma": mc("gamma", rows[3:])}
+    reported = {"delta": build_task(f"mc:{tmp_path / 'alpha.jsonl'}:letters")}
+    plan = AnswerPlan(methods={"ats-answers": "linear", "control-answers": "constant"}, lr_grid=(1e-3, 1e-2),
+                      epochs=1, batch_size=4, seeds=(0, 1), bootstrap=20, leave_one_out=("alpha", "beta"),
+                      selection_tasks=("gamma",))
+    results = run_answers(sharp, tmp_path / "run", plan, pool=pool, reported=reported, progress=False)
+    assert set(results["selection"]) == {"ats-answers", "control-answers"}
+    for method, chosen in results["selection"].items():  # the chosen lr has the lowest held-out loss
+        grid = chosen["grid"]
+        assert chosen["lr"] == min(grid, key=lambda r: r["heldout_log_loss"])["lr"] and len(grid) == 2
+    assert list(results["leave_one_out"]) == ["alpha", "beta"]
+    assert results["leave_one_out"]["alpha"]["train"] == ["beta", "gamma"]
+    delta = results["reported"]["delta"]
+    assert len(delta["methods"]["ats-answers"]["seeds"]) == 2 and "minus_control" in delta["methods"]["ats-answers"]
+    assert "minus_control" not in delta["methods"]["control-answers"]
+    base = delta["methods"]["uncalibrated"]["seeds"][0]
+    expected = build_task(f"mc:{tmp_path / 'alpha.jsonl'}:letters").run(sharp, {"u": Uncalibrated()}, progress=False)
+    assert base["accuracy"] == pytest.approx(expected["u"].correct.mean())
+    assert (tmp_path / "run" / "heads" / "ats-answers" / "seed1" / "model.safetensors").is_file()
+    md = render(tmp_path / "run" / "results.json", tmp_path / "committed").read_text()
+    assert "### delta (10 questions)" in md and "alpha (left out)" in md and (tmp_path / "committed" / "figures"
+                                                                             / "delta.png").is_file()
+    # a rerun reuses every stage; another plan is refused
+    again = run_answers(sharp, tmp_path / "run", plan, pool=pool, reported=reported, progress=False)
+    assert again["selection"] == results["selection"]
+    with pytest.raises(ATSError, match="another plan"):
+        run_answers(sharp, tmp_path / "run", AnswerPlan(epochs=3), pool=pool, reported=reported, progress=False)

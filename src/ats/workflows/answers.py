@@ -221,7 +221,9 @@ def evaluate_methods(heads: dict, maps: dict, answers: AnswerSet, logits_fn, pla
 
 
 def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, instruction_heads: dict | None = None,
-                progress: bool = True, stages: tuple = ("select", "loo", "reported")) -> dict:
+                token_features: str | Path | None = None, progress: bool = True,
+                stages: tuple = ("select", "loo", "reported", "tokens"), pool: dict | None = None,
+                reported: dict | None = None) -> dict:
     """The whole protocol of the module docstring; results in OUT/results.json (each stage saved as it ends, and
     reused when rerun with the same plan).
 
@@ -231,8 +233,12 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
         plan: sizes, methods, grid, seeds; default `AnswerPlan()`.
         instruction_heads: method -> a calibrator trained elsewhere (e.g. the paper's head on instruction data),
             scored on the reported tasks beside the answer-trained ones.
+        token_features: an instruction feature folder (`train/`, `val/`); its held-out split gives each head's
+            token-level calibration ("tokens" stage).
         progress: show progress bars.
         stages: which stages to run.
+        pool: name -> task of the training pool; default `pool_tasks(plan)`.
+        reported: name -> reported task; default `reported_tasks(plan)`.
 
     Returns:
         The results dict.
@@ -245,8 +251,9 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
     if results and results.get("plan") != plan_dict:
         raise ATSError(f"{results_path}: made with another plan; use another --out")
     results.update({"plan": plan_dict, "backbone": backbone.describe()})
+    reported_by_name = reported if reported is not None else reported_tasks(plan)
     pool = {name: cached_answers(backbone, task, out / "answers" / name, progress=progress)
-            for name, task in pool_tasks(plan).items()}
+            for name, task in (pool if pool is not None else pool_tasks(plan)).items()}
     results["pool"] = {n: {"questions": len(s), "kind": s.kind, "accuracy": float(np.mean(
         score_answers(None, s, backbone.logits)[1]))} for n, s in pool.items()}
     write_json(results_path, results)
@@ -289,11 +296,34 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
                  for m in plan.methods}
         heads.update({name: [c] for name, c in (instruction_heads or {}).items()})
         maps = {"isotonic-answers": isotonic_on_answers(list(pool.values()), logits_fn)}
-        reported = {}
-        for name, task in reported_tasks(plan).items():
+        for name, task in reported_by_name.items():
             answers = cached_answers(backbone, task, out / "answers" / name, progress=progress)
-            reported[name] = evaluate_methods(heads, maps, answers, logits_fn, plan)
-            results["reported"] = {**results.get("reported", {}), **reported}
+            results["reported"] = {**results.get("reported", {}),
+                                   name: evaluate_methods(heads, maps, answers, logits_fn, plan)}
             write_json(results_path, results)
+    if "tokens" in stages and token_features is not None:
+        results["token_level"] = token_level(backbone, out, plan, token_features, instruction_heads or {},
+                                             progress=progress)
+        write_json(results_path, results)
     torch.set_grad_enabled(True)
     return results
+
+
+def token_level(backbone, out: Path, plan: AnswerPlan, features: str | Path, instruction_heads: dict, *,
+                progress: bool = True) -> dict:
+    """Held-out instruction-token calibration (ECE, mean confidence, accuracy) of every saved head (seed 0) and of
+    the instruction-trained heads: does training on answers collapse token confidence?"""
+    from ..calibrators import load_calibrator
+    from ..calibrators.base import Uncalibrated
+    from ..evaluation.token_eval import token_confidences
+    from ..training.features import FeatureStore
+
+    store = FeatureStore(Path(features) / "val")
+    calibrators = {"uncalibrated": Uncalibrated(), **instruction_heads}
+    for method in plan.methods:
+        folder = out / "heads" / method / f"seed{plan.seeds[0]}"
+        if (folder / "calibrator_config.json").is_file():
+            calibrators[method] = load_calibrator(folder, backbone)
+    scored = token_confidences(store, backbone, calibrators, progress=progress)
+    return {"features": str(features), "tokens": int(len(next(iter(scored.values()))[0])),
+            **{m: summarize(c, k) for m, (c, k) in scored.items()}}

@@ -110,6 +110,12 @@ def render(results_path: str | Path, results_dir: str | Path) -> Path:
             lines += [task_block(name, task), ""]
             curves = {m: (np.asarray(c), np.asarray(k, dtype=bool)) for m, (c, k) in task["reliability"].items()}
             reliability_figure(curves, out / "figures" / name, title=name)
+    if results.get("token_level"):
+        tl = results["token_level"]
+        lines += [f"## Held-out instruction tokens ({tl['tokens']} response tokens of `{tl['features']}`)", ""]
+        rows = [[m, f"{v['accuracy']:.3f}", f"{v['mean_confidence']:.3f}", f"{v['ece']:.3f}"]
+                for m, v in tl.items() if isinstance(v, dict)]
+        lines += [markdown_table(["method", "token accuracy", "mean confidence", "token ECE"], rows), ""]
     blocks = {**{f"{k} (left out)": v for k, v in results.get("leave_one_out", {}).items()},
               **results.get("reported", {})}
     if blocks:
