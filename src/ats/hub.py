@@ -4,6 +4,7 @@
     resolve_folder("runs/smol/head")      # a local folder wins, always
     resolve_folder("jxie/ATS-...")        # else owner/name: huggingface_hub.snapshot_download (cache, then network)
     model_card(info)                      # README.md: base_model, datasets, training, evidence numbers
+    run_record("runs/smol/head")          # the data and held-out numbers a trained head's folder records
 
 Only JSON, safetensors and markdown files are downloaded: nothing a calibrator reads is a pickle.
 """
@@ -133,6 +134,42 @@ def model_card(info: dict) -> str:
     else:
         lines += ["", "## Evidence", "", "No evaluation numbers were recorded with this upload."]
     return "\n".join(front + [""] + lines) + "\n"
+
+
+EVIDENCE_METRICS = ("ece", "adaptive_ece", "brier", "nll", "auroc", "accuracy", "mean_confidence")
+
+
+def run_record(directory: str | Path) -> dict:
+    """The training data and the evidence a head folder written by `ats train` carries, as `push_to_hub` takes them.
+
+    Args:
+        directory: the head's folder (with fingerprint.json and training_history.json beside the weights).
+
+    Returns:
+        {"datasets": [the data source, its size and split], "evidence": {"held-out tokens (epoch E, N tokens)":
+        {metric: value}}}, each empty when the file is not there.
+
+    Raises:
+        ATSError: if one of the files is not valid JSON.
+    """
+    from .fingerprint import stored_fingerprint
+    from .io import read_json
+
+    directory = Path(directory)
+    data = ((stored_fingerprint(directory) or {}).get("features") or {}).get("data") or {}
+    datasets = []
+    if data.get("source"):
+        size = f"{data['records']} records" if data.get("records") else "all records"
+        datasets.append(f"{data['source']} ({size}, {data.get('val_fraction', '?')} held out, seed "
+                        f"{data.get('seed', '?')})")
+    evidence = {}
+    history = directory / "training_history.json"
+    epochs = read_json(history).get("epochs") if history.is_file() else None
+    if epochs:
+        last = epochs[-1]
+        row = f"held-out tokens (epoch {last.get('epoch', len(epochs) - 1)}, {last.get('n', '?')} tokens)"
+        evidence[row] = {m: last[m] for m in EVIDENCE_METRICS if isinstance(last.get(m), (int, float))}
+    return {"datasets": datasets, "evidence": evidence}
 
 
 def upload_folder(folder: Path, repo_id: str, *, private: bool = False, token: str | None = None,

@@ -130,3 +130,21 @@ def test_push_to_hub_uploads_the_saved_folder(tmp_path, monkeypatch):
 def test_push_to_hub_refuses_a_bad_repo_id(tmp_path):
     with pytest.raises(ATSError, match="'not a repo' is not a Hub repo id"):
         ats.hub.upload_folder(tmp_path, "not a repo")
+
+
+def test_run_record_reads_the_data_and_held_out_numbers_of_a_head_folder(tmp_path):
+    head = tmp_path / "head"
+    tiny_calibrator().save_pretrained(head)
+    (head / "fingerprint.json").write_text(json.dumps({"features": {"data": {
+        "source": "alpaca_gpt4", "records": 1000, "val_fraction": 0.1, "seed": 0}}, "kind": "head"}))
+    (head / "training_history.json").write_text(json.dumps({"steps": [], "epochs": [
+        {"epoch": 0, "n": 900, "ece": 0.2, "brier": 0.3},
+        {"epoch": 1, "n": 900, "ece": 0.0123, "brier": 0.19, "nll": 1.5, "objective": 3.0}]}))
+    record = ats.hub.run_record(head)
+    assert record == {"datasets": ["alpaca_gpt4 (1000 records, 0.1 held out, seed 0)"],
+                      "evidence": {"held-out tokens (epoch 1, 900 tokens)": {"ece": 0.0123, "brier": 0.19,
+                                                                             "nll": 1.5}}}
+    card = (load_calibrator(head).save_for_hub(tmp_path / "up", "a/b", **record) / "README.md").read_text()
+    assert "- alpaca_gpt4 (1000 records, 0.1 held out, seed 0)" in card
+    assert "| held-out tokens (epoch 1, 900 tokens) | 0.19 | 0.0123 | 1.5 |" in card
+    assert ats.hub.run_record(tmp_path) == {"datasets": [], "evidence": {}}
