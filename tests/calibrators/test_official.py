@@ -152,6 +152,10 @@ def test_hidden_size_mismatch_names_both_numbers(tmp_path):
     backbone = SimpleNamespace(name="tiny", hidden_size=64, vocab_size=11, revision="x")
     with pytest.raises(ATSError, match=r"hidden size \(in_features\) 32, backbone tiny has hidden size 64"):
         load_calibrator(folder, backbone=backbone)
+    (folder / "calibration_head.safetensors").write_bytes(b"not read")  # refused before the weights are read
+    with pytest.raises(ATSError, match=r"hidden size \(in_features\) 32, backbone tiny has hidden size 64"):
+        load_calibrator(folder, backbone=backbone)
+    folder = write_official(tmp_path / "head2")
     ok = SimpleNamespace(name="other/name", hidden_size=H, vocab_size=5, revision="y")
     assert load_calibrator(folder, backbone=ok).config_.hidden_size == H
 

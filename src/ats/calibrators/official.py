@@ -191,6 +191,8 @@ class OfficialATSCalibrator(ATSCalibrator):
         """
         directory = Path(directory)
         config = read_official_config(directory)
+        if backbone is not None:  # before reading the weights (hundreds of MB for a 7B model's head)
+            check_hidden_size(config["in_features"], backbone)
         state = map_state(read_official_weights(directory), config, str(directory / OFFICIAL_WEIGHTS))
         head = HeadConfig(head_type="transformer", hidden_size=config["in_features"],
                           num_heads=config["num_attention_heads"], intermediate_size=config["intermediate_size"],
@@ -213,6 +215,15 @@ class OfficialATSCalibrator(ATSCalibrator):
         Raises:
             ATSError: naming both sizes.
         """
-        if self.config_.hidden_size != backbone.hidden_size:
-            raise ATSError(f"calibrator: the head reads hidden size (in_features) {self.config_.hidden_size}, "
-                           f"backbone {backbone.name} has hidden size {backbone.hidden_size}")
+        check_hidden_size(self.config_.hidden_size, backbone)
+
+
+def check_hidden_size(in_features: int, backbone: Backbone) -> None:
+    """Refuse a backbone whose hidden size is not the head's `in_features`.
+
+    Raises:
+        ATSError: naming both sizes.
+    """
+    if in_features != backbone.hidden_size:
+        raise ATSError(f"calibrator: the head reads hidden size (in_features) {in_features}, backbone "
+                       f"{backbone.name} has hidden size {backbone.hidden_size}")
