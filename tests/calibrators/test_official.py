@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from ats.calibrators import load_calibrator
+from ats.calibrators.ats import ATSCalibrator
 from ats.calibrators.official import OfficialATSCalibrator
 from ats.cli.main import main
 from ats.errors import ATSError
@@ -139,6 +140,8 @@ def test_converted_head_gives_the_same_tau(tmp_path, capsys):
     assert saved["type"] == "ats-official" and saved["base_model"] == "tiny/llama" and saved["max_scale"] == 10.0
     converted = load_calibrator(out)
     assert isinstance(converted, OfficialATSCalibrator)
+    for loaded in (ATSCalibrator.from_pretrained(out), ATSCalibrator.from_pretrained(src)):  # peft-style loading
+        assert isinstance(loaded, OfficialATSCalibrator) and loaded.digest() == converted.digest()
     h, mask, _ = inputs(seed=5)
     torch.testing.assert_close(converted.temperature(h, mask), load_calibrator(src).temperature(h, mask))
     torch.testing.assert_close(converted.temperature(h, mask)[mask.bool()].double(),

@@ -274,7 +274,9 @@ class ATSCalibrator(Calibrator):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, backbone: Backbone | None = None) -> "ATSCalibrator":
-        """Load a saved head; with `backbone`, check that it matches.
+        """Load a saved head; with `backbone`, check that it matches. `ATSCalibrator.from_pretrained` also reads the
+        paper's released heads (the official layout, or their conversion of type "ats-official"), as the subclass
+        `OfficialATSCalibrator`.
 
         Args:
             directory: the head's folder, or a Hub repo id (owner/name) when no such folder exists.
@@ -288,6 +290,13 @@ class ATSCalibrator(Calibrator):
                 config, or the backbone does not match.
         """
         directory = resolve_folder(directory)
+        if cls is ATSCalibrator:
+            from .official import OfficialATSCalibrator, is_official_folder
+
+            if not (directory / CONFIG_NAME).exists() and is_official_folder(directory):
+                return OfficialATSCalibrator.from_official(directory, backbone=backbone)
+            if read_config(directory).get("type") == OfficialATSCalibrator.name:
+                return OfficialATSCalibrator.from_pretrained(directory, backbone=backbone)
         data = read_config(directory)
         if data.pop("type", None) != cls.name:
             raise ATSError(f"{directory / CONFIG_NAME}: field 'type' must be {cls.name!r}")
