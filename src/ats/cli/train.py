@@ -22,13 +22,62 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the interrupted training in OUT (same options)")
     p.add_argument("--online", action="store_true",
                    help="no feature cache: run the backbone inside the training loop (large models)")
+    g = p.add_argument_group("answers (--data answers)")
+    g.add_argument("--pool-size", type=int, default=200, help="questions per QA-pool task (default: 200)")
+    g.add_argument("--mmlu-pool", type=int, default=2,
+                   help="MMLU validation questions per subject, 0 for none (default: 2)")
     options.add_overwrite(p)
-    p.add_argument("--out", required=True, help="run folder: features in OUT/features, the head in OUT/head")
+    p.add_argument("--out", required=True, help="run folder: features (or answers) in OUT/features (OUT/answers), "
+                                                "the head in OUT/head")
     p.set_defaults(run=run)
+
+
+def run_answers(args) -> int:
+    """`ats train --data answers`: the backbone's own labelled answers on the QA pool, a head trained on them."""
+    from ..errors import ATSError
+    from ..evaluation.metrics import summarize
+    from ..evaluation.report import markdown_table
+    from ..model.heads import HeadConfig
+    from ..training.losses import ANSWER_LOSSES
+    from ..workflows.answer_training import score_answers
+    from ..workflows.answers import AnswerPlan, answer_head_record, reusable_answer_head, train_answer_head
+
+    options.check_model(args.model)
+    loss = args.loss_type
+    if loss not in ANSWER_LOSSES:
+        if loss != "selective":  # the default of instruction data; an explicit token loss is a mistake here
+            raise ATSError(f"--loss {loss} is a token loss; with --data answers use {' or '.join(ANSWER_LOSSES)}")
+        loss = "answer-log"
+    for flag, value, low in (("--pool-size", args.pool_size, 1), ("--mmlu-pool", args.mmlu_pool, 0)):
+        if value < low:
+            raise ATSError(f"{flag} must be >= {low}, got {value}")
+    training = options.training_config(args, loss_type=loss)
+    head_type = HeadConfig.from_args(args).head_type
+    plan = AnswerPlan(pool_size=args.pool_size, mmlu_pool_per_subject=args.mmlu_pool)
+    reusable_answer_head(Path(args.out) / "head", answer_head_record(training, loss, plan), head_type=head_type,
+                         max_scale=args.max_scale, overwrite=args.overwrite)  # refuses before the model loads
+    backbone = options.backbone_from_args(args)
+    calibrator, pool, reused = train_answer_head(
+        backbone, Path(args.out), head_type=head_type, training=training, loss_type=loss,
+        max_scale=args.max_scale, plan=plan, overwrite=args.overwrite, progress=not args.quiet)
+    rows = []
+    for name, answers in pool.items():
+        before = summarize(*score_answers(None, answers, backbone.logits))
+        after = summarize(*score_answers(calibrator, answers, backbone.logits))
+        rows.append([name, str(before["n"]), f"{before['accuracy']:.3f}",
+                     f"{before['mean_confidence']:.3f} -> {after['mean_confidence']:.3f}",
+                     f"{before['ece']:.3f} -> {after['ece']:.3f}", f"{before['auroc']:.3f} -> {after['auroc']:.3f}"])
+    print(f"Answer calibration on the training pool (in sample: judge the head on tasks it was not trained on, "
+          f"e.g. ats eval; {loss} loss, {head_type} head):")
+    print(markdown_table(["task", "questions", "accuracy", "confidence", "ECE", "AUROC"], rows))
+    print(f"\nhead {'reused from' if reused else 'saved to'} {Path(args.out) / 'head'}")
+    return 0
 
 
 def run(args) -> int:
     """Run `ats train` with the parsed `args`; returns the exit code."""
+    if args.source == "answers":
+        return run_answers(args)
     from ..calibrators.ats import ATSConfig
     from ..calibrators.base import Uncalibrated
     from ..evaluation.metrics import summarize

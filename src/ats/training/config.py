@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..config import ConfigMixin, option
 from ..errors import ATSError
-from .losses import LOSS_TYPES, WEIGHTINGS
+from .losses import ANSWER_LOSSES, LOSS_TYPES, WEIGHTINGS
 
 
 @dataclass
@@ -20,8 +20,9 @@ class TrainingConfig(ConfigMixin):
     """
 
     loss_type: str = option("selective", "training loss: selective (the paper's), none (plain NLL), full (label "
-                            "smoothing on every token), top-label (log loss of the top-1 confidence)",
-                            choices=LOSS_TYPES, flag="--loss")
+                            "smoothing on every token), top-label (log loss of the top-1 confidence); with --data "
+                            "answers: answer-log / answer-brier (log loss / Brier score of the answer confidence)",
+                            choices=LOSS_TYPES + ANSWER_LOSSES, flag="--loss")
     alpha: float = option(0.5, "smoothing weight of the selective / full losses", low=0.0, high=1.0)
     weighting: str = option("token", "selective loss: mean over tokens, or the reference code's group weighting "
                             "(-100 positions counted as it counts them)", choices=WEIGHTINGS)

@@ -41,6 +41,7 @@ from ..model.scale_summary import scaled_ce_from_summary
 from ..model.scaled_ce import LogitsFn, ScaledCE, scaled_cross_entropy
 
 LOSS_TYPES = ("selective", "none", "full", "top-label")
+ANSWER_LOSSES = ("answer-log", "answer-brier")  # on answer confidence: `ats train --data answers` (docs/method.md)
 WEIGHTINGS = ("token", "reference")
 
 
@@ -145,6 +146,8 @@ def calibration_loss(
     Raises:
         ATSError: if an option is invalid or the shapes do not match.
     """
+    if loss_type in ANSWER_LOSSES:
+        raise ATSError(f"loss {loss_type!r} scores answers, not tokens: train it on answers (ats train --data answers)")
     check_choice("loss_type", loss_type, LOSS_TYPES)
     check_choice("weighting", weighting, WEIGHTINGS)
     a = check_number("alpha", alpha, low=0.0, high=1.0)

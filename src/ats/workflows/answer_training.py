@@ -33,11 +33,9 @@ from ..model.heads import tau_at
 from ..model.scale_summary import scaled_ce_from_summary
 from ..model.scaled_ce import scaled_cross_entropy
 from ..training.config import TrainingConfig
+from ..training.losses import ANSWER_LOSSES
 
 logger = logging.getLogger(__name__)
-
-ANSWER_LOSSES = ("answer-log", "answer-brier")
-
 
 def answer_loss(confidence: Tensor, correct: Tensor, loss_type: str) -> Tensor:
     """Mean proper score of the answers' confidence (Q,) against their correctness (Q,) bool.

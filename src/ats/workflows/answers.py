@@ -55,7 +55,7 @@ class AnswerPlan:
     results, so a reader sees what was fixed before any reported task ran)."""
 
     pool_size: int = 300  # questions per pool task (MMLU validation: per subject, see mmlu_pool_per_subject)
-    mmlu_pool_per_subject: int = 3
+    mmlu_pool_per_subject: int = 3  # 0: no MMLU in the pool
     reported: dict = field(default_factory=lambda: {"mmlu": 3, "triviaqa": 400, "truthfulqa_mc1": 300,
                                                      "truthfulqa_gen": 300})
     methods: dict = field(default_factory=lambda: {"ats-answers": "transformer", "linear-answers": "linear",
@@ -85,10 +85,17 @@ def pool_tasks(plan: AnswerPlan) -> dict:
     trivia = TriviaQATask(limit=plan.pool_size, seed=0, offset=TRIVIAQA_POOL_OFFSET)
     trivia.name = "triviaqa_pool"
     tasks["triviaqa_pool"] = trivia
-    mmlu = MMLUTask(limit=plan.mmlu_pool_per_subject, seed=0, split="validation")
-    mmlu.name = "mmlu_validation"
-    tasks["mmlu_validation"] = mmlu
+    if plan.mmlu_pool_per_subject > 0:
+        mmlu = MMLUTask(limit=plan.mmlu_pool_per_subject, seed=0, split="validation")
+        mmlu.name = "mmlu_validation"
+        tasks["mmlu_validation"] = mmlu
     return tasks
+
+
+def pool_names(plan: AnswerPlan) -> list[str]:
+    """The names of `pool_tasks(plan)`'s tasks (and answer sets), in order, without reading any data."""
+    names = [f"mc_{n}_likelihood" for n in POOL_MC] + ["nq_open", "triviaqa_pool"]
+    return names + (["mmlu_validation"] if plan.mmlu_pool_per_subject > 0 else [])
 
 
 def reported_tasks(plan: AnswerPlan) -> dict:
@@ -262,12 +269,15 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
     if "select" in stages and "selection" not in results:
         splits = {n: split_holdout(s, plan.holdout_fraction) for n, s in pool.items()}
         train_sets = [a for a, _ in splits.values()]
+        selection_tasks = [n for n in plan.selection_tasks if n in splits]
+        if not selection_tasks:
+            raise ATSError(f"no selection task {list(plan.selection_tasks)} in the pool {list(splits)}")
         selection = {}
         for method in plan.methods:
             rows = []
             for lr in plan.lr_grid:
                 head = train_method(backbone, train_sets, plan, method, lr=lr, seed=0, progress=progress)
-                losses = [score_answers(head, splits[n][1], logits_fn) for n in plan.selection_tasks]
+                losses = [score_answers(head, splits[n][1], logits_fn) for n in selection_tasks]
                 conf = np.concatenate([c for c, _ in losses])
                 ok = np.concatenate([k for _, k in losses])
                 rows.append({"lr": lr, "heldout_log_loss": mean_log_loss(conf, ok)})
@@ -327,3 +337,80 @@ def token_level(backbone, out: Path, plan: AnswerPlan, features: str | Path, ins
     scored = token_confidences(store, backbone, calibrators, progress=progress)
     return {"features": str(features), "tokens": int(len(next(iter(scored.values()))[0])),
             **{m: summarize(c, k) for m, (c, k) in scored.items()}}
+
+
+def answer_head_record(training: TrainingConfig, loss_type: str, plan: AnswerPlan) -> dict:
+    """The training record a head trained by `train_answer_head` carries (compared on reuse)."""
+    return {**training.to_dict(), "loss_type": loss_type, "data": "answers", "tasks": pool_names(plan),
+            "lr": training.lr if training.lr is not None else 1e-3}
+
+
+def reusable_answer_head(head_dir: Path, record: dict, *, head_type: str, max_scale: float,
+                         overwrite: bool) -> bool:
+    """Whether `head_dir` holds a head trained with `record`, `head_type` and `max_scale` (read from its JSON
+    config, before any model loads); False when there is none or `overwrite` replaces it.
+
+    Raises:
+        ATSError: if it holds a head trained otherwise and `overwrite` is False, naming what differs.
+    """
+    path = head_dir / "calibrator_config.json"
+    if not path.is_file():
+        return False
+    config = read_json(path)
+    have = {k: (config.get("training") or {}).get(k) for k in record}
+    differ = [k for k in record if have[k] != record[k]]
+    if (config.get("head") or {}).get("head_type") != head_type:
+        differ.append("head")
+    if config.get("max_scale") != max_scale:
+        differ.append("max_scale")
+    if not differ:
+        return True
+    if overwrite:
+        return False
+    raise ATSError(f"{head_dir}: a head trained with other settings ({', '.join(differ)}); use --overwrite or "
+                   "another --out")
+
+
+def train_answer_head(backbone, out: str | Path, *, head_type: str, training: TrainingConfig, loss_type: str,
+                      max_scale: float = 10.0, plan: AnswerPlan | None = None, overwrite: bool = False,
+                      progress: bool = True):
+    """`ats train --data answers`: the pool's answers (cached in OUT/answers), a head trained on all of them with
+    `training` and `loss_type`, saved in OUT/head (reused when it was trained with the same settings).
+
+    Args:
+        backbone: the frozen backbone.
+        out: the run folder.
+        head_type: "transformer", "linear", "mlp" or "constant" (the global control).
+        training: lr (None: 1e-3), epochs, batch_size (questions per step), seed, ...
+        loss_type: "answer-log" or "answer-brier".
+        max_scale: the clamp on exp(tau).
+        plan: the pool's sizes (`pool_size`, `mmlu_pool_per_subject`); default `AnswerPlan()`.
+        overwrite: replace a head trained with other settings instead of refusing.
+        progress: show progress bars.
+
+    Returns:
+        (the calibrator, name -> the pool's answer sets, whether the head was reused).
+
+    Raises:
+        ATSError: if OUT/head holds a head trained otherwise (without `overwrite`).
+    """
+    from ..calibrators import load_calibrator
+    from ..calibrators.ats import ATSCalibrator
+    from .answer_training import train_on_answers
+
+    plan = plan or AnswerPlan()
+    out = Path(out)
+    head_dir = out / "head"
+    reuse = reusable_answer_head(head_dir, answer_head_record(training, loss_type, plan), head_type=head_type,
+                                 max_scale=max_scale, overwrite=overwrite)
+    pool = {name: cached_answers(backbone, task, out / "answers" / name, progress=progress)
+            for name, task in pool_tasks(plan).items()}
+    if reuse:
+        logger.info("reusing the head in %s (same settings)", head_dir)
+        return load_calibrator(head_dir, backbone), pool, True
+    calibrator = ATSCalibrator.for_backbone(backbone, head_type=head_type, seed=training.seed, max_scale=max_scale,
+                                            method=f"{head_type}-answers")
+    train_on_answers(calibrator, list(pool.values()), backbone.logits, config=training, loss_type=loss_type,
+                     progress=progress)
+    calibrator.save_pretrained(head_dir)
+    return calibrator, pool, False
