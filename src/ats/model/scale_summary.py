@@ -47,6 +47,7 @@ Z_TOP, GAP_Y, GAP_MEAN, CORRECT, GAP2, MAX_SCALE, KNEE = range(len(HEADER))
 DEFAULT_INTERVALS = 48
 DEFAULT_KNEE = 0.25
 BIN_WIDTH = 1 / 32  # the width of the gap bins; a power of 2, so that e / w is as exact as e
+ROWS_PER_PASS = 2  # tokens binned together: a row's buffers stay in cache (2.5x faster than 128 rows at once)
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ def _check_logits(z: Tensor, labels: Tensor) -> None:
                        "(pass response tokens only)")
 
 
-def _gap_bins(z: Tensor, top: Tensor, z_2: Tensor) -> tuple[Tensor, Tensor]:
+def _gap_bins(z: Tensor, top: Tensor, z_2: Tensor, bins: int) -> Tensor:
     """Power sums, per bin of the gaps e_j = z_2 - z_j (j != top), of the offsets from the bin's centre.
 
     One pass over the vocabulary: bins of width `BIN_WIDTH`; the top token goes to a discarded last bin.
@@ -173,15 +174,15 @@ def _gap_bins(z: Tensor, top: Tensor, z_2: Tensor) -> tuple[Tensor, Tensor]:
         z: (n, V) float32 or float64 logits.
         top: (n,) the index of each row's top token.
         z_2: (n,) each row's largest logit other than the top one.
+        bins: B, more than the largest gap / `BIN_WIDTH`.
 
     Returns:
-        (mu (5, n, B) float64: sum over the bin's tokens of delta^k, k = 0..4, delta = e - c_b in [-w/2, w/2];
-        centres (B,) float64 c_b).
+        (5, n, B) float64: per bin b, the sum over its tokens of delta^k, k = 0..4, delta = e - c_b in [-w/2, w/2],
+        c_b = (b + 1/2) w.
     """
     n, V = z.shape
     inv = 1.0 / BIN_WIDTH
     x = torch.add(z_2[:, None] * inv, z, alpha=-inv)  # (n, V) e / w, >= 0 but at the top
-    bins = int(float(x.amax())) + 2  # B; the top token goes to bin B, dropped below
     index = x.long()  # (n, V) the bin of each gap (x >= 0: truncation is floor)
     index.scatter_(1, top[:, None], bins)
     index += (torch.arange(n, device=z.device) * (bins + 1))[:, None]
@@ -193,8 +194,7 @@ def _gap_bins(z: Tensor, top: Tensor, z_2: Tensor) -> tuple[Tensor, Tensor]:
         sums.append(target.scatter_add_(0, flat, power).view(n, bins + 1)[:, :bins].double() * BIN_WIDTH ** k)
         if k < 4:
             power = power * u if k else u
-    centres = (torch.arange(bins, dtype=torch.float64, device=z.device) + 0.5) * BIN_WIDTH
-    return torch.stack(sums), centres
+    return torch.stack(sums)
 
 
 def _node_moments(mu: Tensor, centres: Tensor, nodes: Tensor) -> Tensor:
@@ -256,7 +256,10 @@ def summarize_logits(z: Tensor, labels: Tensor, *, max_scale: float, intervals: 
     labels = labels.to(z.device)
     z_top, top = z.max(-1)  # (n,) each; the exact route's argmax
     z_2 = z.topk(2, dim=-1).values[:, 1]  # (n,) the second largest value (= z_top on a tie)
-    mu, centres = _gap_bins(z, top, z_2)
+    bins = int(float((z_2 - z.amin(-1)).amax()) / BIN_WIDTH) + 2  # B, for every row; the top token's bin is B
+    mu = torch.cat([_gap_bins(z[a:a + ROWS_PER_PASS], top[a:a + ROWS_PER_PASS], z_2[a:a + ROWS_PER_PASS], bins)
+                    for a in range(0, n, ROWS_PER_PASS)], dim=1)  # (5, n, B)
+    centres = (torch.arange(bins, dtype=torch.float64, device=z.device) + 0.5) * BIN_WIDTH  # (B,)
     moments = _node_moments(mu, centres, spec.nodes())  # (3, n, K + 1)
     sum_e = -moments[1][:, 0] * (V - 1)  # (n,) sum_{j != top} e_j
     z_mean = (z_top.double() + (V - 1) * z_2.double() - sum_e) / V  # (n,)
