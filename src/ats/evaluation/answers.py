@@ -64,17 +64,6 @@ class AnswerSet:
     def __len__(self) -> int:
         return int(self.tensors["answer"].numel())
 
-    @property
-    def row_offsets(self) -> Tensor:
-        """(R+1,) where each row's hidden states start in `hidden`."""
-        return self.tensors["row_offsets"]
-
-    def correct_label(self) -> Tensor:
-        """(Q,) bool: free-form answers only, whose correctness is fixed by the judge (no choice to re-rank)."""
-        if self.kind != "free":
-            raise ATSError(f"{self.name}: correctness of a {self.kind} answer depends on the calibrated prediction")
-        return self.tensors["answer"].bool()
-
     def subset(self, questions: list[int]) -> "AnswerSet":
         """The set of only `questions` (increasing indices), rows and positions re-indexed; meta notes the subset."""
         t = self.tensors
@@ -91,7 +80,7 @@ class AnswerSet:
         tensors = {"hidden": hidden, "row_offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
                    "row_question": new_q[t["row_question"][rows]], "pos_row": new_row[t["pos_row"][keep_pos]],
                    "pos_in_row": t["pos_in_row"][keep_pos], "pos_target": t["pos_target"][keep_pos],
-                   "letter_logits": t["letter_logits"][q] if t["letter_logits"].numel() else t["letter_logits"],
+                   "letter_logits": t["letter_logits"][q],
                    "answer": t["answer"][q], "n_choices": t["n_choices"][q]}
         if "summary" in t:
             tensors["summary"] = t["summary"][keep_pos]
