@@ -103,7 +103,8 @@ def test_bad_training_options(tiny_backbone, stores):
 
 
 def test_non_finite_loss_stops_with_place_and_keeps_checkpoint(tokenizer, tmp_path):
-    """A backbone whose output layer yields NaN logits: training stops at once and says where."""
+    """A backbone whose output layer yields NaN logits: training by the exact route (which recomputes the logits;
+    the scale summary was taken before the corruption) stops at once and says where."""
     from conftest import make_tiny_backbone
 
     backbone = make_tiny_backbone(tokenizer, seed=3)
@@ -113,8 +114,8 @@ def test_non_finite_loss_stops_with_place_and_keeps_checkpoint(tokenizer, tmp_pa
         backbone.model.lm_head.weight[5] = float("nan")  # logits are recomputed from h: NaN appears in the loss
     cal = ATSCalibrator.for_backbone(backbone, head_type="linear")
     with pytest.raises(ATSError, match=r"non-finite loss nan at epoch 0, step 0"):
-        train_ats(cal, store, backbone, config=TrainingConfig(batch_size=2, micro_batch_size=2), out_dir=tmp_path / "r",
-                  progress=False)
+        train_ats(cal, store, backbone, config=TrainingConfig(batch_size=2, micro_batch_size=2, exact_loss=True),
+                  out_dir=tmp_path / "r", progress=False)
     assert latest_checkpoint(tmp_path / "r") is None  # nothing half-written in place of a good checkpoint
 
 

@@ -41,6 +41,7 @@ from .data import TokenizedExample
 META_NAME = "meta.json"
 FORMAT_VERSION = 1
 SUMMARY_CHUNK = 128  # response tokens per summary computation: a few (chunk, V) float32 buffers
+DEFAULT_SUMMARY = ScaleSummarySpec()  # the scale summary extracted with the features (max_scale: the head's default)
 
 
 def _sha256(path: Path) -> str:
@@ -122,7 +123,7 @@ def extract_features(
     shards: list[int] | None = None,
     progress: bool = True,
     extra_meta: dict | None = None,
-    summary: ScaleSummarySpec | None = None,
+    summary: ScaleSummarySpec | None = DEFAULT_SUMMARY,
 ) -> "FeatureStore":
     """Run the backbone over `examples` once and write hidden states + labels as shards.
 
@@ -140,7 +141,7 @@ def extract_features(
         progress: show a progress bar.
         extra_meta: more entries for meta.json (e.g. the data's description).
         summary: also store the scale summary of every response token with these settings (meta.json records
-            them); None: hidden states only.
+            them); default `DEFAULT_SUMMARY`; None: hidden states only.
 
     Returns:
         The `FeatureStore` of the folder; None when `shards` is given (the main process writes meta.json with

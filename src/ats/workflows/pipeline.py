@@ -27,7 +27,15 @@ from ..model.scale_summary import ScaleSummarySpec
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig, load_instructions, prepare_examples
 from ..training.distributed import SINGLE, Dist
-from ..training.features import META_NAME, FeatureStore, extract_features, shard_plan, summary_meta, write_meta
+from ..training.features import (
+    DEFAULT_SUMMARY,
+    META_NAME,
+    FeatureStore,
+    extract_features,
+    shard_plan,
+    summary_meta,
+    write_meta,
+)
 from ..training.online import OnlineFeatures
 from ..training.trainer import train_ats
 from ..training.validation import heldout_objective
@@ -38,7 +46,6 @@ BASELINES = ("temperature", "vector", "scaling-binning", "histogram", "isotonic"
 SPLITS = ("train", "val")
 # options that change how work is done, never its result
 _NOT_IN_FINGERPRINT = {"batch_tokens", "save_every"}
-DEFAULT_SUMMARY = ScaleSummarySpec()  # the scale summary extracted with the features (max_scale = the head's default)
 
 
 def data_fingerprint(config: DataConfig) -> dict:
@@ -140,8 +147,8 @@ def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataC
     for split in SPLITS:
         folder = features_dir / split
         old = stored_fingerprint(folder) if folder.is_dir() else None
-        if (finished[split] and not overwrite and old is not None and "scale_summary" not in old
-                and old == _without_summary(prints[split])):
+        if (summary is not None and finished[split] and not overwrite and old is not None
+                and "scale_summary" not in old and old == _without_summary(prints[split])):
             logger.info("%s: features extracted without a scale summary; heads train on them by the exact "
                         "full-vocabulary loss (--overwrite re-extracts them with the summary)", folder)
             continue
