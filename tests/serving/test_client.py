@@ -18,9 +18,9 @@ PROMPTS = ["The capital of France is", "Write a short poem about the sea and the
            "List three colours."]
 
 
-def close(actual, expected) -> None:
+def close(actual, expected, atol: float = 1e-5) -> None:
     """Log-probabilities equal to 1e-5 (relative to 1 + |value|, see test_engine)."""
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32), torch.as_tensor(expected), atol=1e-5,
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32), torch.as_tensor(expected), atol=atol,
                                rtol=1e-5)
 
 
@@ -56,7 +56,9 @@ def test_greedy_chat_equals_generate_calibrated(client, backbone, calibrator):
         ids = chat_ids(backbone, prompt)
         logq, _, _ = forward(backbone, calibrator, ids + ref.token_ids)
         best = logq[len(ids) - 1: len(ids) - 1 + 12].topk(3)
-        close([[t.logprob for t in e.top_logprobs] for e in entries], best.values)
+        # the cached decoding steps against one full forward pass: float32 sums in another order differ by up to
+        # ~1e-5 of the logits' size (30 here), 7e-5 on this machine's kernels
+        close([[t.logprob for t in e.top_logprobs] for e in entries], best.values, atol=2e-4)
         assert [[t.token for t in e.top_logprobs] for e in entries] == [
             [backbone.tokenizer.decode([i]) for i in row] for row in best.indices.tolist()]
 
