@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..errors import ATSError
 from ..evaluation.answers import AnswerSet, build_answer_set
@@ -315,7 +314,6 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
         results["token_level"] = token_level(backbone, out, plan, token_features, instruction_heads or {},
                                              progress=progress)
         write_json(results_path, results)
-    torch.set_grad_enabled(True)
     return results
 
 
