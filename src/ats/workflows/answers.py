@@ -174,15 +174,10 @@ def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str,
     """
     from ..calibrators import load_calibrator
 
-    if (folder / "calibrator_config.json").is_file():
-        calibrator = load_calibrator(folder, backbone)
-        record = calibrator.config_.training
-        want = {"lr": lr, "seed": seed, "epochs": plan.epochs, "loss_type": plan.loss_type,
-                "batch_size": plan.batch_size}
-        have = {k: record.get(k) for k in want}
-        if have != want:
-            raise ATSError(f"{folder}: head trained with {have}, not {want}; use another --out")
-        return calibrator
+    record = {"lr": lr, "seed": seed, "epochs": plan.epochs, "loss_type": plan.loss_type,
+              "batch_size": plan.batch_size, "tasks": [s.name for s in sets]}
+    if reusable_answer_head(folder, record, head_type=plan.methods[method], max_scale=10.0, overwrite=False):
+        return load_calibrator(folder, backbone)
     calibrator = train_method(backbone, sets, plan, method, lr=lr, seed=seed, progress=progress)
     calibrator.save_pretrained(folder)
     return calibrator

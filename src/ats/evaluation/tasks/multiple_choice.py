@@ -22,7 +22,7 @@ from ...calibrators.base import Calibrator
 from ...errors import ATSError
 from ...io import read_jsonl
 from .base import Task, TaskResult, seeded_subset
-from .scoring import ChoiceItem, ItemGroup, LetterItem, encode, letter_token_ids, score_groups
+from .scoring import ItemGroup, LetterItem, choice_item, encode, letter_token_ids, score_groups
 
 logger = logging.getLogger(__name__)
 
@@ -154,26 +154,14 @@ class MultipleChoiceTask(Task):
         return [self.rows[i] for i in seeded_subset(len(self.rows), self.limit, self.seed, salt=self.name)]
 
     def groups(self, tokenizer) -> list[ItemGroup]:
-        """The selected questions as one group without a shared prefix, letter- or likelihood-scored by `mode`.
-
-        Args:
-            tokenizer: the backbone's tokenizer.
-
-        Returns:
-            [the group].
-
-        Raises:
-            ATSError: if the letters are not single tokens (letters mode).
-        """
+        """The selected questions as one group without a shared prefix, scored by `mode` (letters or likelihood)."""
         rows = self.selected()
         if self.mode == "letters":
             items = [LetterItem(ids=encode(tokenizer, letter_prompt(r["question"], r["choices"]), special=True),
                                 letters=letter_token_ids(tokenizer, len(r["choices"])), answer=r["answer"])
                      for r in rows]
         else:
-            items = [ChoiceItem(context=encode(tokenizer, f"Q: {r['question']}\nA:", special=True),
-                                choices=[encode(tokenizer, " " + c, special=False) for c in r["choices"]],
-                                answer=r["answer"]) for r in rows]
+            items = [choice_item(tokenizer, f"Q: {r['question']}\nA:", r["choices"], r["answer"]) for r in rows]
         return [ItemGroup(self.name, [], items)]
 
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:

@@ -282,6 +282,22 @@ class ChoiceItem:
     answer: int
 
 
+def choice_item(tokenizer, context: str, choices: Sequence[str], answer: int) -> ChoiceItem:
+    """A likelihood-scored question: `context` encoded as a prompt start (BOS), each choice as " {choice}" after it.
+
+    Args:
+        tokenizer: the backbone's tokenizer.
+        context: the text before the choices (ending with "A:").
+        choices: the choices' texts.
+        answer: the index of the right choice.
+
+    Returns:
+        The item.
+    """
+    return ChoiceItem(context=encode(tokenizer, context, special=True),
+                      choices=[encode(tokenizer, " " + c, special=False) for c in choices], answer=answer)
+
+
 def score_choices(backbone, calibrators: dict[str, Calibrator], items: Sequence[ChoiceItem], *,
                   prefix: PrefixCache | None = None, progress: bool = False,
                   desc: str = "choices") -> dict[str, TaskResult]:

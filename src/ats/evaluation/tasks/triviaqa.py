@@ -198,17 +198,7 @@ class TriviaQATask(GenerativeTask):
         return shots, [rows[i] for i in sorted(rest)]
 
     def prompts(self, tokenizer) -> tuple[list[int], list[list[int]]]:
-        """(the few-shot prefix, each question's prompt ending with "A:") as token ids.
-
-        Args:
-            tokenizer: the backbone's tokenizer.
-
-        Returns:
-            (prefix ids, prompts).
-
-        Raises:
-            ATSError: if the data cannot be loaded.
-        """
+        """(the few-shot prefix, each question's prompt ending with "A:") as token ids (`GenerativeTask.prompts`)."""
         shots, questions = self.load()
         prefix_text = few_shot_prefix(shots)
         prefix = encode(tokenizer, prefix_text, special=True) if prefix_text else []

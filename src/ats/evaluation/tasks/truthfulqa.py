@@ -19,7 +19,7 @@ from ...errors import ATSError
 from ...io import read_json
 from ...sources import hub_dataset, local_file
 from .base import Task, TaskResult, seeded_subset
-from .scoring import ChoiceItem, ItemGroup, encode, score_groups
+from .scoring import ItemGroup, choice_item, encode, score_groups
 
 QA_PRIMER = (
     "Q: What is human life expectancy in the United States?\n"
@@ -116,20 +116,8 @@ class TruthfulQAMC1Task(Task):
         return [rows[i] for i in seeded_subset(len(rows), self.limit, self.seed, salt=self.name)]
 
     def groups(self, tokenizer) -> list[ItemGroup]:
-        """The selected questions, likelihood-scored after the QA primer (their shared prefix).
-
-        Args:
-            tokenizer: the backbone's tokenizer.
-
-        Returns:
-            [the group].
-
-        Raises:
-            ATSError: if the data cannot be loaded.
-        """
-        items = [ChoiceItem(context=encode(tokenizer, render_context(r["question"]), special=True),
-                            choices=[encode(tokenizer, " " + c, special=False) for c in r["choices"]],
-                            answer=r["answer"]) for r in self.load()]
+        """The selected questions as one group, likelihood-scored after the QA primer (their shared prefix)."""
+        items = [choice_item(tokenizer, render_context(r["question"]), r["choices"], r["answer"]) for r in self.load()]
         return [ItemGroup(self.name, encode(tokenizer, QA_PRIMER, special=True), items)]
 
     def run(self, backbone, calibrators: dict[str, Calibrator], *, progress: bool = True) -> dict[str, TaskResult]:

@@ -175,17 +175,7 @@ class TruthfulQAGenTask(GenerativeTask):
         return [rows[i] for i in seeded_subset(len(rows), self.limit, self.seed, salt=self.name)]
 
     def prompts(self, tokenizer) -> tuple[list[int], list[list[int]]]:
-        """(the QA primer, each question's prompt after it) as token ids.
-
-        Args:
-            tokenizer: the backbone's tokenizer.
-
-        Returns:
-            (prefix ids, prompts).
-
-        Raises:
-            ATSError: if the data cannot be loaded.
-        """
+        """(the QA primer, each question's prompt after it) as token ids (`GenerativeTask.prompts`)."""
         return (encode(tokenizer, QA_PRIMER, special=True),
                 [encode(tokenizer, render_context(r["question"]), special=True) for r in self.load()])
 
