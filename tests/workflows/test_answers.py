@@ -260,3 +260,16 @@ def test_the_protocol_runs_end_to_end_and_refuses_another_plan(sharp, tmp_path):
     assert again["selection"] == results["selection"]
     with pytest.raises(ATSError, match="another plan"):
         run_answers(sharp, tmp_path / "run", AnswerPlan(epochs=3), pool=pool, reported=reported, progress=False)
+
+
+def test_cached_answers_refuse_other_storage_settings(sharp, mc_file, tmp_path):
+    from ats.workflows.answers import cached_answers
+
+    task = build_task(f"mc:{mc_file}:likelihood")
+    first = cached_answers(sharp, task, tmp_path / "a", progress=False)
+    again = cached_answers(sharp, task, tmp_path / "a", progress=False)  # same settings: reused, same bytes
+    assert torch.equal(first.tensors["summary"], again.tensors["summary"])
+    meta = json.loads((tmp_path / "a" / "answers.json").read_text())
+    (tmp_path / "a" / "answers.json").write_text(json.dumps({**meta, "dtype": "float32"}))
+    with pytest.raises(ATSError, match="not of"):
+        cached_answers(sharp, task, tmp_path / "a", progress=False)

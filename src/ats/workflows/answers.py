@@ -19,6 +19,7 @@ Protocol (`run_answers`):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -109,15 +110,22 @@ def reported_tasks(plan: AnswerPlan) -> dict:
 
 
 def cached_answers(backbone, task, folder: Path, *, progress: bool = True) -> AnswerSet:
-    """The task's answers from `folder` when they were made by this task and backbone; built and saved otherwise.
+    """The task's answers from `folder` when they were made by this task and backbone with the default storage
+    (float16 hidden states, the default scale summary); built and saved otherwise. A set saved before answer sets
+    carried a summary is reused as it is (scored by the exact route, which the summary matches to 1e-4).
 
     Raises:
-        ATSError: if the folder holds another task's or backbone's answers.
+        ATSError: if the folder holds another task's or backbone's answers, or other storage settings.
     """
-    want = {"task": task.describe(), "backbone": backbone.describe()}
+    from ..model.scale_summary import ScaleSummarySpec
+
+    want = {"task": task.describe(), "backbone": backbone.describe(), "dtype": "float16",
+            "summary": dataclasses.asdict(ScaleSummarySpec())}
     if (folder / "answers.json").is_file():
         meta = read_json(folder / "answers.json")
-        have = {"task": meta.get("task"), "backbone": meta.get("backbone")}
+        have = {key: meta.get(key) for key in want}
+        if "summary" not in meta:  # made before answer sets had a summary: the exact route scores it
+            have["summary"] = want["summary"]
         if have != want:
             raise ATSError(f"{folder}: answers of {have}, not of {want}; remove the folder or use another --out")
         logger.info("reusing the answers in %s", folder)
