@@ -38,7 +38,11 @@ def main() -> None:
     parser.add_argument("--instruction-head", action="append", default=[], metavar="NAME=DIR",
                         help="a head trained elsewhere (e.g. the paper's ATS on instruction data), scored too")
     parser.add_argument("--token-features", default=None,
-                        help="instruction features (train/ val/) whose held-out split scores every head per token")
+                        help="instruction features (train/ val/): train/ feeds the '+tokens' methods' token term, "
+                        "val/ scores every head per token")
+    parser.add_argument("--methods", default=None, metavar="NAME=SPEC,...",
+                        help="the methods trained on answers (default: AnswerPlan's; SPEC: transformer, linear, mlp, "
+                        "constant, thermometer, optionally +tokens)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--results", default=None, help="where the committed results go (default "
                         "benchmarks/results/answers/<model>)")
@@ -61,7 +65,9 @@ def main() -> None:
                           reported={"mmlu": args.mmlu, "triviaqa": args.triviaqa,
                                     "truthfulqa_mc1": args.truthfulqa_mc1, "truthfulqa_gen": args.truthfulqa_gen},
                           lr_grid=tuple(float(x) for x in args.lr_grid.split(",")), epochs=args.epochs,
-                          seeds=tuple(int(x) for x in args.seeds.split(",")))
+                          seeds=tuple(int(x) for x in args.seeds.split(",")),
+                          **({"methods": dict(m.split("=", 1) for m in args.methods.split(","))} if args.methods
+                             else {}))
         backbone = load_backbone(args.model)
         heads = {}
         for spec in args.instruction_head:

@@ -4,6 +4,7 @@ planted signal that a per-token head must recover and a global temperature canno
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -84,13 +85,13 @@ def test_free_form_answers_equal_the_task_scoring(sharp, data_dir):
             np.testing.assert_array_equal(correct, expected[name].correct)
 
 
-SHORT = [("Pick a color", [" red", " blue", " green"], 0), ("Pick a number", [" one", " two"], 1),
-         ("Pick a pet", [" cat", " dog", " fish", " bird"], 2), ("Pick a day", [" today", " tomorrow"], 0)]
+SHORT = [("Pick a color", [" red", " blue", " green"], 0), ("Pick a word", [" two", " bird"], 0),
+         ("Pick a letter", [" a", " b", " red", " blue"], 2), ("Pick a thing", [" green", " two"], 0)]
 
 
 def test_answer_loss_and_gradient_equal_a_full_vocabulary_computation(tokenizer, tmp_path):
     sharp = make_tiny_backbone(tokenizer, tie_word_embeddings=False, output_scale=6.0)  # confidences away from 1
-    path = tmp_path / "short.jsonl"  # short choices: likelihoods a few nats apart, so no confidence saturates
+    path = tmp_path / "short.jsonl"  # one-token choices: likelihoods a few nats apart, so no confidence saturates
     path.write_text("".join(json.dumps({"question": q, "choices": [c.strip() for c in cs], "answer": a}) + "\n"
                             for q, cs, a in SHORT))
     answers = build_answer_set(sharp, build_task(f"mc:{path}:likelihood"), dtype="float32", progress=False)
@@ -235,11 +236,12 @@ def test_the_protocol_runs_end_to_end_and_refuses_another_plan(sharp, tmp_path):
     rows = [(f"Pick {i}", ["yes", "no", "maybe"][: 2 + i % 2], i % 2) for i in range(10)]
     pool = {"alpha": mc("alpha", rows), "beta": mc("beta", rows[::-1]), "gamma": mc("gamma", rows[3:])}
     reported = {"delta": build_task(f"mc:{tmp_path / 'alpha.jsonl'}:letters")}
-    plan = AnswerPlan(methods={"ats-answers": "linear", "control-answers": "constant"}, lr_grid=(1e-3, 1e-2),
+    plan = AnswerPlan(methods={"ats-answers": "linear", "control-answers": "constant",
+                               "thermometer-answers": "thermometer"}, lr_grid=(1e-3, 1e-2),
                       epochs=1, batch_size=4, seeds=(0, 1), bootstrap=20, leave_one_out=("alpha", "beta"),
                       selection_tasks=("gamma",))
     results = run_answers(sharp, tmp_path / "run", plan, pool=pool, reported=reported, progress=False)
-    assert set(results["selection"]) == {"ats-answers", "control-answers"}
+    assert set(results["selection"]) == {"ats-answers", "control-answers", "thermometer-answers"}
     for method, chosen in results["selection"].items():  # the chosen lr has the lowest held-out loss
         grid = chosen["grid"]
         assert chosen["lr"] == min(grid, key=lambda r: r["heldout_log_loss"])["lr"] and len(grid) == 2
@@ -248,10 +250,14 @@ def test_the_protocol_runs_end_to_end_and_refuses_another_plan(sharp, tmp_path):
     delta = results["reported"]["delta"]
     assert len(delta["methods"]["ats-answers"]["seeds"]) == 2 and "minus_control" in delta["methods"]["ats-answers"]
     assert "minus_control" not in delta["methods"]["control-answers"]
+    assert {"isotonic-answers", "histogram-answers", "scaling-binning-answers"} <= set(delta["methods"])
+    assert len(delta["methods"]["thermometer-answers"]["seeds"]) == 2
     base = delta["methods"]["uncalibrated"]["seeds"][0]
     expected = build_task(f"mc:{tmp_path / 'alpha.jsonl'}:letters").run(sharp, {"u": Uncalibrated()}, progress=False)
     assert base["accuracy"] == pytest.approx(expected["u"].correct.mean())
     assert (tmp_path / "run" / "heads" / "ats-answers" / "seed1" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "run" / "heads" / "thermometer-answers" / "seed1" / "calibrator_config.json")
+                      .read_text())["type"] == "thermometer"
     md = render(tmp_path / "run" / "results.json", tmp_path / "committed").read_text()
     assert "### delta (10 questions)" in md and "alpha (left out)" in md and (tmp_path / "committed" / "figures"
                                                                              / "delta.png").is_file()
@@ -259,7 +265,8 @@ def test_the_protocol_runs_end_to_end_and_refuses_another_plan(sharp, tmp_path):
     again = run_answers(sharp, tmp_path / "run", plan, pool=pool, reported=reported, progress=False)
     assert again["selection"] == results["selection"]
     with pytest.raises(ATSError, match="another plan"):
-        run_answers(sharp, tmp_path / "run", AnswerPlan(epochs=3), pool=pool, reported=reported, progress=False)
+        run_answers(sharp, tmp_path / "run", dataclasses.replace(plan, epochs=3), pool=pool, reported=reported,
+                    progress=False)
 
 
 def test_cached_answers_refuse_other_storage_settings(sharp, mc_file, tmp_path):
@@ -273,3 +280,116 @@ def test_cached_answers_refuse_other_storage_settings(sharp, mc_file, tmp_path):
     (tmp_path / "a" / "answers.json").write_text(json.dumps({**meta, "dtype": "float32"}))
     with pytest.raises(ATSError, match="not of"):
         cached_answers(sharp, task, tmp_path / "a", progress=False)
+
+
+def test_thermometer_scales_every_position_of_a_question_by_its_prompt_state(sharp, mc_file):
+    from ats.calibrators.thermometer import Thermometer
+    from ats.workflows.answer_training import position_scales
+
+    answers = build_answer_set(sharp, build_task(f"mc:{mc_file}:likelihood"), dtype="float32", progress=False)
+    t = answers.tensors
+    therm = Thermometer(hidden_size=sharp.hidden_size, seed=3)
+    with torch.no_grad():  # a non-trivial network: its output depends on the input
+        for p in therm.net.parameters():
+            p.normal_(0.0, 0.3)
+    rows, positions = (0, int(t["row_question"].numel())), (0, int(t["pos_row"].numel()))
+    scale, penalty = position_scales(therm, t, rows, positions)
+    with torch.no_grad():
+        for p in range(positions[1]):  # independently: the row's first scored position is its prompt's last token
+            r = int(t["pos_row"][p])
+            first = int((t["pos_row"] == r).nonzero()[0])
+            h = t["hidden"][t["row_offsets"][r] + t["pos_in_row"][first]]
+            assert scale[p].item() == pytest.approx(therm.inverse_temperature(h[None])[0].item(), rel=1e-5)
+        s_rows = torch.stack([scale[(t["pos_row"] == r).nonzero()[0, 0]] for r in range(rows[1])])
+        assert penalty.item() == pytest.approx((therm.prior_weight * therm.prior(1 / s_rows)).mean().item(), rel=1e-5)
+    for q in range(len(answers)):  # the choices of one question share the prompt, so one temperature
+        q_scales = scale[t["row_question"][t["pos_row"]] == q]
+        assert torch.allclose(q_scales, q_scales[0].expand_as(q_scales), rtol=1e-4)
+
+
+def test_thermometer_trained_on_answers_recovers_a_prompt_signal_and_round_trips(tmp_path):
+    from ats.calibrators import load_calibrator
+    from ats.calibrators.thermometer import Thermometer
+    from ats.workflows.answers import reusable_answer_head
+
+    train, test = _planted(400, 16, seed=0), _planted(200, 16, seed=1)
+    therm = Thermometer(hidden_size=16, seed=0, lr=3e-2, epochs=8, batch_size=16)
+    config = TrainingConfig(lr=3e-2, epochs=8, batch_size=16, micro_batch_size=16)
+    train_on_answers(therm, [train], None, config=config, loss_type="answer-log", progress=False)
+    conf, correct = score_answers(therm, test, None)
+    assert therm.fitted and auroc(conf, correct) > 0.9  # one temperature per prompt, read from h at the answer slot
+    therm.save_pretrained(tmp_path / "t")
+
+    class Backbone:  # load_calibrator checks only the hidden size of a Thermometer
+        hidden_size = 16
+    again = load_calibrator(tmp_path / "t", Backbone())
+    np.testing.assert_allclose(score_answers(again, test, None)[0], conf, rtol=1e-6)
+    record = {k: therm.history[0][k] for k in ("lr", "seed", "epochs", "loss_type", "batch_size", "tasks")}
+    assert reusable_answer_head(tmp_path / "t", {**record, "token_weight": 0.0}, head_type="thermometer",
+                                max_scale=10.0, overwrite=False)
+    with pytest.raises(ATSError, match="lr"):
+        reusable_answer_head(tmp_path / "t", {**record, "lr": 1.0}, head_type="thermometer", max_scale=10.0,
+                             overwrite=False)
+
+
+def test_baselines_on_answers_by_hand():
+    from ats.calibrators.binning import equal_mass_bins
+    from ats.workflows.answers import baselines_on_answers
+
+    pool, other = _planted(300, 16, seed=0), _planted(50, 16, seed=2)
+    control = _head("constant", 16)
+    with torch.no_grad():
+        control.head.tau.fill_(-0.7 / control.head.gain)  # s = exp(-0.7) everywhere
+    maps = baselines_on_answers([pool], None, control, n_bins=4)
+    base_conf, base_correct = score_answers(None, pool, None)
+    # every planted answer has the same uncalibrated confidence: histogram binning and isotonic give the accuracy
+    assert maps["histogram-answers"](other) == pytest.approx(np.full(50, base_correct.mean()))
+    assert maps["isotonic-answers"](other) == pytest.approx(np.full(50, base_correct.mean()), abs=1e-9)
+    scaled = score_answers(control, other, None)[0]
+    assert not np.allclose(scaled, score_answers(None, other, None)[0])  # the control moved the confidence
+    upper, values = equal_mass_bins(score_answers(control, pool, None)[0], score_answers(control, pool, None)[0], 4)
+    assert maps["scaling-binning-answers"](other) == pytest.approx(values[np.searchsorted(upper, scaled)])
+    assert set(baselines_on_answers([pool], None, None)) == {"isotonic-answers", "histogram-answers"}
+
+
+def test_token_term_joins_the_answer_loss(tiny_backbone, mc_file, tmp_path):
+    from ats.training.data import Instruction, tokenize_instructions
+    from ats.training.features import extract_features
+    from ats.training.losses import calibration_loss
+    from ats.workflows.answer_training import token_term
+
+    records = [Instruction(f"Say something about {w}.", "", f"{w} is a word with {len(w)} letters.")
+               for w in ("sky", "tree", "river", "stone")]
+    examples = tokenize_instructions(tiny_backbone.tokenizer, records, max_length=64)[0]
+    # without the scale summary: the term and the check below both take the exact full-vocabulary route
+    store = extract_features(tiny_backbone, examples, tmp_path / "f", dtype="float32", progress=False, summary=None)
+    answers = build_answer_set(tiny_backbone, build_task(f"mc:{mc_file}:likelihood"), dtype="float32", progress=False)
+    head = calibrator_for(tiny_backbone, "linear")
+    batch = next(store.batches(1))
+    with torch.no_grad():  # the term is the top-label loss of the head's scales, by the exact route too
+        tau = head.head(batch.hidden, batch.attention_mask)
+        sel = batch.labels != -100
+        exact = calibration_loss(batch.hidden[sel], head.scale(tau)[sel], batch.labels[sel], tiny_backbone.logits,
+                                 loss_type="top-label").loss
+        term = token_term(head, batch, tiny_backbone.logits, chunk_size=64)
+        assert term.item() == pytest.approx(exact.item(), rel=1e-5)
+    config = TrainingConfig(lr=1e-3, epochs=1, batch_size=3, micro_batch_size=3)
+    with pytest.raises(ATSError, match="token_weight"):
+        train_on_answers(head, [answers], tiny_backbone.logits, config=config, loss_type="answer-log", token_weight=1.0,
+                         progress=False)
+    result = train_on_answers(head, [answers], tiny_backbone.logits, config=config, loss_type="answer-log",
+                              token_store=store, token_weight=0.5, progress=False)
+    for entry in result.history:
+        assert entry["loss"] == pytest.approx(entry["answer_loss"] + 0.5 * entry["token_loss"], rel=1e-5)
+    assert head.config_.training["token_weight"] == 0.5
+    # a subset of the response tokens: the same loss over exactly those tokens
+    batch = next(store.batches(1))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        part = token_term(head, batch, tiny_backbone.logits, chunk_size=64, max_tokens=4, generator=g)
+        keep = torch.randperm(int((batch.labels != -100).sum()), generator=torch.Generator().manual_seed(5))[:4]
+        tau = head.head(batch.hidden, batch.attention_mask)
+        sel = batch.labels != -100
+        by_hand = calibration_loss(batch.hidden[sel][keep], head.scale(tau)[sel][keep], batch.labels[sel][keep],
+                                   tiny_backbone.logits, loss_type="top-label").loss
+        assert part.item() == pytest.approx(by_hand.item(), rel=1e-5)

@@ -8,7 +8,11 @@ the answer positions (docs/method.md, "Heads trained on answers"):
 - "answer-log": -[c log p + (1 - c) log(1 - p)], p the answer's confidence, c whether the answer is right;
 - "answer-brier": (p - c)^2.
 
-The head reads every row whole (the transformer head attends over the prompt); token log-probabilities at the scored
+What is trained (`scale_module`): an ATS-family head (per-token s = exp(tau) from the whole row: the transformer head
+attends over the prompt) or Thermometer (Shen et al. 2024; one s = 1/T per question from the hidden state at the
+prompt's last token, i.e. the row's first scored position, with its Gamma prior on T added to the loss). Optionally
+a token-level proper term on instruction data joins the answer loss (`token_weight` x top-label, the tokens'
+confidence log loss), so that token calibration does not collapse. Token log-probabilities at the scored
 positions, log p_y(s) = s z_y - logsumexp(s z), come from the scale summary stored with the answers
 (`ats.model.scale_summary`: no vocabulary-sized work at all), or, for sets without one or with `exact=True`, from
 `scaled_cross_entropy` (the logits recomputed from the cached h in chunks); both give the gradient in s.
@@ -67,13 +71,57 @@ def _span(sorted_ids: Tensor, first: int, last: int) -> tuple[int, int]:
     return lo, hi
 
 
+def scale_module(calibrator) -> torch.nn.Module:
+    """The trainable module of an answer-trained calibrator: Thermometer's network or the ATS-family head."""
+    from ..calibrators.thermometer import Thermometer
+
+    return calibrator.net if isinstance(calibrator, Thermometer) else calibrator.head
+
+
+def position_scales(calibrator, t: dict, rows: tuple[int, int], positions: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """(scale s (P_b,), penalty ()) at the scored positions [p0, p1) of the rows [r0, r1) of an answer set's tensors.
+
+    None: s = 1. ATS family: the head's per-token s over each whole row. Thermometer: one s = 1/T per row, read at
+    the row's first scored position (the prompt's last token: the choices of a question share it), and the penalty
+    `prior_weight` x the mean Gamma prior of the rows' T (zero for the other calibrators).
+    """
+    from ..calibrators.thermometer import Thermometer
+
+    (r0, r1), (p0, p1) = rows, positions
+    if calibrator is None:
+        return torch.ones(p1 - p0), torch.zeros(())
+    offsets = t["row_offsets"]
+    local = t["pos_row"][p0:p1] - r0  # (P_b,) row of each position within the batch, nondecreasing
+    pos_in_row = t["pos_in_row"][p0:p1]
+    counts = torch.bincount(local, minlength=r1 - r0)  # (R_b,)
+    first = counts.cumsum(0) - counts  # (R_b,) index of each row's first scored position within the batch
+    if isinstance(calibrator, Thermometer):
+        at = pos_in_row[first.clamp(max=max(p1 - p0 - 1, 0))] if p1 > p0 else torch.zeros_like(first)
+        h = t["hidden"][offsets[r0:r1] + at].float()  # (R_b, H) the prompts' last tokens (unused for empty rows)
+        s_row = calibrator.inverse_temperature(h).float().cpu()  # (R_b,)
+        penalty = calibrator.prior_weight * calibrator.prior(1.0 / s_row[counts > 0]).mean()
+        return s_row[local], penalty
+    param = next(calibrator.head.parameters())
+    lengths = (offsets[r0 + 1:r1 + 1] - offsets[r0:r1]).tolist()
+    hidden = torch.zeros(r1 - r0, max(lengths), t["hidden"].shape[1], dtype=param.dtype)  # (R_b, T, H)
+    mask = torch.zeros(r1 - r0, max(lengths), dtype=torch.long)  # (R_b, T)
+    for i, n in enumerate(lengths):
+        hidden[i, :n] = t["hidden"][offsets[r0 + i]:offsets[r0 + i] + n]
+        mask[i, :n] = 1
+    slot = torch.arange(p1 - p0) - first[local]  # (P_b,) rank within its row
+    index = torch.zeros(r1 - r0, max(1, int(counts.max())), dtype=torch.long)  # (R_b, K); padding: position 0
+    index[local, slot] = pos_in_row
+    tau = tau_at(calibrator.head, hidden.to(param.device), mask.to(param.device), index.to(param.device))
+    return calibrator.scale(tau.float().cpu()[local, slot]), torch.zeros(())
+
+
 def scored_confidence(calibrator, answers: AnswerSet, questions: Tensor, logits_fn, *,
                       chunk_size: int = 1024, exact: bool = False) -> tuple[Tensor, Tensor]:
     """(confidence (Q_b,), correct (Q_b,)) of a contiguous run of questions under `calibrator` (None: uncalibrated);
     differentiable w.r.t. the head's parameters when grad is enabled.
 
     Args:
-        calibrator: an ATS-family calibrator (its head gives s per token), or None for s = 1.
+        calibrator: an ATS-family calibrator or Thermometer (`position_scales`), or None for s = 1.
         answers: the set.
         questions: (Q_b,) consecutive question indices, increasing.
         logits_fn: the backbone's output layer, h (n, H) -> z (n, V).
@@ -83,29 +131,22 @@ def scored_confidence(calibrator, answers: AnswerSet, questions: Tensor, logits_
     Returns:
         (confidence, correct), by the task's own rule.
     """
+    conf, correct, _ = confidence_and_penalty(calibrator, answers, questions, logits_fn, chunk_size=chunk_size,
+                                              exact=exact)
+    return conf, correct
+
+
+def confidence_and_penalty(calibrator, answers: AnswerSet, questions: Tensor, logits_fn, *, chunk_size: int = 1024,
+                           exact: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(confidence, correct, penalty): `scored_confidence` (same arguments) and the calibrator's penalty on these
+    questions (`position_scales`), which training adds to the answer loss."""
     t = answers.tensors
     r0, r1 = _span(t["row_question"], int(questions[0]), int(questions[-1]))
     p0, p1 = _span(t["pos_row"], r0, r1 - 1)
     positions = torch.arange(p0, p1)
     offsets = t["row_offsets"]
     pos_row, pos_in_row = t["pos_row"][p0:p1], t["pos_in_row"][p0:p1]
-    if calibrator is None:
-        scale = torch.ones(p1 - p0)
-    else:
-        param = next(calibrator.head.parameters())
-        lengths = (offsets[r0 + 1:r1 + 1] - offsets[r0:r1]).tolist()
-        hidden = torch.zeros(r1 - r0, max(lengths), t["hidden"].shape[1], dtype=param.dtype)  # (R_b, T, H)
-        mask = torch.zeros(r1 - r0, max(lengths), dtype=torch.long)  # (R_b, T)
-        for i, n in enumerate(lengths):
-            hidden[i, :n] = t["hidden"][offsets[r0 + i]:offsets[r0 + i] + n]
-            mask[i, :n] = 1
-        local = pos_row - r0  # (P_b,) row of each position within the batch, nondecreasing
-        counts = torch.bincount(local, minlength=r1 - r0)  # (R_b,)
-        slot = torch.arange(p1 - p0) - (counts.cumsum(0) - counts)[local]  # (P_b,) rank within its row
-        index = torch.zeros(r1 - r0, max(1, int(counts.max())), dtype=torch.long)  # (R_b, K); padding: position 0
-        index[local, slot] = pos_in_row
-        tau = tau_at(calibrator.head, hidden.to(param.device), mask.to(param.device), index.to(param.device))
-        scale = calibrator.scale(tau.float().cpu()[local, slot])  # (P_b,)
+    scale, penalty = position_scales(calibrator, t, (r0, r1), (p0, p1))
     if answers.kind == "letters":
         log_p = torch.zeros_like(scale)
     elif "summary" in t and not exact:
@@ -113,7 +154,7 @@ def scored_confidence(calibrator, answers: AnswerSet, questions: Tensor, logits_
     else:
         h = t["hidden"][offsets[pos_row] + pos_in_row].float()  # (P_b, H)
         log_p = -scaled_cross_entropy(h, scale, t["pos_target"][p0:p1], logits_fn, chunk_size).ce_label
-    return answer_confidence(answers, questions, scale, log_p, positions)
+    return (*answer_confidence(answers, questions, scale, log_p, positions), penalty)
 
 
 @torch.no_grad()
@@ -122,7 +163,7 @@ def score_answers(calibrator, answers: AnswerSet, logits_fn, *, batch_size: int 
     """(confidence (Q,), correct (Q,)) of every question of `answers` under `calibrator` (None: uncalibrated).
 
     Args:
-        calibrator: an ATS-family calibrator or None.
+        calibrator: an ATS-family calibrator, Thermometer, or None.
         answers: the set.
         logits_fn: the backbone's output layer.
         batch_size: questions per head pass.
@@ -132,7 +173,7 @@ def score_answers(calibrator, answers: AnswerSet, logits_fn, *, batch_size: int 
         float64 confidences and bool correctness, in question order.
     """
     if calibrator is not None:
-        calibrator.head.eval()
+        scale_module(calibrator).eval()
     conf, correct = [], []
     for start in range(0, len(answers), batch_size):
         q = torch.arange(start, min(start + batch_size, len(answers)))
@@ -163,58 +204,115 @@ def answer_batches(sets: list[AnswerSet], batch_size: int, *, seed: int, epoch: 
     return out
 
 
+def token_term(calibrator, batch, logits_fn, *, chunk_size: int, max_tokens: int | None = None,
+               generator: torch.Generator | None = None) -> Tensor:
+    """The top-label log loss of the head's calibrated top-1 confidence on one batch of instruction sequences
+    (`ats.training.features.SequenceBatch`): the token-level proper term that keeps token calibration honest.
+
+    The head reads the whole sequences; with `max_tokens`, the loss is the mean over a random subset of that many
+    response tokens (unbiased, and the exact route then builds logits for those tokens only)."""
+    from ..model.backbone import IGNORE_INDEX
+    from ..training.losses import calibration_loss
+
+    param = next(calibrator.head.parameters())
+    tau = calibrator.head(batch.hidden.to(param.device, param.dtype), batch.attention_mask.to(param.device))  # (B, T)
+    select = batch.labels != IGNORE_INDEX  # (B, T)
+    hidden, scale, labels = batch.hidden[select], calibrator.scale(tau.float().cpu())[select], batch.labels[select]
+    summary = batch.summary  # (N, D) rows of the response positions in the same order, or None
+    if max_tokens is not None and labels.numel() > max_tokens:
+        keep = torch.randperm(labels.numel(), generator=generator)[:max_tokens]  # (max_tokens,)
+        hidden, scale, labels = hidden[keep], scale[keep], labels[keep]
+        summary = summary[keep] if summary is not None else None
+    return calibration_loss(hidden, scale, labels, logits_fn, loss_type="top-label", chunk_size=chunk_size,
+                            summary=summary).loss
+
+
+def _cycled_batches(store, seed: int):
+    """Endless single-sequence batches of an instruction feature store, reshuffled (seeded) on every pass."""
+    npass = 0
+    while True:
+        yield from store.batches(1, shuffle=True, seed=seed * 1000 + npass)
+        npass += 1
+
+
 def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: TrainingConfig, loss_type: str,
+                     token_store=None, token_weight: float = 0.0, token_max: int | None = 256,
                      progress: bool = True) -> AnswerTrainResult:
-    """Train `calibrator.head` in place on the answers of `sets` (one optimizer step per `config.batch_size`
-    questions of one task), AdamW with a cosine schedule and warmup, seeded by `config.seed` without touching the
-    global RNG.
+    """Train `calibrator` in place on the answers of `sets` (one optimizer step per `config.batch_size` questions of
+    one task), AdamW with a cosine schedule and warmup, seeded by `config.seed` without touching the global RNG.
 
     Args:
-        calibrator: an ATS-family calibrator (transformer, linear or constant head).
+        calibrator: an ATS-family calibrator (transformer, linear or constant head) or a Thermometer (its Gamma prior
+            joins the loss; it is marked fitted at the end).
         sets: the training tasks' answers.
         logits_fn: the backbone's output layer.
         config: lr (None: 1e-3), epochs, batch_size (questions per step), warmup, weight decay, clipping, seed.
         loss_type: one of `ANSWER_LOSSES`.
+        token_store: an instruction `FeatureStore` of the same backbone; with `token_weight` > 0 every step adds
+            `token_weight` x the top-label loss of one of its sequences (ATS-family heads only).
+        token_weight: the weight of that token-level term.
+        token_max: response tokens per step in that term (a seeded random subset of the sequence's; None: all).
         progress: show a progress bar.
 
     Returns:
-        The loss history; the head is left in eval mode.
+        The loss history; the module is left in eval mode.
 
     Raises:
-        ATSError: if the loss type is unknown, no set holds a question, or a loss is not finite.
+        ATSError: if the loss type is unknown, no set holds a question, the token term is asked without a store or
+            for a Thermometer, or a loss is not finite.
     """
+    from ..calibrators.thermometer import Thermometer
+
     if loss_type not in ANSWER_LOSSES:
         raise ATSError(f"answer loss must be one of {', '.join(ANSWER_LOSSES)}, got {loss_type!r}")
     if not sets or not any(len(s) for s in sets):
         raise ATSError("train_on_answers: no answers to train on")
-    head = calibrator.head.train()
+    thermometer = isinstance(calibrator, Thermometer)
+    if token_weight > 0 and (token_store is None or thermometer):
+        raise ATSError("train_on_answers: token_weight > 0 needs an instruction feature store and an ATS-family head")
+    tokens = _cycled_batches(token_store, config.seed) if token_weight > 0 else None
+    generator = torch.Generator().manual_seed(config.seed)
+    module = scale_module(calibrator).train()
     steps = sum(len(answer_batches(sets, config.batch_size, seed=config.seed, epoch=e)) for e in range(config.epochs))
     lr = config.lr if config.lr is not None else 1e-3
-    decay = [p for p in head.parameters() if p.dim() >= 2]
-    no_decay = [p for p in head.parameters() if p.dim() < 2]
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=lr)
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(config.warmup_ratio * steps), steps)
-    calibrator.config_.training = {**config.to_dict(), "loss_type": loss_type, "lr": lr, "optimizer_steps": steps,
-                                   "data": "answers", "tasks": [s.name for s in sets]}
+    record = {**config.to_dict(), "loss_type": loss_type, "lr": lr, "optimizer_steps": steps, "data": "answers",
+              "tasks": [s.name for s in sets], "token_weight": token_weight,
+              **({"token_max": token_max} if token_weight > 0 else {})}
+    if not thermometer:
+        calibrator.config_.training = record
     result = AnswerTrainResult()
-    bar = tqdm(total=steps, desc="train head on answers", disable=not progress)
+    bar = tqdm(total=steps, desc="train on answers", disable=not progress)
     for epoch in range(config.epochs):
         for k, questions in answer_batches(sets, config.batch_size, seed=config.seed, epoch=epoch):
-            conf, correct = scored_confidence(calibrator, sets[k], questions, logits_fn, chunk_size=config.chunk_size)
-            loss = answer_loss(conf, correct, loss_type)
+            conf, correct, penalty = confidence_and_penalty(calibrator, sets[k], questions, logits_fn,
+                                                            chunk_size=config.chunk_size)
+            loss = answer_loss(conf, correct, loss_type) + penalty
+            entry = {"epoch": epoch, "task": sets[k].name, "answer_loss": loss.item()}
+            if tokens is not None:
+                term = token_term(calibrator, next(tokens), logits_fn, chunk_size=config.chunk_size,
+                                  max_tokens=token_max, generator=generator)
+                entry["token_loss"] = term.item()
+                loss = loss + token_weight * term
             if not torch.isfinite(loss):
                 raise ATSError(f"non-finite answer loss at epoch {epoch} on {sets[k].name}")
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), config.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(module.parameters(), config.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            result.history.append({"epoch": epoch, "task": sets[k].name, "loss": loss.item()})
+            result.history.append({**entry, "loss": loss.item()})
             bar.update(1)
             bar.set_postfix(loss=f"{result.history[-1]['loss']:.4f}")
     bar.close()
-    head.eval()
+    module.eval()
     if not math.isfinite(result.history[-1]["loss"]):
         raise ATSError("training on answers ended with a non-finite loss")
+    if thermometer:
+        calibrator.fitted = True
+        calibrator.history = [{**record, "final_loss": result.history[-1]["loss"]}]
     return result

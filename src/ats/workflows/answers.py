@@ -58,8 +58,10 @@ class AnswerPlan:
     mmlu_pool_per_subject: int = 3  # 0: no MMLU in the pool
     reported: dict = field(default_factory=lambda: {"mmlu": 3, "triviaqa": 400, "truthfulqa_mc1": 300,
                                                      "truthfulqa_gen": 300})
-    methods: dict = field(default_factory=lambda: {"ats-answers": "transformer", "linear-answers": "linear",
-                                                   "control-answers": "constant"})
+    methods: dict = field(default_factory=lambda: {  # name -> what is trained (`method_spec`)
+        "ats-answers": "transformer", "linear-answers": "linear", "control-answers": "constant",
+        "thermometer-answers": "thermometer", "ats-answers-tokens": "transformer+tokens"})
+    token_weight: float = 1.0  # "+tokens" methods: fixed before any run, not tuned (nothing held out measures it)
     loss_type: str = "answer-log"
     lr_grid: tuple = (3e-4, 1e-3, 3e-3)
     epochs: int = 2
@@ -156,62 +158,119 @@ def mean_log_loss(confidence: np.ndarray, correct: np.ndarray) -> float:
     return float(-np.mean(np.where(correct, np.log(p), np.log1p(-p))))
 
 
-def fresh_head(backbone, head_type: str, seed: int, method: str):
-    """An untrained ATS-family calibrator for `backbone` (identity at start)."""
-    from ..calibrators.ats import ATSCalibrator
+HEAD_KINDS = ("transformer", "linear", "mlp", "constant", "thermometer")
+BASELINES = ("isotonic-answers", "histogram-answers", "scaling-binning-answers")  # fitted on the pool's confidences
 
-    return ATSCalibrator.for_backbone(backbone, head_type=head_type, seed=seed, method=method)
+
+def method_spec(plan: AnswerPlan, method: str) -> tuple[str, float]:
+    """(kind, token weight) of a plan method: "transformer", ..., "thermometer", optionally "+tokens" (the answer loss
+    plus `plan.token_weight` x the top-label loss on instruction tokens).
+
+    Raises:
+        ATSError: if the spec names an unknown kind or suffix.
+    """
+    spec = plan.methods[method]
+    kind, plus, extra = spec.partition("+")
+    if kind not in HEAD_KINDS or (plus and extra != "tokens") or (extra and kind == "thermometer"):
+        raise ATSError(f"answer plan method {method!r}: unknown spec {spec!r} (one of {', '.join(HEAD_KINDS)}, "
+                       "a head optionally with '+tokens')")
+    return kind, plan.token_weight if extra else 0.0
+
+
+def fresh_head(backbone, kind: str, seed: int, method: str, **thermometer_options):
+    """An untrained calibrator for `backbone` (identity at start): an ATS-family head of type `kind`, or a
+    Thermometer sized for the backbone (its schedule options recorded in its config)."""
+    from ..calibrators.ats import ATSCalibrator
+    from ..calibrators.thermometer import Thermometer
+
+    if kind == "thermometer":
+        return Thermometer(hidden_size=backbone.hidden_size, seed=seed, **thermometer_options)
+    return ATSCalibrator.for_backbone(backbone, head_type=kind, seed=seed, method=method)
 
 
 def train_method(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
-                 progress: bool = False):
-    """A head of `method`'s type trained on `sets` with the plan's objective and schedule."""
-    calibrator = fresh_head(backbone, plan.methods[method], seed, method)
+                 token_store=None, progress: bool = False):
+    """A calibrator of `method`'s spec trained on `sets` with the plan's objective and schedule.
+
+    Raises:
+        ATSError: if the method needs instruction tokens and `token_store` is None.
+    """
+    kind, token_weight = method_spec(plan, method)
+    if token_weight > 0 and token_store is None:
+        raise ATSError(f"method {method!r} adds a token-level term: pass the instruction features "
+                       "(--token-features)")
+    calibrator = fresh_head(backbone, kind, seed, method, lr=lr, epochs=plan.epochs, batch_size=plan.batch_size)
     config = TrainingConfig(lr=lr, epochs=plan.epochs, batch_size=plan.batch_size, micro_batch_size=plan.batch_size,
                             seed=seed)
-    train_on_answers(calibrator, sets, backbone.logits, config=config, loss_type=plan.loss_type, progress=progress)
+    train_on_answers(calibrator, sets, backbone.logits, config=config, loss_type=plan.loss_type,
+                     token_store=token_store if token_weight > 0 else None, token_weight=token_weight,
+                     progress=progress)
     return calibrator
 
 
 def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
-                 folder: Path, progress: bool = False):
-    """`train_method`'s head, saved in `folder`; reused from there when its training record matches.
+                 folder: Path, token_store=None, progress: bool = False):
+    """`train_method`'s calibrator, saved in `folder`; reused from there when its training record matches.
 
     Raises:
-        ATSError: if the folder holds a head trained with other settings.
+        ATSError: if the folder holds a calibrator trained with other settings.
     """
     from ..calibrators import load_calibrator
 
+    kind, token_weight = method_spec(plan, method)
     record = {"lr": lr, "seed": seed, "epochs": plan.epochs, "loss_type": plan.loss_type,
-              "batch_size": plan.batch_size, "tasks": [s.name for s in sets]}
-    if reusable_answer_head(folder, record, head_type=plan.methods[method], max_scale=10.0, overwrite=False):
+              "batch_size": plan.batch_size, "tasks": [s.name for s in sets], "token_weight": token_weight}
+    if reusable_answer_head(folder, record, head_type=kind, max_scale=10.0, overwrite=False):
         return load_calibrator(folder, backbone)
-    calibrator = train_method(backbone, sets, plan, method, lr=lr, seed=seed, progress=progress)
+    calibrator = train_method(backbone, sets, plan, method, lr=lr, seed=seed, token_store=token_store,
+                              progress=progress)
     calibrator.save_pretrained(folder)
     return calibrator
 
 
-def isotonic_on_answers(sets: list[AnswerSet], logits_fn):
-    """The answer-level binning baseline: isotonic regression of correctness on the uncalibrated answer confidence,
-    fitted on the pool's answers; returns conf -> calibrated conf."""
+def _pool_scores(sets: list[AnswerSet], calibrator, logits_fn) -> tuple[np.ndarray, np.ndarray]:
+    """(confidence, correct) of every answer of `sets` under `calibrator` (None: uncalibrated), pooled."""
+    pairs = [score_answers(calibrator, s, logits_fn) for s in sets]
+    return np.concatenate([c for c, _ in pairs]), np.concatenate([k for _, k in pairs])
+
+
+def baselines_on_answers(sets: list[AnswerSet], logits_fn, control, *, n_bins: int = 15) -> dict:
+    """The post-hoc baselines fitted on the pool's answer confidences: method -> (answer set -> confidences (Q,)).
+
+    - isotonic-answers: isotonic regression of correctness on the uncalibrated confidence;
+    - histogram-answers: equal-mass histogram binning (Zadrozny & Elkan) of the uncalibrated confidence, each bin
+      mapped to its accuracy;
+    - scaling-binning-answers (Kumar et al. 2019): the control's confidence (one temperature trained on answers),
+      binned by equal mass, each bin mapped to its mean scaled confidence (left out when `control` is None).
+    Vector scaling has no answer-level form here: the choices of likelihood-scored and free-form questions are not a
+    fixed set of classes.
+    """
     from sklearn.isotonic import IsotonicRegression
 
-    pairs = [score_answers(None, s, logits_fn) for s in sets]
-    conf = np.concatenate([c for c, _ in pairs])
-    correct = np.concatenate([k for _, k in pairs])
-    model = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(conf, correct.astype(float))
-    return lambda c: np.clip(model.predict(c), 0.0, 1.0)
+    from ..calibrators.binning import apply_bins, equal_mass_bins
+
+    conf, correct = _pool_scores(sets, None, logits_fn)
+    isotonic = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(conf, correct.astype(float))
+    hist = equal_mass_bins(conf, correct.astype(float), n_bins)
+    maps = {"isotonic-answers": lambda a: np.clip(isotonic.predict(score_answers(None, a, logits_fn)[0]), 0.0, 1.0),
+            "histogram-answers": lambda a: apply_bins(score_answers(None, a, logits_fn)[0], *hist)}
+    if control is not None:
+        scaled, _ = _pool_scores(sets, control, logits_fn)
+        sb = equal_mass_bins(scaled, scaled, n_bins)
+        maps["scaling-binning-answers"] = lambda a: apply_bins(score_answers(control, a, logits_fn)[0], *sb)
+    return maps
 
 
 def evaluate_methods(heads: dict, maps: dict, answers: AnswerSet, logits_fn, plan: AnswerPlan) -> dict:
     """Metrics with intervals per method on one task, and paired differences against the control and the
-    uncalibrated model; `heads`: method -> [calibrators, one per seed], `maps`: method -> conf map."""
+    uncalibrated model; `heads`: method -> [calibrators, one per seed], `maps`: method -> (answer set ->
+    confidences), the baselines fitted on answers (`baselines_on_answers`)."""
     base = score_answers(None, answers, logits_fn)
     scored = {"uncalibrated": [base]}
     for method, calibrators in heads.items():
         scored[method] = [score_answers(c, answers, logits_fn) for c in calibrators]
     for method, fn in maps.items():
-        scored[method] = [(fn(base[0]), base[1])]
+        scored[method] = [(fn(answers), base[1])]
     out = {"n": len(answers), "methods": {}}
     control = scored.get("control-answers", [None])
     for method, runs in scored.items():
@@ -253,6 +312,10 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
         The results dict.
     """
     plan = plan or AnswerPlan()
+    needs_tokens = [m for m in plan.methods if method_spec(plan, m)[1] > 0]
+    if needs_tokens and token_features is None:
+        raise ATSError(f"methods {needs_tokens} add a token-level term: pass the instruction features "
+                       "(token_features / --token-features)")
     out = Path(out)
     results_path = out / "results.json"
     plan_dict = {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.__dict__.items()}
@@ -267,6 +330,12 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
         score_answers(None, s, backbone.logits)[1]))} for n, s in pool.items()}
     write_json(results_path, results)
     logits_fn = backbone.logits
+    token_store = None
+    if token_features is not None:
+        from ..training.features import FeatureStore
+
+        token_store = FeatureStore(Path(token_features) / "train")
+        token_store.check_backbone(backbone)
 
     if "select" in stages and "selection" not in results:
         splits = {n: split_holdout(s, plan.holdout_fraction) for n, s in pool.items()}
@@ -278,7 +347,8 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
         for method in plan.methods:
             rows = []
             for lr in plan.lr_grid:
-                head = train_method(backbone, train_sets, plan, method, lr=lr, seed=0, progress=progress)
+                head = train_method(backbone, train_sets, plan, method, lr=lr, seed=0, token_store=token_store,
+                                    progress=progress)
                 losses = [score_answers(head, splits[n][1], logits_fn) for n in selection_tasks]
                 conf = np.concatenate([c for c, _ in losses])
                 ok = np.concatenate([k for _, k in losses])
@@ -296,18 +366,18 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
             if left_out in loo:
                 continue
             sets = [pool[n] for n in train_names]
-            heads = {m: [train_method(backbone, sets, plan, m, lr=lrs[m], seed=0, progress=progress)]
-                     for m in plan.methods}
-            maps = {"isotonic-answers": isotonic_on_answers(sets, logits_fn)}
+            heads = {m: [train_method(backbone, sets, plan, m, lr=lrs[m], seed=0, token_store=token_store,
+                                      progress=progress)] for m in plan.methods}
+            maps = baselines_on_answers(sets, logits_fn, heads.get("control-answers", [None])[0])
             loo[left_out] = {"train": train_names, **evaluate_methods(heads, maps, pool[left_out], logits_fn, plan)}
             write_json(results_path, results)
 
     if "reported" in stages:
         heads = {m: [trained_head(backbone, list(pool.values()), plan, m, lr=lrs[m], seed=s,
-                                  folder=out / "heads" / m / f"seed{s}", progress=progress) for s in plan.seeds]
-                 for m in plan.methods}
+                                  folder=out / "heads" / m / f"seed{s}", token_store=token_store, progress=progress)
+                     for s in plan.seeds] for m in plan.methods}
+        maps = baselines_on_answers(list(pool.values()), logits_fn, heads.get("control-answers", [None])[0])
         heads.update({name: [c] for name, c in (instruction_heads or {}).items()})
-        maps = {"isotonic-answers": isotonic_on_answers(list(pool.values()), logits_fn)}
         for name, task in reported_by_name.items():
             answers = cached_answers(backbone, task, out / "answers" / name, progress=progress)
             results["reported"] = {**results.get("reported", {}),
@@ -346,6 +416,9 @@ def answer_head_record(training: TrainingConfig, loss_type: str, plan: AnswerPla
             "lr": training.lr if training.lr is not None else 1e-3}
 
 
+RECORD_DEFAULTS = {"token_weight": 0.0}  # record fields of heads saved before the field existed
+
+
 def reusable_answer_head(head_dir: Path, record: dict, *, head_type: str, max_scale: float,
                          overwrite: bool) -> bool:
     """Whether `head_dir` holds a head trained with `record`, `head_type` and `max_scale` (read from its JSON
@@ -358,11 +431,13 @@ def reusable_answer_head(head_dir: Path, record: dict, *, head_type: str, max_sc
     if not path.is_file():
         return False
     config = read_json(path)
-    have = {k: (config.get("training") or {}).get(k) for k in record}
+    thermometer = config.get("type") == "thermometer"  # its training record is its history's first entry
+    training = ((config.get("history") or [{}])[0] if thermometer else config.get("training")) or {}
+    have = {k: training.get(k, RECORD_DEFAULTS.get(k)) for k in record}
     differ = [k for k in record if have[k] != record[k]]
-    if (config.get("head") or {}).get("head_type") != head_type:
+    if ("thermometer" if thermometer else (config.get("head") or {}).get("head_type")) != head_type:
         differ.append("head")
-    if config.get("max_scale") != max_scale:
+    if not thermometer and config.get("max_scale") != max_scale:
         differ.append("max_scale")
     if not differ:
         return True

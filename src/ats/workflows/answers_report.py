@@ -95,11 +95,19 @@ def paragraph(name: str, task: dict, method: str = "ats-answers") -> str:
     if abs(head["accuracy"] - base["accuracy"]) > 1e-9:
         text += (f" Its per-token scales change the chosen answer (accuracy {base['accuracy']:.3f} -> "
                  f"{head['accuracy']:.3f}; the control's: {control['accuracy']:.3f}).")
-    iso = m.get("isotonic-answers")
-    if iso and "minus_control" in iso:
-        text += (f" Isotonic regression on the pool's answer confidences: ECE {iso['seeds'][0]['ece']:.3f}, AUROC "
-                 f"{iso['seeds'][0]['auroc']:.3f}.")
+    others = [k for k in m if k not in ("uncalibrated", method, "control-answers") and "minus_control" in m[k]]
+    if others:
+        text += " The other methods against the control (ECE; AUROC): " + "; ".join(
+            f"{k} {m[k]['seeds'][0]['ece']:.3f}, {_diff(m[k]['minus_control'], 'ece')}; "
+            f"{m[k]['seeds'][0]['auroc']:.3f}, {_diff(m[k]['minus_control'], 'auroc')}" for k in others) + "."
+    best = min((k for k in m if k != "uncalibrated"), key=lambda k: m[k]["seeds"][0]["ece"])
+    text += f" Lowest ECE here: {best} ({m[best]['seeds'][0]['ece']:.3f})."
     return text
+
+
+def per_token_methods(plan: dict) -> list[str]:
+    """The plan's answer-trained per-token heads (transformer, linear, MLP; with or without the token term)."""
+    return [m for m, spec in plan["methods"].items() if spec.partition("+")[0] in ("transformer", "linear", "mlp")]
 
 
 def render(results_path: str | Path, results_dir: str | Path) -> Path:
@@ -151,8 +159,9 @@ def render(results_path: str | Path, results_dir: str | Path) -> Path:
     blocks = {**{f"{k} (left out)": v for k, v in results.get("leave_one_out", {}).items()},
               **results.get("reported", {})}
     if blocks:
-        lines += ["## Targets (issue 21), for the transformer head trained on answers", ""]
-        lines += [targets(name, task) for name, task in blocks.items()] + [""]
+        for method in per_token_methods(plan):
+            lines += [f"## Targets (issue 21) for {method}", ""]
+            lines += [targets(name, task, method) for name, task in blocks.items()] + [""]
         lines += ["## Per task: does the head trained on answers beat one temperature trained on the same answers?",
                   "", "Generated from the numbers above (seed 0, paired 95% bootstrap intervals).", ""]
         lines += [paragraph(name, task) + "\n" for name, task in blocks.items()]
