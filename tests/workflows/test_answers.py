@@ -277,6 +277,10 @@ def test_cached_answers_refuse_other_storage_settings(sharp, mc_file, tmp_path):
     again = cached_answers(sharp, task, tmp_path / "a", progress=False)  # same settings: reused, same bytes
     assert torch.equal(first.tensors["summary"], again.tensors["summary"])
     meta = json.loads((tmp_path / "a" / "answers.json").read_text())
+    # other summary settings: reused as made (each row carries its own nodes), the same rows
+    (tmp_path / "a" / "answers.json").write_text(json.dumps({**meta, "summary": {**meta["summary"], "intervals": 24}}))
+    assert torch.equal(cached_answers(sharp, task, tmp_path / "a", progress=False).tensors["summary"],
+                       first.tensors["summary"])
     (tmp_path / "a" / "answers.json").write_text(json.dumps({**meta, "dtype": "float32"}))
     with pytest.raises(ATSError, match="not of"):
         cached_answers(sharp, task, tmp_path / "a", progress=False)
