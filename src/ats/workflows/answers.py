@@ -39,7 +39,6 @@ from ..evaluation.tasks import (
     TruthfulQAMC1Task,
 )
 from ..io import read_json, write_json
-from ..sources import local_file
 from ..training.config import TrainingConfig
 from .answer_training import score_answers, train_on_answers
 
@@ -76,13 +75,12 @@ class AnswerPlan:
 
 
 def pool_tasks(plan: AnswerPlan) -> dict:
-    """name -> task of the training pool (local files under ATS_DATA_DIR)."""
+    """name -> task of the training pool (local files under ATS_DATA_DIR, else the Hub: `qa_pool.pool_path`)."""
+    from ..evaluation.tasks.qa_pool import pool_path
+
     tasks = {}
     for name in POOL_MC:
-        path = local_file(f"qa_pool/{name}.jsonl")
-        if path is None:
-            raise ATSError("the answer pool reads qa_pool/ under ATS_DATA_DIR; set ATS_DATA_DIR")
-        tasks[name] = MultipleChoiceTask(path, "likelihood", limit=plan.pool_size, seed=0)
+        tasks[name] = MultipleChoiceTask(pool_path(name), "likelihood", limit=plan.pool_size, seed=0)
     tasks["nq_open"] = NQOpenTask(limit=plan.pool_size, seed=0)
     trivia = TriviaQATask(limit=plan.pool_size, seed=0, offset=TRIVIAQA_POOL_OFFSET)
     trivia.name = "triviaqa_pool"
