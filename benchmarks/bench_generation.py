@@ -1,12 +1,15 @@
-"""Tokens/s of plain `generate` vs calibrated generation (linear / mlp / transformer ATS heads).
+"""Tokens/s of calibrated generation on the one decoding core: uncalibrated, temperature scaling and the ATS
+transformer head, as ratios to uncalibrated in the same run, and the calibrator's share of decoding time.
 
-Every run generates exactly --new-tokens tokens per sequence (min_new_tokens = max_new_tokens), greedy, from the
-same chat-templated, left-padded prompts. Plain and calibrated runs are interleaved within each repeat (the order is
-rotated from repeat to repeat) so that drifting machine load hits all of them alike. Both timings are end to end:
-prompts in, decoded texts out.
+Every run decodes exactly --new-tokens tokens per sequence (min_new_tokens = max_new_tokens), greedy, from the same
+chat-templated prompts, through `ats.generation.Decoder` (what `generate_calibrated` runs); transformers' own
+`generate` is timed beside them as a reference. The arms are interleaved within each repeat (the order rotated from
+repeat to repeat) so that drifting machine load hits all of them alike. Times are end to end (prompt ids in, tokens
+and their probabilities out). Head share = time computing the calibration inside decoding steps (the head's tau, or
+the logits map) / decoding time, from the decoder's own timers: robust to machine load.
 
-    python benchmarks/bench_generation.py --repeats 2
-    python benchmarks/bench_generation.py --new-tokens 32 --repeats 1 --batches 1   # a quick look
+    python benchmarks/bench_generation.py --repeats 3
+    python benchmarks/bench_generation.py --new-tokens 16 --repeats 1 --batches 1   # a quick look
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from ats.calibrators import build_calibrator
 from ats.calibrators.ats import ATSCalibrator
-from ats.generation import encode_prompts, generate_calibrated
-from ats.generation import processor as generation
+from ats.generation import Decoder, Row, SamplingParams, encode_prompts
 from ats.model.backbone import load_backbone
 
 PROMPTS = [
@@ -40,7 +43,8 @@ PROMPTS = [
     "List some tips for learning a new language.",
     "Summarise the plot of Hamlet.",
 ]
-METHODS = ("plain", "linear", "mlp", "transformer")
+METHODS = ("generate", "uncalibrated", "temperature", "ats")  # "generate": transformers' own, a reference
+TEMPERATURE = 1.3  # the temperature-scaling arm's T (timing does not depend on it)
 
 
 def machine() -> dict:
@@ -112,59 +116,38 @@ def randomised_calibrator(backbone, head_type: str, seed: int = 0) -> ATSCalibra
     return calibrator.to(backbone.device)
 
 
-class ProcessorTimer:
-    """Accumulates the time spent in `CalibrationProcessor.__call__` (head + scaling + token probabilities) and in
-    its `finish` (the token probabilities still pending when `generate` returns): the calibration's own cost,
-    measured inside the run and so far less sensitive to machine load than a difference of two end-to-end timings."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.calls = 0
-        self._call = generation.CalibrationProcessor.__call__
-        self._finish = generation.CalibrationProcessor.finish
-        timer = self
-
-        def timed(processor, input_ids, scores):
-            t0 = time.perf_counter()
-            out = timer._call(processor, input_ids, scores)
-            timer.seconds += time.perf_counter() - t0
-            timer.calls += 1
-            return out
-
-        def timed_finish(processor, new_tokens):
-            t0 = time.perf_counter()
-            timer._finish(processor, new_tokens)
-            timer.seconds += time.perf_counter() - t0
-
-        generation.CalibrationProcessor.__call__ = timed
-        generation.CalibrationProcessor.finish = timed_finish
-
-    def take(self) -> tuple[float, int]:
-        seconds, calls, self.seconds, self.calls = self.seconds, self.calls, 0.0, 0
-        return seconds, calls
+def temperature_scaling(temperature: float = TEMPERATURE):
+    """A temperature-scaling calibrator with T set (as if fitted)."""
+    calibrator = build_calibrator("temperature")
+    calibrator.temperature = temperature
+    return calibrator
 
 
-def run_plain(backbone, prompts, new_tokens: int) -> int:
-    ids, mask, _ = encode_prompts(backbone, prompts)
+def run_generate(backbone, ids, mask, new_tokens: int) -> tuple[int, dict]:
+    """transformers' `generate`, greedy, exactly `new_tokens` per row; (tokens, no timers)."""
     seq = backbone.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                   min_new_tokens=new_tokens, do_sample=False,
                                   pad_token_id=backbone.tokenizer.pad_token_id)
-    backbone.tokenizer.batch_decode(seq[:, ids.shape[1]:], skip_special_tokens=True)
-    return int(seq[:, ids.shape[1]:].numel())
+    return int(seq[:, ids.shape[1]:].numel()), {}
 
 
-def run_calibrated(backbone, calibrator, prompts, new_tokens: int) -> int:
-    outs = generate_calibrated(backbone, calibrator, prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-    return sum(len(o.token_ids) for o in outs)
+def run_core(backbone, calibrator, prompts: list[list[int]], new_tokens: int) -> tuple[int, dict]:
+    """The decoding core with `calibrator` (None: uncalibrated), greedy, exactly `new_tokens` per row; (tokens, the
+    decoder's timers)."""
+    rows = [Row(p, i, backbone.tokenizer, max_tokens=new_tokens, min_tokens=new_tokens,
+                sampling=SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
+    decoder = Decoder(backbone, calibrator)
+    decoder.run(rows)
+    return sum(len(r.records) for r in rows), dict(decoder.timing)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--batches", default="1,8")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batches", default="1,4,16")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "generation"),
                    help="writes OUT.md and OUT.json")
     args = p.parse_args(argv)
@@ -172,75 +155,71 @@ def main(argv: list[str] | None = None) -> int:
     command = command_line(argv)
 
     backbone = load_backbone(args.model)
-    calibrators = {head: randomised_calibrator(backbone, head) for head in METHODS[1:]}
+    calibrators = {"uncalibrated": None, "temperature": temperature_scaling(),
+                   "ats": randomised_calibrator(backbone, "transformer")}
     batches = [int(b) for b in args.batches.split(",") if b]
-    runners = {"plain": lambda prompts: run_plain(backbone, prompts, args.new_tokens)}
-    for head, calibrator in calibrators.items():
-        runners[head] = lambda prompts, c=calibrator: run_calibrated(backbone, c, prompts, args.new_tokens)
 
-    prompt_lengths = {}
+    prompt_lengths, inputs = {}, {}
     for b in batches:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
         ids, mask, _ = encode_prompts(backbone, prompts)
+        inputs[b] = (ids, mask, [row[m.bool()].tolist() for row, m in zip(ids, mask)])
         prompt_lengths[b] = {"padded": int(ids.shape[1]), "min": int(mask.sum(1).min()), "max": int(mask.sum(1).max())}
-        for method in METHODS:  # warm-up: allocator, lazy initialisation, first-call costs
-            count = run_plain(backbone, prompts, 4) if method == "plain" else \
-                run_calibrated(backbone, calibrators[method], prompts, 4)
-            assert count == 4 * b
 
-    timer = ProcessorTimer()
-    processor_s: dict[str, dict[str, list[float]]] = {str(b): {m: [] for m in METHODS[1:]} for b in batches}
+    def run(method: str, b: int, new_tokens: int) -> tuple[int, dict]:
+        ids, mask, lists = inputs[b]
+        if method == "generate":
+            return run_generate(backbone, ids, mask, new_tokens)
+        return run_core(backbone, calibrators[method], lists, new_tokens)
+
+    for b in batches:
+        for method in METHODS:  # warm-up: allocator, lazy initialisation, first-call costs
+            assert run(method, b, 4)[0] == 4 * b
+
     load_start = load_average()
     started = time.perf_counter()
     times: dict[str, dict[str, list[float]]] = {str(b): {m: [] for m in METHODS} for b in batches}
+    shares: dict[str, dict[str, list[float]]] = {str(b): {m: [] for m in METHODS} for b in batches}
     for r in range(args.repeats):
         for b in batches:
-            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
             order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]
             for method in order:
-                timer.take()
                 t0 = time.perf_counter()
-                count = runners[method](prompts)
+                count, timing = run(method, b, args.new_tokens)
                 elapsed = time.perf_counter() - t0
-                spent, calls = timer.take()
-                if method != "plain":
-                    processor_s[str(b)][method].append(spent)
                 if count != b * args.new_tokens:
                     raise SystemExit(f"{method} batch {b}: generated {count} tokens, expected {b * args.new_tokens}")
                 times[str(b)][method].append(elapsed)
-                print(f"repeat {r + 1}/{args.repeats} batch {b} {method:11s} {elapsed:7.2f} s "
+                if timing:
+                    shares[str(b)][method].append(timing["head_s"] / timing["decode_s"])
+                print(f"repeat {r + 1}/{args.repeats} batch {b} {method:12s} {elapsed:7.2f} s "
                       f"({count / elapsed:6.1f} tok/s)", file=sys.stderr, flush=True)
     wall = time.perf_counter() - started
     load_end = load_average()
 
     rows = []
     for b in batches:
-        plain = times[str(b)]["plain"]
+        base = times[str(b)]["uncalibrated"]
         for method in METHODS:
             mine = times[str(b)][method]
             median = statistics.median(mine)
             rows.append({
                 "batch": b, "method": method, "seconds": mine, "median_s": median,
                 "tokens_per_s": b * args.new_tokens / median,
-                "overhead": median / statistics.median(plain),  # calibrated time / plain time
-                "paired_overhead": statistics.median(m / p for m, p in zip(mine, plain)),
+                # tokens/s relative to uncalibrated: of the medians, and the median of same-repeat pairs
+                "ratio": statistics.median(base) / median,
+                "paired_ratio": statistics.median(u / m for m, u in zip(mine, base)),
+                "head_share": statistics.median(shares[str(b)][method]) if shares[str(b)][method] else None,
             })
-            if method != "plain":
-                spent = processor_s[str(b)][method]
-                rows[-1]["processor_s"] = spent
-                rows[-1]["processor_ms_per_step"] = 1000 * statistics.median(spent) / args.new_tokens
-                # the calibration's own cost relative to the rest of the same run
-                rows[-1]["processor_overhead"] = statistics.median(1 + x / (t - x) for x, t in zip(spent, mine))
 
-    head_params = {h: sum(p.numel() for p in c.head.parameters()) for h, c in calibrators.items()}
     result = {
         **run_info(command, args.threads, load_start, load_end),
         "model": {"name": backbone.name, "revision": backbone.revision, "hidden_size": backbone.hidden_size,
                   "vocab_size": backbone.vocab_size, "dtype": str(backbone.dtype),
                   "parameters": sum(p.numel() for p in backbone.model.parameters())},
-        "head_parameters": head_params,
+        "head_parameters": sum(p.numel() for p in calibrators["ats"].head.parameters()),
         "new_tokens": args.new_tokens, "batches": batches, "repeats": args.repeats, "prompt_lengths": prompt_lengths,
-        "decoding": "greedy, min_new_tokens = max_new_tokens, chat template, left padding",
+        "decoding": "greedy, min_new_tokens = max_new_tokens, chat template",
         "wall_seconds": wall,
         "results": rows,
     }
@@ -251,33 +230,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_table(result: dict) -> str:
-    lines = ["| batch | method | median time (s) | tokens/s | overhead (time / plain) | paired overhead | "
-             "processor ms/step | in-run overhead |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | method | median time (s) | tokens/s | tokens/s vs uncalibrated | paired | head share of "
+             "decoding |", "|---:|---|---:|---:|---:|---:|---:|"]
     for row in result["results"]:
-        extra = (f"{row['processor_ms_per_step']:.2f} | {row['processor_overhead']:.3f}" if "processor_s" in row
-                 else "- | -")
+        share = "-" if row["head_share"] is None else f"{100 * row['head_share']:.1f}%"
         lines.append(f"| {row['batch']} | {row['method']} | {row['median_s']:.2f} | {row['tokens_per_s']:.1f} | "
-                     f"{row['overhead']:.3f} | {row['paired_overhead']:.3f} | {extra} |")
+                     f"{row['ratio']:.3f} | {row['paired_ratio']:.3f} | {share} |")
     return "\n".join(lines)
 
 
 def format_markdown(result: dict, table: str) -> str:
     model = result["model"]
     return "\n".join([
-        *preamble(result, "Calibrated generation: cost of the ATS head", str(result["machine"]["torch_threads"])),
+        *preamble(result, "Calibrated generation on the one decoding core: cost of the calibrator",
+                  str(result["machine"]["torch_threads"])),
         f"Model: {model['name']} ({model['parameters'] / 1e6:.1f}M parameters, hidden {model['hidden_size']}, "
-        f"vocabulary {model['vocab_size']}, {model['dtype']}). Head parameters: "
-        + ", ".join(f"{k} {v:,}" for k, v in result["head_parameters"].items()) + ".",
+        f"vocabulary {model['vocab_size']}, {model['dtype']}). ATS: a transformer head "
+        f"({result['head_parameters']:,} parameters, away from identity); temperature: T = {TEMPERATURE}.",
         "",
         f"{result['new_tokens']} new tokens per sequence ({result['decoding']}); batches {result['batches']}; "
-        f"{result['repeats']} repeats, plain and calibrated runs interleaved, order rotated per repeat; prompt "
-        f"lengths (padded/min/max) {result['prompt_lengths']}. Times are end to end (prompts in, texts out). "
-        f"Overhead = median calibrated time / median plain time; paired overhead = median over repeats of "
-        f"(calibrated / plain of the same repeat). Processor ms/step = time inside `CalibrationProcessor` (head, "
-        f"scaling, token probabilities; its `finish` included) per decoding step, prefill included; in-run overhead = calibrated time / (calibrated time - "
-        f"processor time) within the same run, which is robust to machine load. "
-        f"Total benchmark time {result['wall_seconds']:.0f} s.",
+        f"{result['repeats']} repeats, arms interleaved, order rotated per repeat; prompt lengths (padded/min/max) "
+        f"{result['prompt_lengths']}. `uncalibrated`, `temperature`, `ats`: the decoding core "
+        f"(`ats.generation.Decoder`, what `generate_calibrated`, `ats generate` and `ats serve` run); `generate`: "
+        f"transformers' own `model.generate`, a reference. Tokens/s vs uncalibrated = median uncalibrated time / "
+        f"median time; paired = median over repeats of the same ratio within a repeat. Head share = time "
+        f"computing the calibration (the head's tau, or the logits map) / decoding-step time, from the decoder's "
+        f"timers. Total benchmark time {result['wall_seconds']:.0f} s.",
         "",
         table,
         "",

@@ -1,15 +1,17 @@
-"""Serving throughput: `ats serve` with the ATS head vs the same server without it, and vs sequential in-process
-`generate_calibrated`.
+"""Serving throughput on the one decoding core: `ats serve` with the ATS head and with temperature scaling vs the same
+server uncalibrated, and vs sequential in-process `generate_calibrated`.
 
-Two servers run side by side (calibrated: `--calibrator DIR`; uncalibrated: `--calibrator none`; started with the
-tests' `Server` helper, which runs this checkout's code), each pinned to --threads torch threads; only one is under load at a time. For each number of concurrent clients, every client sends
---requests-per-client chat requests back to back (greedy, --new-tokens new tokens each, `ignore_eos` so every
-request has exactly that many, `logprobs: true`); the calibrated and uncalibrated runs are interleaved and their
-order alternates from repeat to repeat, so that drifting machine load hits both alike. Sequential = one prompt at a
-time through `generate_calibrated` in this process (min_new_tokens = max_new_tokens), same threads.
+Three servers run side by side (`--calibrator ATS_DIR`, `--calibrator TEMPERATURE_DIR`, `--calibrator none`; started
+with the tests' `Server` helper, which runs this checkout's code), each pinned to --threads torch threads; only one is
+under load at a time. For each number of concurrent clients, every client sends --requests-per-client chat requests
+back to back (greedy, --new-tokens new tokens each, `ignore_eos` so every request has exactly that many,
+`logprobs: true`); the arms are interleaved and their order rotates from repeat to repeat, so that drifting machine
+load hits all alike. Sequential = one prompt at a time through `generate_calibrated` with the ATS head in this
+process (min_new_tokens = max_new_tokens), same threads. Without --calibrator the ATS head is a transformer head away
+from identity (`bench_generation.randomised_calibrator`; timing does not depend on training).
 
-    python benchmarks/bench_serve.py --calibrator runs/smol/head
-    python benchmarks/bench_serve.py --calibrator runs/smol/head --clients 1,4 --new-tokens 32 --repeats 1   # quick
+    python benchmarks/bench_serve.py --repeats 3
+    python benchmarks/bench_serve.py --clients 1,4 --new-tokens 16 --repeats 1   # quick
 """
 
 from __future__ import annotations
@@ -25,16 +27,26 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
-from bench_generation import PROMPTS, command_line, load_average, preamble, run_info, save_results
+from bench_generation import (
+    PROMPTS,
+    TEMPERATURE,
+    command_line,
+    load_average,
+    preamble,
+    randomised_calibrator,
+    run_info,
+    save_results,
+    temperature_scaling,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "serving"))
-from ats.calibrators.ats import ATSCalibrator
+from ats.calibrators import load_calibrator
 from ats.generation import generate_calibrated
 from ats.model.backbone import load_backbone
 
 from server_process import Server  # noqa: E402  (the tests' server process helper)
 
-ARMS = ("calibrated", "uncalibrated")
+ARMS = ("ats", "temperature", "uncalibrated")
 
 
 async def load(url: str, model: str, clients: int, per_client: int, new_tokens: int) -> dict:
@@ -94,13 +106,13 @@ def sequential(backbone, calibrator, prompts: list[str], new_tokens: int) -> dic
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--calibrator", required=True, help="a trained ATS head folder")
-    p.add_argument("--clients", default="1,4,16,32")
+    p.add_argument("--calibrator", default=None, help="an ATS head folder (default: a randomised transformer head)")
+    p.add_argument("--clients", default="1,4,16")
     p.add_argument("--requests-per-client", type=int, default=1)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--sequential", type=int, default=2, help="prompts generated one at a time in process, per repeat")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve"), help="writes OUT.md and OUT.json")
     args = p.parse_args(argv)
@@ -111,12 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="ats-bench-serve-"))
 
     started = time.perf_counter()
-    servers = {arm: Server(["--model", args.model, "--calibrator", head, "--threads", str(args.threads),
+    backbone = load_backbone(args.model)
+    folders = {"ats": args.calibrator, "temperature": str(logs / "temperature"), "uncalibrated": "none"}
+    if args.calibrator is None:
+        folders["ats"] = str(logs / "ats")
+        randomised_calibrator(backbone, "transformer").save_pretrained(folders["ats"])
+    temperature_scaling().save_pretrained(folders["temperature"])
+    calibrator = load_calibrator(folders["ats"], backbone=backbone)
+    servers = {arm: Server(["--model", args.model, "--calibrator", folders[arm], "--threads", str(args.threads),
                             "--max-batch", str(args.max_batch), "--max-queue", "256"], logs / f"{arm}.log", wait=False)
-               for arm, head in (("calibrated", args.calibrator), ("uncalibrated", "none"))}
+               for arm in ARMS}
     try:
-        backbone = load_backbone(args.model)
-        calibrator = ATSCalibrator.from_pretrained(args.calibrator, backbone=backbone)
         for server in servers.values():
             server.wait(timeout=600)
         for arm, server in servers.items():  # warm-up: first-call costs, allocator
@@ -135,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"repeat {r + 1}/{args.repeats} sequential {seq['tokens_per_s']:6.1f} tok/s", file=sys.stderr,
                   flush=True)
             for i, c in enumerate(clients):
-                for arm in (ARMS if (r + i) % 2 == 0 else ARMS[::-1]):
+                shift = (r + i) % len(ARMS)
+                for arm in ARMS[shift:] + ARMS[:shift]:
                     before = servers[arm].health()["timing"]
                     result = asyncio.run(load(servers[arm].url, args.model, c, args.requests_per_client,
                                               args.new_tokens))
@@ -153,25 +171,31 @@ def main(argv: list[str] | None = None) -> int:
     seq_tps = statistics.median(s["tokens_per_s"] for s in seq_runs)
     rows = []
     for c in clients:
-        cal, unc = runs["calibrated"][str(c)], runs["uncalibrated"][str(c)]
-        row = {"clients": c, "requests": cal[0]["requests"],
-               "paired_ratio": statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(cal, unc)),
-               "errors": sum(x["errors"] for x in cal + unc)}
-        for arm, results in (("calibrated", cal), ("uncalibrated", unc)):
+        base = runs["uncalibrated"][str(c)]
+        row = {"clients": c, "requests": base[0]["requests"],
+               "errors": sum(x["errors"] for arm in ARMS for x in runs[arm][str(c)])}
+        for arm in ARMS:
+            results = runs[arm][str(c)]
             row[arm] = {key: statistics.median(x[key] for x in results) for key in
                         ("tokens_per_s", "requests_per_s", "latency_p50_s", "latency_p95_s", "ms_per_step",
                          "rows_per_step", "head_share")}
             row[arm]["runs"] = results
-        row["ratio_of_medians"] = row["calibrated"]["tokens_per_s"] / row["uncalibrated"]["tokens_per_s"]
-        row["in_run_ratio"] = 1 - row["calibrated"]["head_share"]  # tokens/s with the head / the same steps without
-        row["vs_sequential"] = row["calibrated"]["tokens_per_s"] / seq_tps
+            # tokens/s relative to the uncalibrated server: median of same-repeat pairs, and of the medians
+            row[arm]["paired_ratio"] = statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
+                                                         for a, b in zip(results, base))
+            row[arm]["ratio_of_medians"] = row[arm]["tokens_per_s"] / statistics.median(b["tokens_per_s"]
+                                                                                        for b in base)
+            row[arm]["in_run_ratio"] = 1 - row[arm]["head_share"]  # tokens/s with the calibration / without it
+            row[arm]["vs_sequential"] = row[arm]["tokens_per_s"] / seq_tps
         rows.append(row)
     result = {
         **run_info(command, args.threads, load_start, load_end),
         "model": {"name": backbone.name, "revision": backbone.revision,
                   "parameters": sum(x.numel() for x in backbone.model.parameters())},
-        "calibrator": {"path": args.calibrator, "head": calibrator.config_.head.head_type,
-                       "parameters": sum(x.numel() for x in calibrator.head.parameters())},
+        "calibrator": {"path": args.calibrator or "randomised transformer head",
+                       "head": calibrator.config_.head.head_type,
+                       "parameters": sum(x.numel() for x in calibrator.head.parameters()),
+                       "temperature": TEMPERATURE},
         "new_tokens": args.new_tokens, "clients": clients, "requests_per_client": args.requests_per_client,
         "repeats": args.repeats, "max_batch": args.max_batch,
         "request": "chat, greedy, ignore_eos, logprobs: true, one of 8 prompts (bench_generation.PROMPTS)",
@@ -186,39 +210,40 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_table(result: dict) -> str:
-    lines = ["| clients | requests | calibrated tok/s | uncalibrated tok/s | calibrated / uncalibrated (paired) | "
-             "in-run ratio | calibrated req/s | p50 / p95 latency (s), calibrated | p50 / p95 latency (s), "
-             "uncalibrated | rows / step | ms / step, cal. / uncal. | calibrated / sequential | errors |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| clients | arm | tokens/s | vs uncalibrated (paired) | vs uncalibrated (medians) | head share of "
+             "decoding | p50 / p95 latency (s) | rows / step | ms / step | vs sequential | errors |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["results"]:
-        cal, unc = row["calibrated"], row["uncalibrated"]
-        lines.append(f"| {row['clients']} | {row['requests']} | {cal['tokens_per_s']:.1f} | {unc['tokens_per_s']:.1f} | "
-                     f"{row['paired_ratio']:.3f} | {row['in_run_ratio']:.3f} | {cal['requests_per_s']:.3f} | "
-                     f"{cal['latency_p50_s']:.1f} / {cal['latency_p95_s']:.1f} | {unc['latency_p50_s']:.1f} / "
-                     f"{unc['latency_p95_s']:.1f} | {cal['rows_per_step']:.1f} | {cal['ms_per_step']:.0f} / "
-                     f"{unc['ms_per_step']:.0f} | {row['vs_sequential']:.2f}x | {row['errors']} |")
+        for arm in ARMS:
+            x = row[arm]
+            lines.append(f"| {row['clients']} | {arm} | {x['tokens_per_s']:.1f} | {x['paired_ratio']:.3f} | "
+                         f"{x['ratio_of_medians']:.3f} | {100 * x['head_share']:.1f}% | {x['latency_p50_s']:.1f} / "
+                         f"{x['latency_p95_s']:.1f} | {x['rows_per_step']:.1f} | {x['ms_per_step']:.0f} | "
+                         f"{x['vs_sequential']:.2f}x | {row['errors'] if arm == ARMS[0] else ''} |")
     return "\n".join(lines)
 
 
 def format_markdown(result: dict, table: str) -> str:
     seq = result["sequential"]
+    cal = result["calibrator"]
     return "\n".join([
-        *preamble(result, "Serving: calibrated vs uncalibrated `ats serve`, and vs sequential `generate_calibrated`",
-                  f"{result['machine']['torch_threads']} per server and in process"),
-        f"Model: {result['model']['name']} ({result['model']['parameters'] / 1e6:.1f}M parameters); head: "
-        f"{result['calibrator']['head']} ({result['calibrator']['parameters']:,} parameters, "
-        f"`{result['calibrator']['path']}`).",
+        *preamble(result, "Serving on the one decoding core: ATS and temperature scaling vs uncalibrated `ats serve`, "
+                  "and vs sequential `generate_calibrated`", f"{result['machine']['torch_threads']} per server and "
+                  "in process"),
+        f"Model: {result['model']['name']} ({result['model']['parameters'] / 1e6:.1f}M parameters); ATS head: "
+        f"{cal['head']} ({cal['parameters']:,} parameters, {cal['path']}); temperature scaling: T = "
+        f"{cal['temperature']}.",
         "",
         f"Load: N concurrent clients x {result['requests_per_client']} request(s) each, {result['new_tokens']} new "
         f"tokens per request ({result['request']}); server --max-batch {result['max_batch']}; {result['repeats']} "
-        f"repeats, calibrated and uncalibrated runs interleaved, order alternating. Tokens/s = generated tokens / "
-        f"wall time of the whole load (first request sent to last answer received); figures are medians over "
-        f"repeats; the paired ratio is the median over repeats of calibrated / uncalibrated tokens/s of the same "
-        f"repeat. In-run ratio = 1 - (time computing tau / decoding time) inside the calibrated server during the "
-        f"same load (its /health timers), i.e. its tokens/s relative to the same steps without the head: robust to "
-        f"machine load, unlike a ratio of two runs. Rows / step = sequences decoded together (median). Sequential: {seq['runs'][0]['prompts']} prompts one at a time through `generate_calibrated` in "
-        f"process, {seq['tokens_per_s']:.1f} tokens/s (median over repeats). Total benchmark time "
-        f"{result['wall_seconds']:.0f} s.",
+        f"repeats, the three servers' runs interleaved, order rotating. Tokens/s = generated tokens / wall time of "
+        f"the whole load (first request sent to last answer received), median over repeats; vs uncalibrated "
+        f"(paired) = median over repeats of the arm's / the uncalibrated server's tokens/s in the same repeat. Head "
+        f"share = time computing the calibration (the head's tau, or the logits map) / decoding time inside that "
+        f"server during the load (its /health timers): robust to machine load, unlike a ratio of two runs. Rows / "
+        f"step = sequences decoded together. Sequential: {seq['runs'][0]['prompts']} prompts one at a time through "
+        f"`generate_calibrated` with the ATS head in process, {seq['tokens_per_s']:.1f} tokens/s (median over "
+        f"repeats). Total benchmark time {result['wall_seconds']:.0f} s.",
         "",
         table,
         "",

@@ -92,10 +92,10 @@ def test_generate_until_samples_from_the_calibrated_distribution(ats_lm, tiny_fo
     prompts = ["Write one word about the sea and the wind:", "Hello"]  # longest first: lm-eval's batch order
     sampling = dict(until=["\n\n\n"], max_gen_toks=6, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     calibrated = _generate(ats_lm, prompts, **sampling)
+    calibrator = load_calibrator(head_dir, backbone=folder_backbone)  # before seeding: building a head draws weights
     torch.manual_seed(0)
-    expected = generate_calibrated(folder_backbone, load_calibrator(head_dir, backbone=folder_backbone), prompts,
-                                   max_new_tokens=6, do_sample=True, temperature=1.0, chat_template=False,
-                                   stop_strings=["\n\n\n"])
+    expected = generate_calibrated(folder_backbone, calibrator, prompts, max_new_tokens=6, do_sample=True,
+                                   temperature=1.0, chat_template=False, stop_strings=["\n\n\n"])
     assert calibrated == [g.text for g in expected]
     plain = ATSLM(pretrained=str(tiny_folder), calibrator="none", device="cpu", batch_size=2)
     assert _generate(plain, prompts, **sampling) != calibrated  # same seed, another distribution

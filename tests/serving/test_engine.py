@@ -9,11 +9,9 @@ import torch
 from transformers import Gemma3TextConfig
 
 from ats.errors import ATSError
-from ats.generation import generate_calibrated, tokens_covering
+from ats.generation import SamplingParams, TextTracker, generate_calibrated, tokens_covering
+from ats.generation.batch import check_full_attention
 from ats.serving.engine import ContextLengthExceeded, Engine, Job, QueueFull
-from ats.serving.kv import check_full_attention
-from ats.serving.sampling import SamplingParams, top_p_filter
-from ats.serving.text import TextTracker
 
 from helpers import calibrator_for
 from serving_reference import chat_ids, choices, continuation_values, done, forward, prompt_scores
@@ -126,8 +124,8 @@ def test_top_p_near_zero_is_greedy_and_filter_keeps_the_nucleus(backbone, calibr
     run(engine)
     assert [t.token for t in choices(greedy)[0]["tokens"]] == [t.token for t in choices(nucleus)[0]["tokens"]]
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    kept = top_p_filter(probs, torch.tensor([0.7]))  # 0.5 + 0.3 reach 0.7
-    torch.testing.assert_close(kept, torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
+    kept = SamplingParams(top_p=0.7).warp(probs.log()).softmax(-1)  # transformers' TopPLogitsWarper: 0.5 + 0.3
+    torch.testing.assert_close(kept, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
 
 
 def test_echoed_prompts_are_scored_like_a_forward_pass(backbone, calibrator):
@@ -243,4 +241,4 @@ def test_text_tracker_holds_back_possible_stops_and_partial_characters(tokenizer
     pieces = [plain.add(t) or plain.release()[0] for t in ids]
     pieces.append(plain.release(final=True)[0])
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
-    assert [text[o:o + 3] for o in plain.offsets[:3]] == ["Hel", " wo", ", t"]
+    assert plain.offsets == [len(tokenizer.decode(ids[:i], skip_special_tokens=True)) for i in range(len(ids))]

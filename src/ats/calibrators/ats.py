@@ -96,6 +96,7 @@ class ATSCalibrator(Calibrator):
     name = "ats"
     needs_hidden = True
     trains_head = True
+    token_head = True
 
     def __init__(self, config: ATSConfig) -> None:
         self.config_ = config

@@ -73,6 +73,8 @@ class Calibrator(ABC):
     maps_confidence: ClassVar[bool] = False  # maps the top-1 confidence (binning methods)
     trains_head: ClassVar[bool] = False  # trained by the ATS trainer with the run's TrainingConfig (ATS, controls)
     fits_on_sketch: ClassVar[bool] = False  # fit_source uses the source's LogitSketch when it has one
+    token_head: ClassVar[bool] = False  # a per-token head: temperature(h, mask, cache=) and scale(tau) (ATS family)
+    prompt_hidden: ClassVar[bool] = False  # reads only the prompt's last hidden state (Thermometer)
 
     # --- fitting ----------------------------------------------------------------------------------------------------
     @classmethod

@@ -149,6 +149,7 @@ class Thermometer(Calibrator):
 
     name = "thermometer"
     needs_hidden = True
+    prompt_hidden = True
     fits_on_sketch = True
 
     def __init__(self, *, hidden_size: int, mlp_hidden: int = 256, epochs: int = 2, lr: float = 1e-3,

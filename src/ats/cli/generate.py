@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from . import options
+
+logger = logging.getLogger("ats.cli.generate")
 
 
 def add_parser(sub) -> None:
@@ -10,7 +14,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate with calibrated per-token confidence")
     options.add_model(p)
     p.add_argument("--calibrator", required=True,
-                   help="a saved ATS head folder (e.g. runs/smol/head), the paper's released head, or a Hub id")
+                   help="a saved calibrator folder of any type (an ATS head such as runs/smol/head, temperature, "
+                        "vector, binning, isotonic, Thermometer, ...), the paper's released head, a Hub id, or 'none' "
+                        "(the model's own probabilities)")
     p.add_argument("prompt", nargs="+")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--do-sample", action="store_true")
@@ -28,10 +34,12 @@ def run(args) -> int:
     import torch
 
     from ..checks import check_number, check_positive_int
-    from ..generation import generate_calibrated, print_stream
+    from ..generation import DecodingCalibration, generate_calibrated, print_stream
 
     options.check_model(args.model)
-    folder = options.calibrator_folder(args.calibrator)  # a missing or wrong folder fails before the model loads
+    folder = None
+    if args.calibrator.strip().lower() != "none":
+        folder = options.calibrator_folder(args.calibrator)  # a missing or wrong folder fails before the model loads
     check_positive_int("--max-new-tokens", args.max_new_tokens)
     check_number("--temperature", args.temperature, low=0, low_open=True)
     if args.top_k is not None:
@@ -39,7 +47,8 @@ def run(args) -> int:
     if args.top_p is not None:
         check_number("--top-p", args.top_p, low=0, high=1, low_open=True)
     backbone = options.backbone_from_args(args)
-    calibrator = options.load_ats_head(folder, backbone, "generate")
+    calibrator = None if folder is None else options.load_calibrator_folder(folder, backbone)
+    logger.info("%s", DecodingCalibration(calibrator, backbone).describe())
     torch.manual_seed(args.seed)
     outputs = generate_calibrated(backbone, calibrator, [" ".join(args.prompt)], max_new_tokens=args.max_new_tokens,
                                   do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,
@@ -48,4 +57,6 @@ def run(args) -> int:
     for out in outputs:
         print(f"\nsequence confidence: mean {out.mean_confidence:.3f}, product {out.product_confidence:.3g} "
               f"(uncalibrated mean {out.mean_uncalibrated:.3f})")
+        kind = "through the calibrator's bins" if out.confidence_kind == "mapped" else "mean token probability"
+        print(f"answer confidence: {out.answer_confidence:.3f} ({kind}, as ats eval scores answers)")
     return 0

@@ -168,18 +168,3 @@ def load_calibrator_folder(name: str | Path, backbone: Backbone):
     from ..calibrators import load_calibrator
 
     return load_calibrator(name, backbone=backbone).to(backbone.device)
-
-
-def load_ats_head(name: str | Path, backbone: Backbone, command: str):
-    """As `load_calibrator_folder`, for commands that run an ATS-family head (generate, serve).
-
-    Raises:
-        ATSError: if the calibrator is not an ATS-family head, naming its type.
-    """
-    from ..calibrators.ats import ATSCalibrator
-
-    calibrator = load_calibrator_folder(name, backbone)
-    if not isinstance(calibrator, ATSCalibrator):
-        raise ATSError(f"--calibrator {name}: ats {command} runs ATS-family heads (types ats, ats-official), this is "
-                       f"{calibrator.name!r}")
-    return calibrator

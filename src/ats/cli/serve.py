@@ -21,7 +21,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with calibrated logprobs")
     options.add_model(p)
     p.add_argument("--calibrator", required=True,
-                   help="a saved ATS head folder, or 'none' to serve the model's own probabilities (a baseline)")
+                   help="a saved calibrator folder of any type (ATS head, temperature, vector, binning, isotonic, "
+                        "Thermometer, ...), the paper's released head, a Hub id, or 'none' to serve the model's own "
+                        "probabilities (a baseline)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (beyond localhost only with an API key)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
@@ -63,7 +65,7 @@ def run(args) -> int:
 
     options.check_model(args.model)
     folder = None
-    if args.calibrator != "none":
+    if args.calibrator.strip().lower() != "none":
         folder = options.calibrator_folder(args.calibrator)  # a missing or wrong folder fails before the model loads
     check_number("--port", args.port, integer=True, low=1, high=65535)
     check_positive_int("--max-batch", args.max_batch)
@@ -86,14 +88,12 @@ def run(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     backbone = options.backbone_from_args(args)
-    calibrator = None
-    if folder is not None:
-        calibrator = options.load_ats_head(folder, backbone, "serve")
+    calibrator = None if folder is None else options.load_calibrator_folder(folder, backbone)
     engine = Engine(backbone, calibrator, max_batch=args.max_batch, max_queue=args.max_queue,
                     max_model_len=args.max_model_len)
+    logger.info("%s", engine.calibration.describe())
     name = args.served_model_name or args.model
     app = create_app(engine, model_name=name, api_key=key)
-    logger.info("serving %s (%s) on http://%s:%d/v1", name, "calibrated" if calibrator else "uncalibrated",
-                args.host, args.port)
+    logger.info("serving %s (%s) on http://%s:%d/v1", name, engine.calibration.label, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
     return 0

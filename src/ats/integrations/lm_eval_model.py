@@ -17,15 +17,17 @@ bookkeeping all stay lm-eval's:
   cost little more than their questions, as in `ats eval`. `prefix_cache=0` turns it off; uncalibrated and with
   nothing shared this is HFLM's own call, bit for bit; through a cached prefix the log-likelihoods agree with
   HFLM's to float32 rounding (1e-5 on SmolLM2; an ATS head multiplies such differences by its scale).
-- `_model_generate` (generate_until): `CalibrationProcessor`, the LogitsProcessor of `ats generate`, runs first in
-  `generate`'s processor list, so sampling draws from the calibrated distribution (greedy output is unchanged).
+- `_model_generate` (generate_until): the decoding core of `ats generate` and `ats serve` (`ats.generation.Decoder`)
+  generates from the calibrated distribution (greedy output is the model's own), with lm-eval's temperature /
+  top-k / top-p on top and the stop strings ending each row.
 
 `pretrained=` takes what `load_backbone` takes (embedded names such as smollm2-135m-instruct and gemma3-270m, a
 `.gguf` file, a model folder, a Hub id): embedded models and GGUF files are handed to HFLM as their dequantized
-model folder. `calibrator=` is a saved calibrator folder (ATS heads, the selective-* controls, temperature or vector
-scaling) or `none` (the uncalibrated model, for the reference row). Calibrators that map a top-1
-confidence (histogram, isotonic, scaling-binning) give no log-likelihoods, and Thermometer reads one temperature at
-the end of a prompt that lm-eval's batched requests do not mark: both are refused.
+model folder. `calibrator=` is a saved calibrator folder or Hub id (ATS heads, the paper's released heads, the
+selective-* controls, temperature or vector scaling) or `none` (the uncalibrated model, for the reference row).
+Calibrators that map a top-1 confidence (histogram, isotonic, scaling-binning) give no log-likelihoods, and
+Thermometer reads one temperature at the end of a prompt that lm-eval's batched requests do not mark: both are
+refused, by their capability flags (`maps_confidence`; `needs_hidden` without a per-token head).
 """
 
 from __future__ import annotations
@@ -37,13 +39,12 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from torch import Tensor
-from transformers import LogitsProcessor, LogitsProcessorList
 
-from ..calibrators import REGISTRY, calibrator_class, load_calibrator
-from ..calibrators.ats import ATSCalibrator
-from ..calibrators.base import Calibrator, Uncalibrated, read_config
+from ..calibrators import REGISTRY, SAVED_TYPES, calibrator_class, load_calibrator
+from ..calibrators.base import CONFIG_NAME, Calibrator, Uncalibrated, read_config
 from ..errors import ATSError
-from ..generation.processor import CalibrationProcessor
+from ..generation import Decoder, Row, SamplingParams
+from ..hub import is_repo_id, resolve_folder
 from ..model.backbone import DEFAULT_MODEL, Backbone, model_source, revision_of
 from .prefix_sharing import SharedPrefixes
 
@@ -54,7 +55,8 @@ def check_calibrator(spec) -> Path | Calibrator | None:
     """What `calibrator=` names, checked before any model loads.
 
     Args:
-        spec: a calibrator folder, a Calibrator object (Python callers), or None / "" / "none".
+        spec: a calibrator folder (ats's layout or the paper's released heads), a Hub repo id (owner/name), a
+            Calibrator object (Python callers), or None / "" / "none".
 
     Returns:
         None (uncalibrated, `Uncalibrated` included), the folder's path, or the Calibrator object.
@@ -73,18 +75,31 @@ def check_calibrator(spec) -> Path | Calibrator | None:
         if str(spec) in REGISTRY:
             raise ATSError(f"calibrator={spec}: a method name, not a fitted calibrator; fit it first (`ats eval "
                            f"--calibrator {spec} ...` saves it under OUT/calibrators/{spec}) and pass that folder")
-        raise ATSError(f"calibrator={spec}: no such calibrator folder (or 'none' for the uncalibrated model)")
-    kind = read_config(path).get("type")
-    if kind not in REGISTRY:
-        raise ATSError(f"{path}: field 'type' is {kind!r}; known: {', '.join(REGISTRY)}")
-    _check_supported(calibrator_class(kind), f"{kind!r} ({path})")
+        if not is_repo_id(str(spec)):
+            raise ATSError(f"calibrator={spec}: no such calibrator folder (or 'none' for the uncalibrated model)")
+        path = resolve_folder(str(spec))
+    _check_supported(_saved_class(path), f"{path}")
     return path
+
+
+def _saved_class(path: Path) -> type[Calibrator]:
+    """The class of the calibrator saved in `path` (the paper's layout reads as an ATS-family head)."""
+    from ..calibrators.official import OfficialATSCalibrator, is_official_folder
+
+    if not (path / CONFIG_NAME).exists() and is_official_folder(path):
+        return OfficialATSCalibrator
+    kind = read_config(path).get("type")
+    if kind in SAVED_TYPES:
+        return SAVED_TYPES[kind].load()
+    if kind not in REGISTRY:
+        raise ATSError(f"{path}: field 'type' is {kind!r}; known: {', '.join([*REGISTRY, *SAVED_TYPES])}")
+    return calibrator_class(kind)
 
 
 def _check_supported(cls: type[Calibrator], what: str) -> None:
     if cls.maps_confidence:
         raise ATSError(f"calibrator {what} maps top-1 confidences, not logits: lm-eval needs log-likelihoods")
-    if cls.needs_hidden and not issubclass(cls, ATSCalibrator):
+    if cls.needs_hidden and not cls.token_head:
         raise ATSError(f"calibrator {what} reads one temperature per prompt at the prompt's end, which lm-eval's "
                        f"batched requests do not mark; use an ATS head, temperature or vector scaling")
 
@@ -112,21 +127,6 @@ def calibrated_logits(backbone: Backbone, calibrator: Calibrator | None, hidden:
     B, T = hidden.shape[:2]
     index = None if start == 0 else torch.arange(start, T, device=hidden.device).expand(B, -1)  # (B, K)
     return calibrator.apply(z, hidden, index=index)
-
-
-class ScoresCalibration(LogitsProcessor):
-    """Calibrated generation for calibrators that read only the logits (temperature, vector scaling).
-
-    Args:
-        calibrator: applied to each step's scores (B, V).
-    """
-
-    def __init__(self, calibrator: Calibrator) -> None:
-        self.calibrator = calibrator
-
-    @torch.no_grad()
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        return self.calibrator.apply(scores).to(scores.dtype)  # (B, V)
 
 
 @register_model("ats")
@@ -230,26 +230,46 @@ class ATSLM(HFLM):
 
     # generate_until ------------------------------------------------------------------------------------------------
     def _model_generate(self, context: Tensor, max_length: int, stop: list[str], **generation_kwargs) -> Tensor:
-        """HFLM's generate with the calibrator first in the processor list; `context` (B, P) is left-padded."""
+        """generate_until's batch through the decoding core (`ats.generation.Decoder`) with the calibrator.
+
+        Args:
+            context: (B, P) left-padded prompts (`attention_mask` in `generation_kwargs` marks the padding).
+            max_length: P + the new tokens at most.
+            stop: lm-eval's stop strings (each row stops at the first; lm-eval cuts the text there itself).
+            **generation_kwargs: `do_sample`, `temperature`, `top_k`, `top_p` (the model's generation config fills
+                what is not given, as `generate` does); `attention_mask`.
+
+        Returns:
+            (B, P + N) the prompts and every row's new tokens, padded after a row's end.
+
+        Raises:
+            ATSError: for beam search.
+        """
         if self.calibrator is None:
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         if int(generation_kwargs.get("num_beams", 1) or 1) > 1:
             raise ATSError("the ats model samples from calibrated logits; beam search (num_beams > 1) is not supported")
-        handles = []
-        if isinstance(self.calibrator, ATSCalibrator):
-            mask = generation_kwargs.get("attention_mask")
-            processor = CalibrationProcessor(self.calibrator, torch.ones_like(context) if mask is None else mask,
-                                             softcap=self.backbone.softcap)
-            handles = processor.attach(self.model)
+        mask = generation_kwargs.get("attention_mask")
+        mask = torch.ones_like(context) if mask is None else mask
+        temperature = float(generation_kwargs.get("temperature", 0.0) or 0.0)
+        config = self.model.generation_config
+        if generation_kwargs.get("do_sample") and temperature > 0:
+            top_k, top_p = generation_kwargs.get("top_k", config.top_k), generation_kwargs.get("top_p", config.top_p)
+            sampling = SamplingParams(temperature=temperature, top_k=int(top_k or 0),
+                                      top_p=1.0 if top_p is None else float(top_p))
         else:
-            processor = ScoresCalibration(self.calibrator)
-        theirs = generation_kwargs.pop("logits_processor", None) or []
-        generation_kwargs["logits_processor"] = LogitsProcessorList([processor, *theirs])
-        try:
-            return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
+            sampling = SamplingParams(temperature=0)
+        P, tok = context.shape[1], self.tokenizer
+        rows = [Row(ids[m.bool()].tolist(), i, tok, max_tokens=max_length - P, sampling=sampling, stop=stop)
+                for i, (ids, m) in enumerate(zip(context.cpu(), mask.cpu()))]
+        with self._autocast():
+            Decoder(self.backbone, self.calibrator).run(rows)
+        width = max(len(r.generated) for r in rows)
+        out = torch.full((len(rows), P + width), tok.pad_token_id or 0, dtype=torch.long)
+        out[:, :P] = context.cpu()
+        for i, row in enumerate(rows):
+            out[i, P: P + len(row.generated)] = torch.tensor(row.generated, dtype=torch.long)
+        return out.to(context.device)
 
     def get_model_info(self) -> dict:
         """HFLM's model information plus the calibrator (its folder, type and digest) for the results file."""

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ..config import ConfigMixin, option
 from ..errors import ATSError
+from .buffer import GrowingBuffer
 
 HEAD_TYPES = ("constant", "linear", "mlp", "transformer")
 
@@ -239,21 +240,18 @@ class RMSNorm(nn.Module):
 
 class HeadCache:
     """What the transformer head keeps between decoding steps; extended in place, one cache per head and sequence
-    batch (one `generate` call).
+    batch.
 
     keys, values: (B, n_heads, T_past, head_dim), keys already rotated (RoPE); real: (B, T_past) bool, which cached
     positions are tokens rather than padding; positions: (B,) the RoPE position of each row's next real token. The
-    tensors are views of buffers whose capacity doubles when full, so a decoding step appends without copying the
-    past. `weights` holds the head's fused projection matrices, packed on the first cached call (a cache belongs to
-    one head and the weights it had then): a copy of (3H + 2I) x H values for the cache's lifetime, 11 MB at
-    SmolLM2's size and 0.56 GB in float32 for a Llama-2-7B-sized head (half in bfloat16).
+    three are `GrowingBuffer`s (the buffer type the backbone's decoding cache uses too), so a decoding step appends
+    without copying the past. `weights` holds the head's fused projection matrices, packed on the first cached call
+    (a cache belongs to one head and the weights it had then): a copy of (3H + 2I) x H values for the cache's
+    lifetime, 11 MB at SmolLM2's size and 0.56 GB in float32 for a Llama-2-7B-sized head (half in bfloat16).
     """
 
     def __init__(self) -> None:
-        self._k: Tensor | None = None  # (B, n_heads, capacity, d)
-        self._v: Tensor | None = None
-        self._real: Tensor | None = None  # (B, capacity) bool
-        self._length = 0
+        self._k, self._v, self._real = GrowingBuffer(2), GrowingBuffer(2), GrowingBuffer(1)
         self.positions: Tensor | None = None  # (B,) long
         self.has_padding = False  # any cached position is padding: attention then needs a mask
         self.weights: tuple[Tensor, Tensor] | None = None  # (3H, H) q|k|v and (2I, H) gate|up, see TransformerHead
@@ -261,22 +259,25 @@ class HeadCache:
     @property
     def keys(self) -> Tensor | None:
         """(B, n_heads, T_past, head_dim) cached keys, rotated; None before the first update."""
-        return None if self._k is None else self._k[:, :, : self._length]
+        return self._k.view
 
     @property
     def values(self) -> Tensor | None:
         """(B, n_heads, T_past, head_dim) cached values; None before the first update."""
-        return None if self._v is None else self._v[:, :, : self._length]
+        return self._v.view
 
     @property
     def real(self) -> Tensor | None:
         """(B, T_past) bool, True where a cached position is a token; None before the first update."""
-        return None if self._real is None else self._real[:, : self._length]
+        return self._real.view
 
     @property
     def length(self) -> int:
         """Number of cached positions (T_past)."""
-        return self._length
+        return self._k.length
+
+    def _buffers(self) -> tuple[GrowingBuffer, GrowingBuffer, GrowingBuffer]:
+        return self._k, self._v, self._real
 
     def update(self, k: Tensor, v: Tensor, real: Tensor, all_real: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Append the new positions and return all cached ones.
@@ -290,27 +291,18 @@ class HeadCache:
         Returns:
             (keys, values (B, n_heads, T_past + T_new, d), real (B, T_past + T_new)).
         """
-        start, new_length = self._length, self._length + k.shape[2]
-        if self._k is None or new_length > self._k.shape[2]:
-            capacity = max(new_length, 2 * (0 if self._k is None else self._k.shape[2]), 64)
-            self._k, self._v = _grown(self._k, k, capacity, 2, start), _grown(self._v, v, capacity, 2, start)
-            self._real = _grown(self._real, real, capacity, 1, start)
-        self._k[:, :, start:new_length] = k
-        self._v[:, :, start:new_length] = v
-        self._real[:, start:new_length] = real
-        self._length = new_length
         self.has_padding = self.has_padding or not (bool(real.all()) if all_real is None else all_real)
-        return self.keys, self.values, self.real
+        return self._k.append(k), self._v.append(v), self._real.append(real)
 
     def select(self, index: Tensor) -> None:
-        """Keep (or reorder) batch rows, e.g. after sequences finish or for beam search.
+        """Keep (or reorder) batch rows, e.g. after sequences finish.
 
         Args:
             index: (B',) long, the rows to keep, in their new order.
         """
-        if self._k is not None:
-            self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
-            self._real = self._real.index_select(0, index)
+        for buffer in self._buffers():
+            buffer.select(index)
+        if not self._real.empty:
             self.has_padding = not bool(self.real.all())
         if self.positions is not None:
             self.positions = self.positions.index_select(0, index)
@@ -322,15 +314,10 @@ class HeadCache:
         Args:
             n: the number of positions; nothing happens for n <= 0 or an empty cache.
         """
-        if n <= 0 or self._k is None:
+        if n <= 0 or self._k.empty:
             return
-        length = self._length + n
-        capacity = max(2 * length, 64)
-        for name, view, dim in (("_k", self.keys, 2), ("_v", self.values, 2), ("_real", self.real, 1)):
-            buffer = _grown(None, view, capacity, dim, 0).zero_()
-            buffer.narrow(dim, n, self._length).copy_(view)
-            setattr(self, name, buffer)
-        self._length = length
+        for buffer in self._buffers():
+            buffer.pad_left(n)
         self.has_padding = True
 
     def trim_left(self, n: int) -> None:
@@ -342,12 +329,12 @@ class HeadCache:
         Raises:
             ATSError: if `n` exceeds the length or one of those positions is a token.
         """
-        if n <= 0 or self._k is None:
+        if n <= 0 or self._k.empty:
             return
-        if n > self._length or bool(self._real[:, :n].any()):
-            raise ATSError(f"HeadCache.trim_left: the first {n} of {self._length} positions are not all padding")
-        self._k, self._v, self._real = self._k[:, :, n:], self._v[:, :, n:], self._real[:, n:]
-        self._length -= n
+        if n > self.length or bool(self.real[:, :n].any()):
+            raise ATSError(f"HeadCache.trim_left: the first {n} of {self.length} positions are not all padding")
+        for buffer in self._buffers():
+            buffer.drop_left(n)
         self.has_padding = not bool(self.real.all())
 
     @classmethod
@@ -367,32 +354,12 @@ class HeadCache:
         if len(lengths) != 1:
             raise ATSError(f"HeadCache.concat: caches of different lengths {lengths}; pad_left the shorter first")
         out = cls()
-        filled = [c for c in caches if c._k is not None]
-        if filled:
-            if len(filled) != len(caches):
-                raise ATSError("HeadCache.concat: some caches hold positions and some are empty")
-            out._length = lengths[0]
-            capacity = max(2 * out._length, 64)
-            for name, dim in (("keys", 2), ("values", 2), ("real", 1)):
-                rows = torch.cat([getattr(c, name) for c in caches])
-                buffer = _grown(None, rows, capacity, dim, 0)
-                buffer.narrow(dim, 0, out._length).copy_(rows)
-                setattr(out, {"keys": "_k", "values": "_v", "real": "_real"}[name], buffer)
+        out._k, out._v, out._real = (GrowingBuffer.concat([c._buffers()[i] for c in caches]) for i in range(3))
         if all(c.positions is not None for c in caches):
             out.positions = torch.cat([c.positions for c in caches])
         out.has_padding = any(c.has_padding for c in caches)
         out.weights = next((c.weights for c in caches if c.weights is not None), None)
         return out
-
-
-def _grown(buffer: Tensor | None, like: Tensor, capacity: int, dim: int, length: int) -> Tensor:
-    """A new buffer shaped like `like` with `capacity` along `dim`, holding the first `length` entries of `buffer`."""
-    shape = list(like.shape)
-    shape[dim] = capacity
-    grown = like.new_empty(shape)
-    if buffer is not None and length:
-        grown.narrow(dim, 0, length).copy_(buffer.narrow(dim, 0, length))
-    return grown
 
 
 def _allowed(real: Tensor, past: int) -> Tensor:

@@ -24,10 +24,10 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ATSError
+from ..generation.sampling import SamplingParams
 from .api_errors import APIError, validation_error
 from .engine import ContextLengthExceeded, Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull
 from .responses import Collector, Renderer, extension, summary
-from .sampling import SamplingParams
 from .schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -172,7 +172,8 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
         The FastAPI app.
     """
     tok = engine.tokenizer
-    renderer = Renderer(tok, model_name)
+    renderer = Renderer(tok, model_name, {"calibrator": engine.calibration.label,
+                                               "confidence_kind": engine.calibration.confidence_kind})
     started = int(time.time())
 
     @asynccontextmanager
@@ -223,12 +224,14 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
     # --- routes -----------------------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "calibrated": engine.calibrated, **engine.stats()}
+        return {"status": "ok", "model": model_name, "calibrated": engine.calibrated, **renderer.info,
+                "calibration": engine.calibration.describe(), **engine.stats()}
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started, "owned_by": "ats",
-                                            "max_model_len": engine.max_model_len, "calibrated": engine.calibrated}]}
+                                            "max_model_len": engine.max_model_len, "calibrated": engine.calibrated,
+                                            **renderer.info}]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -344,7 +347,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
                     base = bases[event.choice // body.n]
                     ats = extension(event.tokens, final=False)
                     if event.finish_reason is not None:
-                        ats.update(summary(collected.choices[event.choice].tokens))
+                        ats.update(summary(collected.choices[event.choice].tokens, renderer.info))
                     yield _data(chunk(event.choice, event.text, event.tokens, [t.offset + base for t in event.tokens],
                                       event.finish_reason, ats))
             if body.include_usage:

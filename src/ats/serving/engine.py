@@ -1,11 +1,12 @@
-"""The batching engine: one worker thread owns the model and decodes every running sequence together.
+"""The batching engine: one worker thread owns the model and the decoding core, and decodes every running sequence
+together (continuous batching).
 
 Requests (`Job`s: prompts x n sequences) wait in a bounded queue. Between two decoding steps the engine admits as many
-waiting sequences as there are free rows (`max_batch`), prefills them as one left-padded batch (the prompts once, rows
-repeated for n > 1), samples their first token and joins them to the running batch (`BatchCache.extend`). Each step
-then feeds every running row its last token, one forward pass for all, runs the ATS head on the new position (the
-transformer head extends its own KV cache), and chooses each row's next token from the calibrated logits
-`q = z * s` with that request's sampling options. Finished and cancelled rows leave before the next step.
+waiting sequences as there are free rows (`max_batch`) and hands them to the decoding core (`ats.generation.Decoder`,
+the one `generate_calibrated` uses): it prefills them as one left-padded batch, chooses their first token and joins
+them to the running batch; each step feeds every running row its last token, runs the calibrator on the new position
+and chooses each row's next token from the calibrated logits with that request's sampling options. Finished and
+cancelled rows leave before the next step.
 
 Results go out as events through each job's `sink` (called on the engine thread; the server hands them to its event
 loop): `PromptScored` (echoed prompt log-probabilities), `Generated` (released tokens and text of one choice, with
@@ -18,23 +19,18 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
 
-from ..calibrators.ats import ATSCalibrator
+from ..calibrators.base import Calibrator
 from ..errors import ATSError
-from ..generation import eos_ids
+from ..generation.decoder import Decoder, Row
+from ..generation.logprobs import TokenLogprob
+from ..generation.sampling import SamplingParams
 from ..model.backbone import Backbone
-from ..model.heads import TransformerHead
-from .kv import BatchCache, check_full_attention
-from .logprobs import TokenLogprob, prompt_logprobs, records, score
-from .sampling import SamplingParams, choose
-from .text import TextTracker
 
 logger = logging.getLogger(__name__)
 
@@ -113,29 +109,31 @@ class Job:
             self.cancelled = True
 
 
-class _Sequence:
-    """One choice being generated: its tokens' records, text and the sampled token not yet fed to the model."""
+class _Sequence(Row):
+    """One choice being generated: a decoding row that belongs to a job (choice index `choice`)."""
 
     def __init__(self, job: Job, prompt: int, choice: int, tokenizer) -> None:
-        self.job, self.prompt, self.choice = job, prompt, choice
-        self.tracker = TextTracker(tokenizer, job.stop)
-        self.records: list[TokenLogprob] = []
-        self.pending = -1
-        self.finish: str | None = None
+        super().__init__(job.prompts[prompt], (id(job), prompt), tokenizer, max_tokens=job.max_tokens,
+                         sampling=job.sampling, generator=job._generator, stop=job.stop,
+                         top_logprobs=job.top_logprobs, ignore_eos=job.ignore_eos,
+                         score_prompt=job.prompt_logprobs and prompt not in job._scored)
+        job._scored.add(prompt)
+        self.job, self.index, self.choice = job, prompt, choice
 
     @property
     def live(self) -> bool:
+        """Whether the row still decodes (not finished, its job not cancelled)."""
         return self.finish is None and not self.job.cancelled
 
 
 class Engine:
-    """Continuous batching of calibrated generation over `backbone` (`calibrator` None: the model's own
+    """Continuous batching of calibrated generation over `backbone` with any calibrator (None: the model's own
     probabilities, tau = 0). `max_batch` rows decode together; `max_queue` requests may wait; prompts plus new
     tokens must fit in `max_model_len` (default: the model's `max_position_embeddings`).
 
     Args:
         backbone: the frozen backbone; its layers must all use full attention.
-        calibrator: the ATS calibrator, checked against the backbone and moved to its device; None: uncalibrated.
+        calibrator: any loaded calibrator, checked against the backbone and moved to its device; None: uncalibrated.
         max_batch: rows decoded together.
         max_queue: jobs that may wait.
         max_model_len: the context limit, at most the model's; None: the model's (2048 if it names none).
@@ -144,38 +142,39 @@ class Engine:
         ATSError: if the calibrator does not fit the backbone or a layer does not use full attention.
     """
 
-    def __init__(self, backbone: Backbone, calibrator: ATSCalibrator | None = None, *, max_batch: int = 16,
+    def __init__(self, backbone: Backbone, calibrator: Calibrator | None = None, *, max_batch: int = 16,
                  max_queue: int = 64, max_model_len: int | None = None) -> None:
-        if calibrator is not None:
-            calibrator.check_backbone(backbone)
-            calibrator.to(backbone.device)
-            calibrator.head.eval()
-        self.backbone, self.calibrator = backbone, calibrator
+        self.decoder = Decoder(backbone, calibrator, on_token=self._release)
+        self.backbone = backbone
         self.tokenizer = backbone.tokenizer
-        self.num_layers = check_full_attention(backbone.model.config)
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)
         limit = getattr(backbone.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = int(min(max_model_len, limit) if max_model_len else limit)
-        self.eos = eos_ids(backbone)
-        self.head_cached = calibrator is not None and isinstance(calibrator.head, TransformerHead)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._jobs: deque[Job] = deque()
         self._ready: deque[_Sequence] = deque()
-        self._rows: list[_Sequence] = []
-        self._batch = self._new_batch()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.cancelled = 0  # jobs cancelled before they finished (clients gone)
-        self.timing = {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "head_s": 0.0}  # cumulative
+
+    @property
+    def calibration(self):
+        """The decoding calibration (`ats.generation.DecodingCalibration`)."""
+        return self.decoder.calibration
 
     @property
     def calibrated(self) -> bool:
-        """Whether an ATS calibrator scales the logits."""
-        return self.calibrator is not None
+        """Whether a calibrator is applied."""
+        return self.decoder.calibration.calibrator is not None
 
-    def _new_batch(self) -> BatchCache:
-        return BatchCache(self.num_layers, head=self.head_cached)
+    @property
+    def timing(self) -> dict:
+        """Cumulative decoding steps, rows, seconds and the calibrator's seconds (the decoder's timers)."""
+        return self.decoder.timing
+
+    @property
+    def _rows(self) -> list[_Sequence]:
+        return self.decoder.rows
 
     # --- the request side (any thread) ----------------------------------------------------------------------------
     def check(self, job: Job) -> None:
@@ -251,7 +250,7 @@ class Engine:
             self._thread = None
         for job in {s.job for s in self._rows} | {s.job for s in self._ready} | set(self._jobs):
             job.emit(JobFailed("the server is shutting down"))
-        self._rows, self._batch = [], self._new_batch()
+        self.decoder.reset()
         self._ready.clear()
         self._jobs.clear()
 
@@ -272,20 +271,20 @@ class Engine:
     def step(self) -> bool:
         """Drop cancelled rows, admit and prefill waiting sequences, run one decoding step, retire finished rows;
         False when there was nothing to do."""
-        self._retire()
+        self.decoder.retire()
         admitted = self._admit()
         if admitted:
             try:
-                self._prefill(admitted)
+                self.decoder.add(admitted)
             except Exception as err:
                 self._fail({s.job for s in admitted}, err)
         if self._rows:
             try:
-                self._decode()
+                self.decoder.step()
             except Exception as err:
                 self._fail({s.job for s in self._rows}, err)
-                self._rows, self._batch = [], self._new_batch()
-        self._retire()
+                self.decoder.reset()
+        self.decoder.retire()
         return bool(admitted or self._rows)
 
     def _fail(self, jobs: set[Job], err: Exception) -> None:
@@ -314,130 +313,20 @@ class Engine:
                 out.append(seq)
         return out
 
-    def _tau(self, hidden: Tensor, mask: Tensor, cache) -> Tensor:
-        """tau (B, T) of the new positions `hidden` (B, T, H); `mask` (B, L) covers the cached and new positions."""
-        B, T = hidden.shape[:2]
-        if self.calibrator is None:
-            return torch.zeros(B, T, device=hidden.device)
-        if self.head_cached:
-            return self.calibrator.temperature(hidden, mask, cache=cache).float()
-        return self.calibrator.temperature(hidden, mask[:, mask.shape[1] - T:]).float()
-
-    def _scale(self, tau: Tensor) -> Tensor | None:
-        return None if self.calibrator is None else self.calibrator.scale(tau).float()
-
-    def _prefill(self, seqs: list[_Sequence]) -> None:
-        """One forward pass over the distinct prompts of `seqs` (left-padded); score echoed prompts; sample each
-        sequence's first token; join the rows to the running batch."""
-        rows: dict[tuple[int, int], int] = {}
-        firsts: list[_Sequence] = []
-        for seq in seqs:
-            if rows.setdefault((id(seq.job), seq.prompt), len(firsts)) == len(firsts):
-                firsts.append(seq)
-        prompts = [s.job.prompts[s.prompt] for s in firsts]
-        P, device = max(len(p) for p in prompts), self.backbone.device
-        ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(prompts), P, dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            ids[i, P - len(prompt):] = torch.tensor(prompt)
-            mask[i, P - len(prompt):] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        batch = self._new_batch()
-        batch.mask = mask
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        hidden, _ = self.backbone.forward(ids, mask, past_key_values=batch.kv, use_cache=True, position_ids=positions)
-        tau = self._tau(hidden, mask, batch.head)  # (G, P)
-        scale = self._scale(tau)
-        for g, first in enumerate(firsts):
-            job = first.job
-            if job.prompt_logprobs and first.prompt not in job._scored:
-                job._scored.add(first.prompt)
-                n = len(prompts[g])
-                scored = prompt_logprobs(self.backbone.logits, hidden[g, P - n:],
-                                         None if scale is None else scale[g, P - n:], tau[g, P - n:], prompts[g],
-                                         job.top_logprobs)
-                job.emit(PromptScored(first.prompt, scored))
-        live = [s for s in seqs if s.job.max_tokens > 0]
-        for seq in seqs:
-            if seq.job.max_tokens == 0:
-                self._finish(seq, "length")
-        if not live:
-            return
-        index = torch.tensor([rows[(id(s.job), s.prompt)] for s in live], device=device)
-        z = self.backbone.logits(hidden[:, -1]).float().index_select(0, index)  # (B, V)
-        last_tau = tau[:, -1].index_select(0, index)
-        if index.tolist() != list(range(len(firsts))):
-            batch.select(index)
-        self._advance(live, z, last_tau)
-        self._rows += live
-        self._batch.extend(batch)
-
-    def _decode(self) -> None:
-        """Feed every running row its last token; choose the next ones. `timing` adds up the decoding steps' time
-        and the head's share of it (tau), a measure of the calibration's cost that machine load does not skew."""
-        started = time.perf_counter()
-        ids = torch.tensor([[s.pending] for s in self._rows], device=self.backbone.device)
-        mask = self._batch.append_column()
-        hidden, _ = self.backbone.forward(ids, mask, past_key_values=self._batch.kv, use_cache=True,
-                                          position_ids=self._batch.next_positions())
-        z = self.backbone.logits(hidden[:, -1]).float()  # (B, V)
-        head_started = time.perf_counter()
-        tau = self._tau(hidden, mask, self._batch.head)[:, -1]
-        head_s = time.perf_counter() - head_started
-        self._advance(self._rows, z, tau)
-        self.timing["decode_steps"] += 1
-        self.timing["decode_rows"] += len(self._rows)
-        self.timing["decode_s"] += time.perf_counter() - started
-        self.timing["head_s"] += head_s
-
-    def _advance(self, seqs: list[_Sequence], z: Tensor, tau: Tensor) -> None:
-        """Choose each row's next token from q = z * s (z (B, V), tau (B,)), score it, and hand it to its sequence."""
-        scale = self._scale(tau)
-        q = z if scale is None else z * scale[:, None]
-        jobs = [s.job for s in seqs]
-        tokens = choose(q, [j.sampling for j in jobs], [j._generator for j in jobs])
-        k = max(j.top_logprobs for j in jobs)
-        logp_q, logp_z, top_ids, top_logp = score(z, scale, tokens, k)
-        for seq, record in zip(seqs, records(tokens.tolist(), logp_q, logp_z, tau, top_ids, top_logp)):
-            del record.top[seq.job.top_logprobs:]
-            self._append(seq, record)
-
-    def _append(self, seq: _Sequence, record: TokenLogprob) -> None:
-        seq.records.append(record)
-        seq.pending = record.token
-        if seq.tracker.add(record.token):
-            del seq.records[len(seq.tracker.ids):]
-            seq.finish = "stop"
-        elif record.token in self.eos and not seq.job.ignore_eos:
-            seq.finish = "stop"
-        elif len(seq.records) >= seq.job.max_tokens:
-            seq.finish = "length"
-        self._release(seq)
-
     def _release(self, seq: _Sequence) -> None:
+        """The decoder's `on_token`: send the job what its row can release now (and the scored prompt first)."""
+        if seq.prompt_scores is not None:
+            seq.job.emit(PromptScored(seq.index, seq.prompt_scores))
+            seq.prompt_scores = None
         done = seq.tracker.sent_tokens
         text, n = seq.tracker.release(final=seq.finish is not None)
         tokens = seq.records[done: done + n]
         for record, offset in zip(tokens, seq.tracker.offsets[done: done + n]):
             record.offset = min(offset, len(seq.tracker.text))
-        if tokens or text or seq.finish:
-            seq.job.emit(Generated(seq.choice, tokens, text, seq.finish))
-        if seq.finish is not None:
+        finish = None if seq.finish is None else "length" if seq.finish == "length" else "stop"
+        if tokens or text or finish:
+            seq.job.emit(Generated(seq.choice, tokens, text, finish))
+        if finish is not None:
             seq.job._remaining -= 1
             if seq.job._remaining == 0:
                 seq.job.emit(JobDone())
-
-    def _finish(self, seq: _Sequence, reason: str) -> None:
-        seq.finish = reason
-        self._release(seq)
-
-    def _retire(self) -> None:
-        keep = [i for i, s in enumerate(self._rows) if s.live]
-        if len(keep) == len(self._rows):
-            return
-        if keep:
-            self._batch.select(torch.tensor(keep, device=self.backbone.device))
-            self._rows = [self._rows[i] for i in keep]
-            self._batch.trim()
-        else:
-            self._rows, self._batch = [], self._new_batch()

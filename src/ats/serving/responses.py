@@ -1,11 +1,14 @@
 """Response bodies and stream chunks in OpenAI's format, from the engine's events, with ATS's extension field.
 
-Every choice carries `"ats"`: `mean_confidence` and `product_confidence` (the mean and the product of the calibrated
+Every choice carries `"ats"`: `answer_confidence` (the answer's confidence exactly as `ats eval`'s generative tasks
+compute it: the mean of its tokens' confidences, the end-of-sequence token left out, each token's calibrated
+probability through the calibrator's binning map when it has one), `confidence_kind` ("probability" or "mapped") and
+`calibrator` (its name); `mean_confidence` and `product_confidence` (the mean and the product of the calibrated
 probabilities of its generated tokens, the end-of-sequence token included when there is one, as
 `CalibratedGeneration` counts them), `mean_uncalibrated` and `product_uncalibrated` (the same for the model's own
-probabilities), and per generated token `uncalibrated_logprobs` and `tau`. Echoed prompts add
-`prompt_uncalibrated_logprobs` and `prompt_tau`. In a stream each chunk carries the per-token lists of its own
-tokens, and the chunk that finishes a choice adds the four sequence figures.
+probabilities), and per generated token `confidence`, `uncalibrated_logprobs` and `tau` (null for calibrators
+without one). Echoed prompts add `prompt_uncalibrated_logprobs` and `prompt_tau`. In a stream each chunk carries the
+per-token lists of its own tokens, and the chunk that finishes a choice adds the sequence figures.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..generation.logprobs import TokenLogprob, answer_confidence
 from .engine import Generated, PromptScored
-from .logprobs import TokenLogprob
 
 
 @dataclass
@@ -61,43 +64,50 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def summary(tokens: list[TokenLogprob]) -> dict:
+def summary(tokens: list[TokenLogprob], info: dict | None = None) -> dict:
     """The sequence figures of a choice's generated tokens (None when it has none).
 
     Args:
         tokens: the choice's generated tokens.
+        info: the served calibrator's {"calibrator", "confidence_kind"}, copied in.
 
     Returns:
-        {"mean_confidence", "product_confidence", "mean_uncalibrated", "product_uncalibrated"}; a value that is not
-        finite is None.
+        {"answer_confidence", "mean_confidence", "product_confidence", "mean_uncalibrated", "product_uncalibrated"}
+        and `info`; a value that is not finite is None.
     """
+    info = dict(info or {})
     if not tokens:
-        return {"mean_confidence": None, "product_confidence": None, "mean_uncalibrated": None,
-                "product_uncalibrated": None}
+        return {"answer_confidence": None, "mean_confidence": None, "product_confidence": None,
+                "mean_uncalibrated": None, "product_uncalibrated": None, **info}
     q = [t.logprob for t in tokens]
     z = [t.uncalibrated for t in tokens]
-    return {"mean_confidence": _finite(sum(math.exp(x) for x in q) / len(q)),
+    return {**info, "answer_confidence": _finite(answer_confidence(tokens)),
+            "mean_confidence": _finite(sum(math.exp(x) for x in q) / len(q)),
             "product_confidence": _finite(math.exp(sum(q))),
             "mean_uncalibrated": _finite(sum(math.exp(x) for x in z) / len(z)),
             "product_uncalibrated": _finite(math.exp(sum(z)))}
 
 
-def extension(tokens: list[TokenLogprob], *, final: bool, prompt: list[TokenLogprob] | None = None) -> dict:
-    """The `ats` field: per-token uncalibrated log-probabilities and taus, and with `final` the sequence figures.
+def extension(tokens: list[TokenLogprob], *, final: bool, prompt: list[TokenLogprob] | None = None,
+              info: dict | None = None) -> dict:
+    """The `ats` field: per-token confidences, uncalibrated log-probabilities and taus, and with `final` the
+    sequence figures.
 
     Args:
         tokens: the tokens this body or chunk carries.
         final: add the sequence figures (`summary` of `tokens`).
         prompt: the scored prompt tokens (echo), or None.
+        info: as for `summary`.
 
     Returns:
         The field's dict.
     """
-    out = {"uncalibrated_logprobs": [t.uncalibrated for t in tokens], "tau": [t.tau for t in tokens]}
+    out = {"confidence": [t.confidence for t in tokens], "uncalibrated_logprobs": [t.uncalibrated for t in tokens],
+           "tau": [t.tau for t in tokens]}
     if prompt is not None:
         out.update(prompt_uncalibrated_logprobs=[t.uncalibrated for t in prompt], prompt_tau=[t.tau for t in prompt])
     if final:
-        out.update(summary(tokens))
+        out.update(summary(tokens, info))
     return out
 
 
@@ -107,10 +117,11 @@ class Renderer:
     Args:
         tokenizer: decodes token ids.
         model_name: the model name in every body.
+        info: the served calibrator's {"calibrator", "confidence_kind"}, copied into every sequence summary.
     """
 
-    def __init__(self, tokenizer, model_name: str) -> None:
-        self.tokenizer, self.model_name = tokenizer, model_name
+    def __init__(self, tokenizer, model_name: str, info: dict | None = None) -> None:
+        self.tokenizer, self.model_name, self.info = tokenizer, model_name, dict(info or {})
         self._strings: dict[int, str] = {}
 
     def token(self, token_id: int) -> str:
@@ -168,7 +179,7 @@ class Renderer:
         """The `chat.completion` body of a finished request (`logprobs`: include them; `prompt_tokens`: for usage)."""
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self.chat_logprobs(c.tokens) if logprobs else None,
-                    "finish_reason": c.finish_reason, "ats": extension(c.tokens, final=True)}
+                    "finish_reason": c.finish_reason, "ats": extension(c.tokens, final=True, info=self.info)}
                    for i, c in enumerate(collected.choices)]
         return {**self.envelope("chatcmpl", "chat.completion"), "choices": choices,
                 "usage": self.usage(prompt_tokens, collected.completion_tokens)}
@@ -195,7 +206,7 @@ class Renderer:
         if all_tokens is not None or tokens:
             choice["ats"] = extension(tokens, final=False)
             if finish_reason is not None:
-                choice["ats"].update(summary(all_tokens or []))
+                choice["ats"].update(summary(all_tokens or [], self.info))
         return {**envelope, "choices": [choice]}
 
     def completion_choice(self, index: int, text: str, tokens: list[TokenLogprob], offsets: list[int], *,
@@ -231,7 +242,8 @@ class Renderer:
                     tokens, offsets = scored + tokens, prompt_offsets[p] + offsets
             choices.append(self.completion_choice(i, text, tokens, offsets, logprobs=logprobs,
                                                   finish_reason=c.finish_reason,
-                                                  ats=extension(c.tokens, final=True, prompt=scored)))
+                                                  ats=extension(c.tokens, final=True, prompt=scored,
+                                                                info=self.info)))
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {**self.envelope("cmpl", "text_completion"), "choices": choices,
                 "usage": self.usage(prompt_tokens, collected.completion_tokens)}

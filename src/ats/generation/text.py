@@ -1,4 +1,5 @@
-"""The text of one generated sequence, as `generate_calibrated` makes it, released in pieces while it grows.
+"""The incremental detokenizer: the text of one generated sequence, released in pieces while it grows (the one used by
+`generate_calibrated`, its streaming, `ats generate` and the server).
 
 After each token the whole sequence is decoded again (`skip_special_tokens`), so the text is exactly the in-process
 API's, and cut before the first stop string (keeping the fewest tokens that cover the text before it, as
@@ -11,9 +12,6 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-
-from ..generation import tokens_covering
-from ..generation.stream import first_stop
 
 
 class TextTracker:
@@ -75,3 +73,28 @@ class TextTracker:
         released = tokens - self.sent_tokens
         self.sent_chars, self.sent_tokens = chars, tokens
         return piece, released
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """The index in `text` where the earliest of `stops` begins (empty stops are ignored), or None if none occurs."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+def tokens_covering(tokenizer, ids: list[int], chars: int) -> int:
+    """The fewest leading tokens whose decoded text reaches `chars` characters (the tokens before a stop string).
+
+    Args:
+        tokenizer: decodes the ids.
+        ids: the generated token ids.
+        chars: the length of the text to cover.
+
+    Returns:
+        The number of tokens (all of them if their text is shorter).
+    """
+    if chars <= 0:
+        return 0
+    for n in range(1, len(ids) + 1):
+        if len(tokenizer.decode(ids[:n], skip_special_tokens=True)) >= chars:
+            return n
+    return len(ids)

@@ -1,11 +1,12 @@
-"""The caches of a server batch whose sequences join and leave between decoding steps (continuous batching).
+"""The caches of a decoding batch whose sequences join and leave between decoding steps (continuous batching).
 
 A batch holds B sequences left-padded to one length L:
 
 - the backbone's key/value cache, one `RowsLayer` per decoder layer: (B, kv_heads, L, d) views of buffers whose
   capacity doubles when full (transformers' `DynamicLayer` concatenates, copying the whole past at every step);
-- the ATS head's own `HeadCache` (transformer heads), holding the same L positions;
-- the attention mask (B, L), 0 on padding.
+- the ATS head's own `HeadCache` (transformer heads), holding the same L positions, on the same `GrowingBuffer`;
+- the attention mask (B, L), 0 on padding;
+- what the calibrator keeps per row (`rows_state`, e.g. Thermometer's prompt hidden state (B, H)).
 
 Sequences that finish are dropped (`select`); new ones are prefilled as a batch of their own and joined (`extend`: the
 shorter batch is left-padded); columns that have become padding in every row are dropped (`trim`). Padding is never
@@ -20,6 +21,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
 from ..errors import ATSError
+from ..model.buffer import GrowingBuffer
 from ..model.heads import HeadCache
 
 
@@ -44,13 +46,14 @@ def check_full_attention(config) -> int:
 
 
 class RowsLayer(DynamicLayer):
-    """A full-attention cache layer over a growing buffer: `keys` / `values` (B, kv_heads, L, d) are views of its first
-    L positions, so a decoding step writes one column instead of copying the past."""
+    """A full-attention cache layer over `GrowingBuffer`s: `keys` / `values` (B, kv_heads, L, d) are views of their
+    first L positions, so a decoding step writes one column instead of copying the past (transformers'
+    `DynamicLayer` concatenates)."""
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         """Start empty on the device of `key_states` (B, kv_heads, T, d); the buffers come with the first update."""
         self.device = key_states.device
-        self._k = self._v = None
+        self._k, self._v = GrowingBuffer(2), GrowingBuffer(2)
         self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
         self.is_initialized = True
 
@@ -59,36 +62,35 @@ class RowsLayer(DynamicLayer):
         (B, kv_heads, L + T, d). Other arguments (transformers' cache kwargs) are ignored."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start, end = self.keys.shape[2], self.keys.shape[2] + key_states.shape[2]
-        if self._k is None or end > self._k.shape[2]:
-            self.set(self.keys, self.values, capacity=end)
-        self._k[:, :, start:end] = key_states
-        self._v[:, :, start:end] = value_states
-        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        self.keys, self.values = self._k.append(key_states), self._v.append(value_states)
         return self.keys, self.values
 
-    def set(self, keys: Tensor, values: Tensor, capacity: int = 0) -> None:
-        """Hold copies of `keys`, `values` in new buffers.
+    def _sync(self) -> None:
+        self.keys, self.values = self._k.view, self._v.view
 
-        Args:
-            keys: (B, kv_heads, L, d).
-            values: (B, kv_heads, L, d_v).
-            capacity: positions to make room for; the buffers hold at least twice max(L, capacity), at least 64.
-        """
-        B, heads, length, d = keys.shape
-        capacity = max(2 * max(length, capacity), 64)
-        self._k = keys.new_empty(B, heads, capacity, d)
-        self._v = values.new_empty(B, heads, capacity, values.shape[3])
-        self._k[:, :, :length] = keys
-        self._v[:, :, :length] = values
-        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
-        self.is_initialized = True
+    def select(self, index: Tensor) -> None:
+        """Keep, reorder or repeat rows (`index` (B',) long)."""
+        self._k.select(index)
+        self._v.select(index)
+        self._sync()
+
+    def pad_left(self, n: int) -> None:
+        """Prepend `n` padding positions (zeros, never attended to) to every row."""
+        self._k.pad_left(n)
+        self._v.pad_left(n)
+        self._sync()
 
     def drop_left(self, n: int) -> None:
         """Forget the first `n` positions (views, no copy)."""
-        length = self.keys.shape[2] - n
-        self._k, self._v = self._k[:, :, n:], self._v[:, :, n:]
-        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
+        self._k.drop_left(n)
+        self._v.drop_left(n)
+        self._sync()
+
+    def join(self, other: "RowsLayer") -> None:
+        """Append the rows of `other` (same length) after these."""
+        self._k = GrowingBuffer.concat([self._k, other._k])
+        self._v = GrowingBuffer.concat([self._v, other._v])
+        self._sync()
 
 
 def _pad_left(x: Tensor, n: int, dim: int) -> Tensor:
@@ -111,6 +113,7 @@ class BatchCache:
         self.kv = Cache(layers=[RowsLayer() for _ in range(num_layers)])
         self.head = HeadCache() if head else None
         self.mask: Tensor | None = None  # (B, L) long, 0 on padding
+        self.rows_state: Tensor | None = None  # (B, ...) what a calibrator keeps per row (Thermometer: the prompt's h)
 
     @property
     def rows(self) -> int:
@@ -137,21 +140,26 @@ class BatchCache:
     def select(self, index: Tensor) -> None:
         """Keep, reorder or repeat rows (`index` (B',) long)."""
         for layer in self._layers():
-            layer.set(layer.keys.index_select(0, index), layer.values.index_select(0, index))
+            layer.select(index)
         if self.head is not None:
             self.head.select(index)
+        if self.rows_state is not None:
+            self.rows_state = self.rows_state.index_select(0, index)
         self.mask = self.mask.index_select(0, index)
 
     def extend(self, other: BatchCache) -> None:
         """Append the rows of `other` (a freshly prefilled batch) after these; the shorter one is left-padded."""
         if self.mask is None or self.rows == 0:
-            self.kv, self.head, self.mask = other.kv, other.head, other.mask
+            self.kv, self.head, self.mask, self.rows_state = other.kv, other.head, other.mask, other.rows_state
             return
         length = max(self.length, other.length)
         pad_self, pad_other = length - self.length, length - other.length
         for mine, theirs in zip(self.kv.layers, other.kv.layers):
-            mine.set(torch.cat([_pad_left(mine.keys, pad_self, 2), _pad_left(theirs.keys, pad_other, 2)]),
-                     torch.cat([_pad_left(mine.values, pad_self, 2), _pad_left(theirs.values, pad_other, 2)]))
+            mine.pad_left(pad_self)
+            theirs.pad_left(pad_other)
+            mine.join(theirs)
+        if self.rows_state is not None:
+            self.rows_state = torch.cat([self.rows_state, other.rows_state])
         if self.head is not None:
             self.head.pad_left(pad_self)
             other.head.pad_left(pad_other)

@@ -1,0 +1,191 @@
+"""Any calibrator inside decoding: what the decoding core asks of it at prefill and at each step.
+
+Four modes, read from the calibrator's class attributes (no type checks):
+
+- `none` (no calibrator, or `Uncalibrated`): q = z, tau = 0.
+- `head` (`token_head`: ATS, its controls, the paper's released heads): tau = log s per position from the head
+  (`log_scale`), which reads the new positions' hidden states; the transformer head keeps its own KV cache in the
+  batch (`HeadCache`), so a step costs the head one position. q = z * s, s = exp(tau) clamped.
+- `prompt` (`prompt_hidden`: Thermometer): one temperature per prompt, read from the prompt's last hidden state at
+  prefill (kept per row in the batch) and applied to every generated token, exactly as `ats eval` applies it to an
+  answer (the hidden state at the position predicting its first token).
+- `logits` (everything that reads only the logits: temperature, vector scaling, scaling-binning, histogram,
+  isotonic): q = calibrator.apply(z) per step.
+
+Calibrators that map the top-1 confidence (`maps_confidence`: scaling-binning, histogram, isotonic) additionally map
+each generated token's probability through their map (`confidence`), as the evaluation tasks do before averaging an
+answer's token probabilities. `describe()` is the one line the CLI prints at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..calibrators.base import Calibrator
+from ..errors import ATSError
+from ..model.heads import TransformerHead
+
+
+@dataclass
+class StepLogits:
+    """One batch of positions' logits as the sampler and the scorer see them.
+
+    z: (N, V) float32, the model's own; q: (N, V) calibrated (the same tensor when the calibrator leaves them);
+    scale: (N,) when q = z * scale (the shared-shift scoring path), else None; tau: (N,) the log-factor reported per
+    token (ATS's tau; 0 uncalibrated), None for calibrators that have none.
+    """
+
+    z: Tensor
+    q: Tensor
+    scale: Tensor | None = None
+    tau: Tensor | None = None
+
+
+def calibration_mode(calibrator: Calibrator | None) -> str:
+    """"none", "head", "prompt" or "logits" (see the module docstring), from the calibrator's class attributes.
+
+    Raises:
+        ATSError: for a calibrator that reads hidden states in another way than these.
+    """
+    if calibrator is None or calibrator.name == "none":
+        return "none"
+    if getattr(calibrator, "token_head", False):
+        return "head"
+    if getattr(calibrator, "prompt_hidden", False):
+        return "prompt"
+    if calibrator.needs_hidden:
+        raise ATSError(f"calibrator {calibrator.name!r} reads hidden states in a way decoding cannot provide "
+                       f"(neither a per-token head nor the prompt's last state)")
+    return "logits"
+
+
+class DecodingCalibration:
+    """A calibrator prepared for decoding on `backbone` (checked against it and moved to its device).
+
+    Args:
+        calibrator: any loaded calibrator, or None for the model's own probabilities.
+        backbone: the backbone it calibrates.
+
+    Raises:
+        ATSError: if the calibrator does not fit the backbone or cannot run in decoding.
+    """
+
+    def __init__(self, calibrator: Calibrator | None, backbone) -> None:
+        self.mode = calibration_mode(calibrator)
+        self.calibrator = None if self.mode == "none" else calibrator
+        if self.calibrator is not None:
+            self.calibrator.check_backbone(backbone)
+            self.calibrator.to(backbone.device)
+            head = getattr(self.calibrator, "head", None)
+            if head is not None:
+                head.eval()
+        self.head_cached = self.mode == "head" and isinstance(self.calibrator.head, TransformerHead)
+        if self.mode == "head":  # tau = log s of the head ("temperature" before the rename to log_scale)
+            self._tau = getattr(self.calibrator, "log_scale", None) or self.calibrator.temperature
+        self.maps_confidence = bool(self.calibrator is not None and self.calibrator.maps_confidence)
+        self.changes_logits = self.mode != "none" and self._changes_logits(backbone)
+
+    def _changes_logits(self, backbone) -> bool:
+        """Whether the calibrator moves the logits (histogram and isotonic only map the confidence)."""
+        if self.mode != "logits":
+            return True
+        probe = torch.linspace(-3, 3, backbone.vocab_size, device=backbone.device)[None]  # (1, V)
+        return not torch.equal(self.calibrator.apply(probe), probe)
+
+    @property
+    def label(self) -> str:
+        """The calibrator's name in tables ("uncalibrated" without one)."""
+        return "uncalibrated" if self.calibrator is None else self.calibrator.label
+
+    @property
+    def confidence_kind(self) -> str:
+        """What a token's reported confidence is: "probability" (of the calibrated distribution) or "mapped" (that
+        probability through the calibrator's binning map)."""
+        return "mapped" if self.maps_confidence else "probability"
+
+    def describe(self) -> str:
+        """One line: what the calibrator changes in decoding, and what it cannot do there."""
+        name = self.label
+        if self.mode == "none":
+            return "uncalibrated: log-probabilities, sampling and confidence are the model's own"
+        if self.mode == "head":
+            return (f"{name}: per-token temperature from the head ({type(self.calibrator.head).__name__}"
+                    f"{', with its KV cache' if self.head_cached else ''}) scales log-probabilities and sampling")
+        if self.mode == "prompt":
+            return (f"{name}: one temperature per prompt, read from the prompt's last hidden state at prefill, scales "
+                    f"the generated tokens' log-probabilities and sampling; echoed prompt tokens get the same "
+                    f"temperature, read at the prompt's end (not the temperature `ats eval` reads at an answer's "
+                    f"start)")
+        logits = ("scales log-probabilities and sampling" if self.changes_logits
+                  else "leaves log-probabilities and sampling the model's own")
+        if self.maps_confidence:
+            return f"{name}: {logits}; maps each token's confidence (and the answer confidence) through its bins"
+        return f"{name}: {logits}"
+
+    # --- prefill and decoding steps ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, hidden: Tensor, mask: Tensor, batch) -> Tensor | None:
+        """After the prompts' forward pass: tau (G, P) of every prompt position (head mode, the head cache filled),
+        or the prompt state kept in `batch.rows_state` (prompt mode: the last column's hidden state, (G, H)).
+
+        Args:
+            hidden: (G, P, H) hidden states of the left-padded prompts.
+            mask: (G, P) their attention mask.
+            batch: the `BatchCache` being prefilled.
+
+        Returns:
+            tau (G, P) float32 in head mode, zeros in none mode, else None.
+        """
+        if self.mode == "head":
+            cache = batch.head if self.head_cached else None
+            return self._tau(hidden, mask, cache=cache).float()
+        if self.mode == "prompt":
+            batch.rows_state = hidden[:, -1]  # (G, H): left padding puts every prompt's last token last
+        if self.mode == "none":
+            return torch.zeros(hidden.shape[:2], device=hidden.device)
+        return None
+
+    @torch.no_grad()
+    def step(self, hidden: Tensor, mask: Tensor, batch) -> Tensor | None:
+        """tau (B,) of a decoding step's new position `hidden` (B, 1, H), `mask` (B, L) covering the cache; None
+        outside head mode (zeros in none mode)."""
+        if self.mode == "head":
+            if self.head_cached:
+                return self._tau(hidden, mask, cache=batch.head)[:, -1].float()
+            return self._tau(hidden, mask[:, -1:])[:, -1].float()
+        if self.mode == "none":
+            return torch.zeros(hidden.shape[0], device=hidden.device)
+        return None
+
+    @torch.no_grad()
+    def logits(self, z: Tensor, tau: Tensor | None, state: Tensor | None) -> StepLogits:
+        """The calibrated logits of N positions.
+
+        Args:
+            z: (N, V) the model's logits (made float32).
+            tau: (N,) the head's tau (head mode), zeros (none mode), else None.
+            state: (N, H) each position's prompt state (prompt mode), else None.
+
+        Returns:
+            The `StepLogits`.
+        """
+        z = z.float()
+        if self.mode == "none":
+            return StepLogits(z, z, None, tau)
+        if self.mode == "head":
+            scale = self.calibrator.scale(tau).float()
+            return StepLogits(z, z * scale[:, None], scale, tau)
+        q = self.calibrator.apply(z, state) if self.mode == "prompt" else self.calibrator.apply(z)
+        return StepLogits(z, q, None, None)
+
+    def confidence(self, logp: Tensor) -> list[float]:
+        """Each token's reported confidence from its calibrated log-probability `logp` (N,): the probability, through
+        the calibrator's confidence map when it has one (as the evaluation tasks score answer tokens)."""
+        p = logp.double().exp()
+        if self.maps_confidence:
+            return np.asarray(self.calibrator.map_confidence(p.cpu())).reshape(-1).tolist()
+        return p.tolist()

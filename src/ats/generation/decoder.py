@@ -1,0 +1,270 @@
+"""The decoding core: batched prefill and decoding with the backbone's KV cache and the calibrator's state, rows that
+join and leave between steps. `generate_calibrated` (the Python API and `ats generate`), the lm-eval model's
+`generate_until` and the server's engine (`ats serve`, continuous batching) all decode through a `Decoder`.
+
+- `add(rows)` prefills new rows as one left-padded batch (a prompt once, rows repeated for n > 1), runs the
+  calibrator's prefill (the transformer head fills its KV cache; Thermometer reads the prompt's last hidden state),
+  scores echoed prompts, chooses each row's first token and joins the rows to the running batch (`BatchCache.extend`).
+- `step()` feeds every row its last token in one forward pass, runs the calibrator on the new position and chooses
+  each row's next token from the calibrated logits with that row's sampling options (`sampling.choose`).
+- `retire()` drops finished and cancelled rows and the columns that became padding in every row.
+
+RoPE positions come from each row's own count of tokens and padding is never attended to, so a sequence gets the same
+values whatever batch it runs in. Each chosen token becomes a `TokenLogprob` (calibrated and uncalibrated
+log-probabilities, tau, confidence) appended to its row, whose `TextTracker` decodes the text incrementally and finds
+stop strings; `on_token(row)` then tells the owner (streaming, the server's events).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..calibrators.base import Calibrator
+from ..model.backbone import Backbone
+from .batch import BatchCache, check_full_attention
+from .calibration import DecodingCalibration, StepLogits
+from .logprobs import TokenLogprob, prompt_logprobs, records, score
+from .sampling import SamplingParams, choose
+from .text import TextTracker
+
+
+def eos_ids(backbone: Backbone) -> set[int]:
+    """The end-of-sequence token ids of the generation config, the model config and the tokenizer.
+
+    Args:
+        backbone: the backbone whose configs and tokenizer are read.
+
+    Returns:
+        The union of their ids (empty when none names one).
+    """
+    ids: set[int] = set()
+    for source in (getattr(backbone.model, "generation_config", None), backbone.model.config, backbone.tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return ids
+
+
+class Row:
+    """One sequence being generated: its options, its tokens' records and text, the token not yet fed to the model.
+
+    Args:
+        prompt: the prompt's token ids.
+        key: rows with equal keys share one prompt (prefilled once, e.g. the n choices of a request).
+        max_tokens: new tokens at most (0: only score the prompt).
+        sampling: temperature / top-k / top-p.
+        generator: the row's random generator; None: the global one.
+        stop: stop strings (the text is cut before the first).
+        top_logprobs: alternatives reported per token.
+        ignore_eos: keep going after end-of-sequence tokens.
+        min_tokens: end-of-sequence tokens cannot be chosen before this many new tokens.
+        score_prompt: report every prompt token's probabilities (`prompt_scores`).
+    """
+
+    def __init__(self, prompt: list[int], key: Hashable, tokenizer, *, max_tokens: int,
+                 sampling: SamplingParams = SamplingParams(), generator: torch.Generator | None = None,
+                 stop: Sequence[str] = (), top_logprobs: int = 0, ignore_eos: bool = False, min_tokens: int = 0,
+                 score_prompt: bool = False) -> None:
+        self.prompt, self.key = prompt, key
+        self.max_tokens, self.sampling, self.generator = max_tokens, sampling, generator
+        self.top_logprobs, self.ignore_eos, self.min_tokens = top_logprobs, ignore_eos, min_tokens
+        self.score_prompt = score_prompt
+        self.tracker = TextTracker(tokenizer, stop)
+        self.records: list[TokenLogprob] = []
+        self.generated: list[int] = []  # every chosen token, also those a stop string cut off
+        self.prompt_scores: list[TokenLogprob] | None = None
+        self.pending = -1
+        self.finish: str | None = None  # "eos" | "stop" (a stop string) | "length"
+        self.cancelled = False
+
+    @property
+    def live(self) -> bool:
+        """Whether the row still decodes (not finished, not cancelled)."""
+        return self.finish is None and not self.cancelled
+
+
+class Decoder:
+    """Batched calibrated decoding over `backbone` with any calibrator (see the module docstring).
+
+    Args:
+        backbone: the frozen backbone; its layers must all use full attention.
+        calibrator: any loaded calibrator, or None for the model's own probabilities.
+        on_token: called with a row after each token it gets (and once when it finishes while prefilling with
+            max_tokens 0); None: nothing.
+        logits_processors: transformers `LogitsProcessor`s applied to the calibrated logits before sampling (they
+            see the rows' left-padded token ids); they shape the choice only, not the reported probabilities.
+
+    Raises:
+        ATSError: if the calibrator does not fit the backbone or a layer does not use full attention.
+    """
+
+    def __init__(self, backbone: Backbone, calibrator: Calibrator | None = None, *,
+                 on_token: Callable[[Row], None] | None = None, logits_processors: Sequence = ()) -> None:
+        self.backbone = backbone
+        self.calibration = DecodingCalibration(calibrator, backbone)
+        self.num_layers = check_full_attention(backbone.model.config)
+        self.eos = eos_ids(backbone)
+        self.pad_id = backbone.tokenizer.pad_token_id if backbone.tokenizer.pad_token_id is not None else 0
+        self.on_token = on_token
+        self.processors = list(logits_processors)
+        self.rows: list[Row] = []
+        self.batch = self._new_batch()
+        self.timing = {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "head_s": 0.0}  # cumulative
+
+    def _new_batch(self) -> BatchCache:
+        return BatchCache(self.num_layers, head=self.calibration.head_cached)
+
+    def reset(self) -> None:
+        """Forget every row (e.g. after a failure)."""
+        self.rows, self.batch = [], self._new_batch()
+
+    # --- prefill --------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, rows: Sequence[Row]) -> None:
+        """Prefill `rows` together and join those that generate to the running batch.
+
+        Args:
+            rows: new rows; rows with equal keys share one prompt.
+        """
+        slot: dict[Hashable, int] = {}
+        firsts: list[Row] = []
+        for row in rows:
+            if slot.setdefault(row.key, len(firsts)) == len(firsts):
+                firsts.append(row)
+        prompts = [r.prompt for r in firsts]
+        P, device = max(len(p) for p in prompts), self.backbone.device
+        ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), P, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, P - len(prompt):] = torch.tensor(prompt)
+            mask[i, P - len(prompt):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        batch = self._new_batch()
+        batch.mask = mask
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        hidden, _ = self.backbone.forward(ids, mask, past_key_values=batch.kv, use_cache=True, position_ids=positions)
+        tau = self.calibration.prefill(hidden, mask, batch)  # (G, P) or None
+        state = batch.rows_state  # (G, H) or None
+        for g, first in enumerate(firsts):
+            if first.score_prompt:
+                n = len(prompts[g])
+                first.prompt_scores = prompt_logprobs(self.backbone, self.calibration, hidden[g, P - n:],
+                                                      None if tau is None else tau[g, P - n:],
+                                                      None if state is None else state[g], prompts[g],
+                                                      first.top_logprobs)
+        for row in rows:
+            if row.max_tokens == 0:
+                row.finish = "length"
+                if self.on_token is not None:
+                    self.on_token(row)
+        live = [r for r in rows if r.max_tokens > 0]
+        if not live:
+            return
+        index = torch.tensor([slot[r.key] for r in live], device=device)
+        z = self.backbone.logits(hidden[:, -1]).index_select(0, index)  # (B, V)
+        last_tau = None if tau is None else tau[:, -1].index_select(0, index)
+        if index.tolist() != list(range(len(firsts))):
+            batch.select(index)
+        self._advance(live, self.calibration.logits(z, last_tau, batch.rows_state))
+        self.rows += live
+        self.batch.extend(batch)
+
+    # --- decoding ---------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Feed every row its last token and choose the next ones. `timing` adds up the steps' time and the
+        calibrator's share of it (the head's tau, or the logits map), a measure of the calibration's cost that
+        machine load does not skew."""
+        if not self.rows:
+            return
+        started = time.perf_counter()
+        ids = torch.tensor([[r.pending] for r in self.rows], device=self.backbone.device)
+        mask = self.batch.append_column()
+        hidden, _ = self.backbone.forward(ids, mask, past_key_values=self.batch.kv, use_cache=True,
+                                          position_ids=self.batch.next_positions())
+        z = self.backbone.logits(hidden[:, -1])  # (B, V)
+        head_started = time.perf_counter()
+        tau = self.calibration.step(hidden, mask, self.batch)
+        step = self.calibration.logits(z, tau, self.batch.rows_state)
+        head_s = time.perf_counter() - head_started
+        self._advance(self.rows, step)
+        self.timing["decode_steps"] += 1
+        self.timing["decode_rows"] += len(self.rows)
+        self.timing["decode_s"] += time.perf_counter() - started
+        self.timing["head_s"] += head_s
+
+    def _choice_logits(self, rows: list[Row], step: StepLogits) -> tuple[Tensor, Tensor]:
+        """(z, q) for the sampler: end-of-sequence masked in rows under their `min_tokens`, then the processors."""
+        z, q = step.z, step.q
+        blocked = [i for i, r in enumerate(rows) if len(r.records) < r.min_tokens]
+        if blocked and self.eos:
+            z, q = z.clone(), q.clone()
+            where = torch.tensor(blocked, device=z.device)[:, None]
+            eos = torch.tensor(sorted(self.eos), device=z.device)[None]
+            z[where, eos] = q[where, eos] = float("-inf")
+        if self.processors:
+            width = max(len(r.prompt) + len(r.records) for r in rows)
+            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+            for i, r in enumerate(rows):
+                seq = r.prompt + [t.token for t in r.records]
+                ids[i, width - len(seq):] = torch.tensor(seq)
+            ids = ids.to(q.device)
+            for processor in self.processors:
+                q = processor(ids, q)
+        return z, q
+
+    def _advance(self, rows: list[Row], step: StepLogits) -> None:
+        """Choose each row's next token, score it, and hand it to its row."""
+        z, q = self._choice_logits(rows, step)
+        tokens = choose(z, q, [r.sampling for r in rows], [r.generator for r in rows])
+        k = max(r.top_logprobs for r in rows)
+        logp_q, logp_z, top_ids, top_logp = score(step, tokens, k)
+        made = records(tokens.tolist(), logp_q, logp_z, step.tau, top_ids, top_logp,
+                       self.calibration.confidence(logp_q))
+        for row, record in zip(rows, made):
+            del record.top[row.top_logprobs:]
+            self._append(row, record)
+
+    def _append(self, row: Row, record: TokenLogprob) -> None:
+        row.records.append(record)
+        row.generated.append(record.token)
+        row.pending = record.token
+        if row.tracker.add(record.token):
+            del row.records[len(row.tracker.ids):]
+            row.finish = "stop"
+        elif record.token in self.eos and not row.ignore_eos:
+            record.answer = False
+            row.finish = "eos"
+        elif len(row.records) >= row.max_tokens:
+            row.finish = "length"
+        if self.on_token is not None:
+            self.on_token(row)
+
+    def retire(self) -> None:
+        """Drop the rows that finished or were cancelled, and the columns that are now padding in every row."""
+        keep = [i for i, r in enumerate(self.rows) if r.live]
+        if len(keep) == len(self.rows):
+            return
+        if keep:
+            self.batch.select(torch.tensor(keep, device=self.backbone.device))
+            self.rows = [self.rows[i] for i in keep]
+            self.batch.trim()
+        else:
+            self.reset()
+
+    def run(self, rows: Sequence[Row]) -> None:
+        """Decode `rows` to the end, all in one batch (the Python API).
+
+        Args:
+            rows: new rows.
+        """
+        self.add(rows)
+        self.retire()
+        while self.rows:
+            self.step()
+            self.retire()
