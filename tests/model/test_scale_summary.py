@@ -103,6 +103,28 @@ def test_summary_matches_the_exact_route_on_a_tiny_model(tiny_backbone):
         assert torch.equal(got.correct, exact.correct)
 
 
+def test_ties_far_tops_and_two_token_vocabularies_match_the_reference():
+    """The cases the binning meets at its edges: an exact tie at the top (correct only for the first maximum, as the
+    exact route's argmax), a top hundreds of nats above the rest (the reference gap is not z_top - z_2 but a bin
+    edge below it), a second logit within a bin of the top, and V = 2."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(6, 500, generator=g) * 3
+    z[0, [10, 20]] = 30.0  # a tie: label the second maximum
+    z[1, [10, 20]] = 30.0  # a tie: label the first maximum
+    z[2, 5] = 400.0  # far above the rest: exp(-s (z_top - z_j)) underflows float64 at s = 10
+    z[3, 5], z[3, 6] = 12.0, 12.0 - 1e-3  # the second logit in the top's bin
+    z[4, 5], z[4, 6] = 12.0, 12.0 - 1 / 64  # the second logit exactly one bin width below
+    y = torch.tensor([20, 10, 5, 6, 5, 0])
+    rows = summarize_logits(z, y, max_scale=10.0)
+    assert SummaryView(rows).correct.tolist() == (z.argmax(-1) == y).tolist() == [False, True, True, False, True,
+                                                                                   False]
+    assert_close_to_reference(z, y, rows, grad_tol=1e-3, grad_floor=1e-3)  # as for the random logits above
+    z2, y2 = torch.tensor([[0.0, 2.0], [1.0, 1.0], [3.0, -1.0]]), torch.tensor([1, 1, 1])
+    rows2 = summarize_logits(z2, y2, max_scale=10.0)
+    assert SummaryView(rows2).correct.tolist() == [True, False, False]
+    assert_close_to_reference(z2, y2, rows2, grad_tol=1e-3, grad_floor=1e-3)  # a tie: d/ds is 0, here ~1e-7
+
+
 def test_float32_scale_gives_float32_results_with_gradients():
     z, y = random_logits(n=8, V=500)
     rows = summarize_logits(z, y, max_scale=5.0, intervals=8)

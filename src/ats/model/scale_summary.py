@@ -2,29 +2,36 @@
 
 Every objective of a calibration head (`ats.training.losses`) needs, per token with logits z (V,) and label y, only
 `z_top = max z`, `z_y`, `mean_j z_j` and the function `F(s) = logsumexp_j(s z_j)` on `0 < s <= max_scale`
-(`F'(s) = E_p[z]`, `F''(s) = Var_p[z]`, p = softmax(s z)). Writing `top` for argmax z, `z_2` for the largest logit
-among the others, `gap2 = z_top - z_2 >= 0` and `e_j = z_2 - z_j >= 0` for j != top:
+(`F'(s) = E_p[z]`, `F''(s) = Var_p[z]`, p = softmax(s z)). Writing `top` for argmax z, `d_j = z_top - z_j >= 0`
+for the gaps, `g2 >= 0` for a reference gap no larger than the smallest gap of the others (z_top - z_2, z_2 the
+largest logit among the others) and `e_j = d_j - g2 >= 0` for j != top:
 
-    F(s) = s z_top + G(s),   G(s) = softplus(L(s)) = log(1 + e^L(s)),   L(s) = -s gap2 + l(s),
+    F(s) = s z_top + G(s),   G(s) = softplus(L(s)) = log(1 + e^L(s)),   L(s) = -s g2 + l(s),
     l(s) = log sum_{j != top} exp(-s e_j),   l'(s) = -E_r[e],   l''(s) = Var_r[e],   r = softmax_{j != top}(-s e).
 
-`l` is smooth, convex and bounded (from log(V - 1) at s = 0 down to the log of the number of ties at z_2), with no
-large term to cancel: an absolute error in `l` is a relative error in `e^L`, hence in `G`, also where `G` is tiny
-(a confident token). The summary stores `l, l', l''` at the nodes `s_k = knee (rho^k - 1)`, k = 0..K (`s_0 = 0`,
-`s_K = max_scale`): uniform in log(1 + s / knee), so the intervals are short at small s, where the whole vocabulary
-moves (the flattening regime, the largest derivatives of `l`), and long at large s, where `l` is nearly constant.
-Between nodes `l` is the quintic Hermite interpolant of the six numbers at the interval's ends; the losses and their
-derivatives in s are those of that one piecewise polynomial (autograd through it), so gradients are exact to the
-interpolant. The node values come from one pass over the vocabulary: the gaps e are binned (width 1/32) with the
-power sums of their offsets from the bin centres up to the 4th, and every node is then a matrix product over the
-bins (`_gap_bins`, `_node_moments`), so the cost does not grow with K. With G, per token:
+`l` is smooth, convex and bounded (from log(V - 1) at s = 0 down to about -s (z_top - z_2 - g2) >= -s w at large s,
+w the bin width below), with no large term to cancel: an absolute error in `l` is a relative error in `e^L`, hence in
+`G`, also where `G` is tiny (a confident token). The summary stores `l, l', l''` at the nodes
+`s_k = knee (rho^k - 1)`, k = 0..K (`s_0 = 0`, `s_K = max_scale`): uniform in log(1 + s / knee), so the intervals
+are short at small s, where the whole vocabulary moves (the flattening regime, the largest derivatives of `l`), and
+long at large s, where `l` is nearly constant. Between nodes `l` is the quintic Hermite interpolant of the six
+numbers at the interval's ends; the losses and their derivatives in s are those of that one piecewise polynomial
+(autograd through it), so gradients are exact to the interpolant.
+
+The node values come from one pass over the vocabulary after its max and min: the gaps d are binned (width w = 1/64)
+with the power sums of their offsets within the bin up to the 3rd (`_gap_bins`, four scatter-adds, no sort and no
+second-largest search); the top token (d = 0) is then taken out of the first bin, `g2` is the start of the first bin
+still occupied (so g2 <= z_top - z_2 < g2 + w), and every node is a matrix product over the bins
+(`_node_moments`), so the cost does not grow with K. With G, per token:
 
     CE(q, y) = G + s (z_top - z_y),   CE(q, u) = G + s (z_top - mean z),   log p_top = -G.
 
-A row (float32) holds the header `HEADER` (z_top, z_top - z_y, z_top - mean z, correct, gap2, max_scale, knee) and
+A row (float32) holds the header `HEADER` (z_top, z_top - z_y, z_top - mean z, correct, g2, max_scale, knee) and
 then l(0) = log(V - 1) with the K increments l(s_k) - l(s_{k-1}) (stored as increments so that float32 rounding of
 l ~ log V does not reach the derivative between close nodes), l' (K + 1) and l'' (K + 1): 7 + 3 (K + 1) numbers,
-616 bytes at the default K = 48 (SmolLM2's fp16 hidden state is 1152 bytes).
+616 bytes at the default K = 48 (SmolLM2's fp16 hidden state is 1152 bytes). Rows made before the reference gap was
+a bin edge (g2 = z_top - z_2 exactly, `l` relative to z_2) describe the same `G` in the same layout and are read the
+same way.
 """
 
 from __future__ import annotations
@@ -42,12 +49,13 @@ __all__ = ["SUMMARY_VERSION", "ScaleSummarySpec", "SummaryView", "scaled_ce_from
            "summary_width"]
 
 SUMMARY_VERSION = 1
-HEADER = ("z_top", "gap_y", "gap_mean", "correct", "gap2", "max_scale", "knee")
+HEADER = ("z_top", "gap_y", "gap_mean", "correct", "gap2", "max_scale", "knee")  # gap2: g2
 Z_TOP, GAP_Y, GAP_MEAN, CORRECT, GAP2, MAX_SCALE, KNEE = range(len(HEADER))
 DEFAULT_INTERVALS = 48
 DEFAULT_KNEE = 0.25
-BIN_WIDTH = 1 / 32  # the width of the gap bins; a power of 2, so that e / w is as exact as e
-ROWS_PER_PASS = 2  # tokens binned together: a row's buffers stay in cache (2.5x faster than 128 rows at once)
+BIN_WIDTH = 1 / 64  # the width of the gap bins; a power of 2, so that d / w is as exact as d
+MOMENTS = 4  # power sums per bin: t^0 .. t^3 (truncation (s w / 2)^4 / 4!, 1.6e-6 at s = 10)
+ROW_ELEMENTS = 1 << 17  # logits binned together (2 rows of SmolLM2, 1 of Qwen): their buffers stay in cache
 
 
 @dataclass(frozen=True)
@@ -79,17 +87,19 @@ class ScaleSummarySpec:
         """D, the numbers per token."""
         return summary_width(self.intervals)
 
-    def nodes(self, dtype: torch.dtype = torch.float64) -> Tensor:
+    def nodes(self, dtype: torch.dtype = torch.float64, device=None) -> Tensor:
         """The K + 1 nodes s_0 = 0 < ... < s_K = max_scale.
 
         Args:
             dtype: the result's dtype.
+            device: the result's device (default the CPU).
 
         Returns:
             (K + 1,) the nodes.
         """
-        return _nodes(torch.tensor([self.max_scale], dtype=torch.float64),
-                      torch.tensor([self.knee], dtype=torch.float64), self.intervals)[0].to(dtype)
+        return _nodes(torch.tensor([self.max_scale], dtype=torch.float64, device=device),
+                      torch.tensor([self.knee], dtype=torch.float64, device=device),
+                      self.intervals)[0].to(dtype)
 
     def describe(self) -> dict:
         """The settings as a JSON-ready dict (for meta.json and fingerprints)."""
@@ -165,62 +175,67 @@ def _check_logits(z: Tensor, labels: Tensor) -> None:
                        "(pass response tokens only)")
 
 
-def _gap_bins(z: Tensor, top: Tensor, z_2: Tensor, bins: int) -> Tensor:
-    """Power sums, per bin of the gaps e_j = z_2 - z_j (j != top), of the offsets from the bin's centre.
+def _gap_bins(z: Tensor, z_top: Tensor, bins: int, width: float, moments: int) -> Tensor:
+    """Power sums, per bin of the gaps d_j = z_top - z_j (every j, the top token included), of the offsets from the
+    bin's left edge.
 
-    One pass over the vocabulary: bins of width `BIN_WIDTH`; the top token goes to a discarded last bin.
+    One pass over the vocabulary, no sort and no second largest: bin b holds b w <= d < (b + 1) w.
 
     Args:
         z: (n, V) float32 or float64 logits.
-        top: (n,) the index of each row's top token.
-        z_2: (n,) each row's largest logit other than the top one.
-        bins: B, more than the largest gap / `BIN_WIDTH`.
+        z_top: (n,) each row's largest logit.
+        bins: B, more than the largest gap / `width`.
+        width: w, the bins' width (a power of 2, so that d / w is as exact as d).
+        moments: M, the power sums per bin (delta^0 .. delta^(M - 1)).
 
     Returns:
-        (5, n, B) float64: per bin b, the sum over its tokens of delta^k, k = 0..4, delta = e - c_b in [-w/2, w/2],
-        c_b = (b + 1/2) w.
+        (M, n, B) in z's dtype: per bin b, the sum over its tokens of (delta / w)^k, delta = d - b w in [0, w).
     """
-    n, V = z.shape
-    inv = 1.0 / BIN_WIDTH
-    x = torch.add(z_2[:, None] * inv, z, alpha=-inv)  # (n, V) e / w, >= 0 but at the top
+    inv = 1.0 / width
+    x = torch.add(z_top[:, None] * inv, z, alpha=-inv)  # (n, V) d / w >= 0 (0 at the top)
     index = x.long()  # (n, V) the bin of each gap (x >= 0: truncation is floor)
-    index.scatter_(1, top[:, None], bins)
-    index += (torch.arange(n, device=z.device) * (bins + 1))[:, None]
-    u = x.frac_().sub_(0.5).view(-1)  # (n V,) delta / w in [-1/2, 1/2)
-    flat = index.view(-1)
-    sums, power = [], torch.ones_like(u)
-    for k in range(5):
-        target = torch.zeros(n * (bins + 1), dtype=u.dtype, device=z.device)
-        sums.append(target.scatter_add_(0, flat, power).view(n, bins + 1)[:, :bins].double() * BIN_WIDTH ** k)
-        if k < 4:
-            power = power * u if k else u
-    return torch.stack(sums)
+    u = x.frac_()  # (n, V) delta / w in [0, 1)
+    sums = torch.zeros(moments, z.shape[0], bins, dtype=z.dtype, device=z.device)
+    sums[0].scatter_add_(1, index, torch.ones(1, dtype=z.dtype, device=z.device).expand_as(u))
+    power = u
+    for k in range(1, moments):
+        sums[k].scatter_add_(1, index, power)
+        if k < moments - 1:
+            power = power * u
+    return sums
 
 
-def _node_moments(mu: Tensor, centres: Tensor, nodes: Tensor) -> Tensor:
-    """l, l', l'' (3, n, K + 1) float64 at the nodes from the gap bins of `_gap_bins`.
+def _node_moments(raw: Tensor, centres: Tensor, nodes: Tensor, width: float) -> Tensor:
+    """l, l', l'' (3, n, K + 1) float64 at the nodes from the power sums of the gap bins (`_gap_bins`).
 
-    Per bin, sum_j exp(-s e_j) = exp(-s c_b) sum_j exp(-s delta_j), the second factor's Taylor series to order 4:
-    its truncation is below (s w / 2)^5 / 120 relative (8e-7 at s = 10, w = 1/32). S(s) = sum_b exp(-s c_b) P_b(s)
-    and its two s-derivatives are three matrix products of the power sums with exp(-s c), c exp(-s c) and
-    c^2 exp(-s c) over all nodes at once.
+    Per bin, sum_j exp(-s e_j) = exp(-s c_b) sum_j exp(-s delta_j), delta_j = e_j - c_b in [-w/2, w/2) (c_b the
+    centre), the second factor's Taylor series to order M - 1: its truncation is below (s w / 2)^M / M! relative. The
+    sums of delta^k follow from those of the offsets from the left edge, t = delta / w + 1/2 in [0, 1), by the
+    binomial expansion delta^k = w^k sum_i C(k, i) (-1/2)^(k - i) t^i, folded into the Taylor coefficients. S(s) =
+    sum_b exp(-s c_b) P_b(s) and its two s-derivatives are three matrix products of the power sums with
+    exp(-s c), c exp(-s c) and c^2 exp(-s c) over all nodes at once.
 
     Args:
-        mu: (5, n, B) the power sums.
+        raw: (M, n, B) per bin the sums of t^i, i = 0 .. M - 1.
         centres: (B,) the bins' centres.
         nodes: (K + 1,) float64 nodes, s_0 = 0 included.
+        width: w.
 
     Returns:
         (3, n, K + 1): log S, S'/S = -E_r[e], S''/S - (S'/S)^2 = Var_r[e] at each node.
     """
+    M = raw.shape[0]
     weights = torch.exp(-centres[:, None] * nodes[None, :])  # (B, K + 1)
     c = centres[:, None]
-    products = mu @ torch.cat([weights, c * weights, c * c * weights], dim=1)  # (5, n, 3 (K + 1))
-    a0, a1, a2 = products.split(nodes.shape[0], dim=-1)  # (5, n, K + 1) each
-    k = torch.arange(5, dtype=torch.float64, device=mu.device)[:, None]
-    coef = (-nodes[None, :]) ** k / torch.exp(torch.lgamma(k + 1))  # (5, K + 1) (-s)^k / k!
+    products = raw.double() @ torch.cat([weights, c * weights, c * c * weights], dim=1)  # (M, n, 3 (K + 1))
+    a0, a1, a2 = products.split(nodes.shape[0], dim=-1)  # (M, n, K + 1) each
+    k = torch.arange(M, dtype=torch.float64, device=raw.device)[:, None]
+    coef = (-nodes[None, :]) ** k / torch.exp(torch.lgamma(k + 1))  # (M, K + 1) (-s)^k / k!: sums of delta^k
     d_coef = -torch.cat([torch.zeros_like(coef[:1]), coef[:-1]])  # d/ds
     dd_coef = torch.cat([torch.zeros_like(coef[:2]), coef[:-2]])  # d^2/ds^2
+    binomial = torch.tensor([[math.comb(j, i) * (-0.5) ** (j - i) * width ** j if i <= j else 0.0 for j in range(M)]
+                             for i in range(M)], dtype=torch.float64, device=raw.device)  # (M, M) t^i -> delta^j
+    coef, d_coef, dd_coef = binomial @ coef, binomial @ d_coef, binomial @ dd_coef  # now on the sums of t^i
     s0 = (coef[:, None] * a0).sum(0)  # (n, K + 1)
     s1 = (d_coef[:, None] * a0 - coef[:, None] * a1).sum(0) / s0
     s2 = (dd_coef[:, None] * a0 - 2 * d_coef[:, None] * a1 + coef[:, None] * a2).sum(0) / s0
@@ -231,7 +246,7 @@ def summarize_logits(z: Tensor, labels: Tensor, *, max_scale: float, intervals: 
                      knee: float = DEFAULT_KNEE) -> Tensor:
     """The scale summary of n tokens' logits: one row per token (see the module docstring for the layout).
 
-    Reads the vocabulary a fixed number of times (max, second largest, one binning pass), whatever K.
+    Reads the vocabulary a fixed number of times (max, min, one binning pass), whatever K.
 
     Args:
         z: (n, V) logits (any float dtype; computed in float32, or float64 if z is).
@@ -254,20 +269,29 @@ def summarize_logits(z: Tensor, labels: Tensor, *, max_scale: float, intervals: 
         return rows
     z = z if z.dtype == torch.float64 else z.float()
     labels = labels.to(z.device)
-    z_top, top = z.max(-1)  # (n,) each; the exact route's argmax
-    z_2 = z.topk(2, dim=-1).values[:, 1]  # (n,) the second largest value (= z_top on a tie)
-    bins = int(float((z_2 - z.amin(-1)).amax()) / BIN_WIDTH) + 2  # B, for every row; the top token's bin is B
-    mu = torch.cat([_gap_bins(z[a:a + ROWS_PER_PASS], top[a:a + ROWS_PER_PASS], z_2[a:a + ROWS_PER_PASS], bins)
-                    for a in range(0, n, ROWS_PER_PASS)], dim=1)  # (5, n, B)
-    centres = (torch.arange(bins, dtype=torch.float64, device=z.device) + 0.5) * BIN_WIDTH  # (B,)
-    moments = _node_moments(mu, centres, spec.nodes())  # (3, n, K + 1)
-    sum_e = -moments[1][:, 0] * (V - 1)  # (n,) sum_{j != top} e_j
-    z_mean = (z_top.double() + (V - 1) * z_2.double() - sum_e) / V  # (n,)
+    z_top = z.amax(-1)  # (n,)
+    bins = int(float((z_top - z.amin(-1)).amax()) / BIN_WIDTH) + 2  # B, for every row
+    step = max(1, ROW_ELEMENTS // V)  # rows binned together
+    raw = torch.cat([_gap_bins(z[a:a + step], z_top[a:a + step], bins, BIN_WIDTH, MOMENTS)
+                     for a in range(0, n, step)], dim=1)  # (M, n, B)
+    raw[0, :, 0] -= 1  # the top token: d = 0, offset 0 (adds nothing to the higher sums)
+    first = (raw[0] > 0.5).to(torch.int8).argmax(-1)  # (n,) the first occupied bin of the others: g2 = first * w
+    shift = torch.arange(bins, device=z.device)[None, :] + first[:, None]  # (n, B)
+    raw = raw.gather(2, shift.clamp(max=bins - 1).expand(MOMENTS, n, bins)) * (shift < bins)  # bin `first` -> 0
+    centres = (torch.arange(bins, dtype=torch.float64, device=z.device) + 0.5) * BIN_WIDTH  # (B,) e = d - g2
+    moments = _node_moments(raw, centres, spec.nodes(device=z.device), BIN_WIDTH)  # (3, n, K + 1)
+    g2 = first.double() * BIN_WIDTH  # (n,)
+    sum_d = (g2 - moments[1][:, 0]) * (V - 1)  # (n,) sum_{j != top} d_j = sum (g2 + e_j)
+    z_label = z.gather(1, labels[:, None]).squeeze(1)  # (n,)
+    correct = z_label == z_top  # the label is an argmax; with another logit within w of it, check the first one
+    near = correct & (first == 0)
+    if bool(near.any()):
+        correct[near] = z[near].argmax(-1) == labels[near]  # the exact route's argmax: the first maximum
     rows[:, Z_TOP] = z_top
-    rows[:, GAP_Y] = z_top - z.gather(1, labels[:, None]).squeeze(1)
-    rows[:, GAP_MEAN] = z_top.double() - z_mean
-    rows[:, CORRECT] = (top == labels).float()
-    rows[:, GAP2] = z_top - z_2
+    rows[:, GAP_Y] = z_top - z_label
+    rows[:, GAP_MEAN] = sum_d / V  # z_top - mean z
+    rows[:, CORRECT] = correct.float()
+    rows[:, GAP2] = g2
     rows[:, MAX_SCALE] = spec.max_scale
     rows[:, KNEE] = spec.knee
     moments[0] = torch.diff(moments[0], dim=1, prepend=torch.zeros_like(moments[0][:, :1]))  # l(0), increments
