@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         models = [m.strip() for m in args.alignment_models.split(",") if m.strip()]
         summary = run_alignment(models, out / "alignment", tasks=tasks, task_limit=task_limit,
                                 data=data, training=training, device=device, seed=args.seed,
-                                progress=progress, mmlu_options=mmlu_options)
+                                progress=progress, task_options={"mmlu": mmlu_options})
         print("\n" + summary["table"])
         print(f"\n{out / 'alignment' / 'alignment.md'}; total {(time.time() - start) / 60:.1f} min")
         return 0
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
           f"{train_store.meta['response_tokens']} training response tokens")
     summary = run_ablations(backbone, train_store, val_store, out, tasks=tasks, task_limit=task_limit,
                             ablations=args.ablations, training=training, seed=args.seed,
-                            progress=progress, mmlu_options=mmlu_options)
+                            progress=progress, task_options={"mmlu": mmlu_options})
     for ablation, table in summary["tables"].items():
         print(f"\n## Ablation: {ablation}\n\n{table}")
     print(f"\nnumbers: {out / 'ablations.json'}; figure: {out / 'ece_vs_alpha.png'}; "

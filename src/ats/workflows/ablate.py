@@ -200,7 +200,7 @@ def train_runs(backbone, train_store, val_store, out_dir: Path, runs: list[HeadR
 
 def run_ablations(backbone, train_store, val_store, out_dir: str | Path, *, tasks: list, task_limit=None,
                   ablations=ABLATIONS, training: TrainingConfig | None = None, n_bins: int = 15, bootstrap: int = 0,
-                  seed: int = 0, mmlu_options: dict | None = None, overwrite: bool = False,
+                  seed: int = 0, task_options: dict | None = None, overwrite: bool = False,
                   progress: bool = True) -> dict:
     """Train every configuration the ablations need (each once, reused from out_dir/heads on a rerun), evaluate
     them on `tasks` and token by token on `val_store`, and write the tables, ablations.json and the alpha figure.
@@ -217,7 +217,7 @@ def run_ablations(backbone, train_store, val_store, out_dir: str | Path, *, task
         n_bins: equal-width bins of the ECE.
         bootstrap: bootstrap resamples for the task metrics; 0: none.
         seed: the seed of the task subsets.
-        mmlu_options: constructor options for MMLU.
+        task_options: registered task name -> constructor options (e.g. {"mmlu": {"n_shots": 0}}).
         overwrite: replace results made with other options instead of refusing.
         progress: show progress bars.
 
@@ -233,7 +233,7 @@ def run_ablations(backbone, train_store, val_store, out_dir: str | Path, *, task
     training = training or TrainingConfig()
     calibrators, run_info = train_runs(backbone, train_store, val_store, out_dir, unique_runs(plan), training,
                                        overwrite=overwrite, progress=progress)
-    built = build_tasks(tasks, task_limit, seed=seed, mmlu_options=mmlu_options)
+    built = build_tasks(tasks, task_limit, seed=seed, task_options=task_options)
     results: dict = {}
     if built:
         results = evaluate(backbone, calibrators, built, out_dir / "eval", n_bins=n_bins, bootstrap=bootstrap,

@@ -51,7 +51,7 @@ def format_alignment_table(results: dict) -> str:
 
 def run_alignment(models: list, out_dir: str | Path, *, tasks: list, task_limit=None,
                   data: DataConfig | None = None, training: TrainingConfig | None = None, device: str | None = None,
-                  n_bins: int = 15, seed: int = 0, mmlu_options: dict | None = None, overwrite: bool = False,
+                  n_bins: int = 15, seed: int = 0, task_options: dict | None = None, overwrite: bool = False,
                   progress: bool = True) -> dict:
     """Per backbone (an embedded name, a path or Hub id, or a loaded Backbone): uncalibrated vs. ATS on `tasks` and
     on held-out tokens. Writes out_dir/alignment.md and alignment.json.
@@ -66,7 +66,7 @@ def run_alignment(models: list, out_dir: str | Path, *, tasks: list, task_limit=
         device: where a backbone given by name is loaded.
         n_bins: equal-width bins of the ECE.
         seed: the seed of the task subsets.
-        mmlu_options: constructor options for MMLU.
+        task_options: registered task name -> constructor options (e.g. {"mmlu": {"n_shots": 0}}).
         overwrite: replace results made with other options instead of refusing.
         progress: show progress bars.
 
@@ -92,7 +92,7 @@ def run_alignment(models: list, out_dir: str | Path, *, tasks: list, task_limit=
         ats = train_head(backbone, train_store, val_store, work / "head", training=training, overwrite=overwrite,
                          progress=progress).to(backbone.device)
         calibrators = {REFERENCE: Uncalibrated(), "ats": ats}
-        built = build_tasks(tasks, task_limit, seed=seed, mmlu_options=mmlu_options)
+        built = build_tasks(tasks, task_limit, seed=seed, task_options=task_options)
         per_model = evaluate(backbone, calibrators, built, work / "eval", n_bins=n_bins, seed=seed,
                              overwrite=overwrite, progress=progress) if built else {}
         token = token_confidences(val_store, backbone, calibrators, progress=progress)

@@ -188,7 +188,7 @@ def run_evidence(backbone: Backbone, out_dir: str | Path, plan: EvidencePlan, *,
     token = token_confidences(val_store, backbone, calibrators, progress=progress)
     token_level = jsonable({name: summarize(*value) for name, value in token.items()})
     built = build_tasks(plan.tasks, plan.task_limit, seed=plan.seed,
-                        mmlu_options={"subjects": plan.mmlu_subjects} if plan.mmlu_subjects else None)
+                        task_options={"mmlu": {"subjects": plan.mmlu_subjects}} if plan.mmlu_subjects else None)
     references = tuple(r for r in ("ats", "ats-top-label") if r in calibrators)
     tasks = evaluate(backbone, calibrators, built, out / "eval", bootstrap=plan.bootstrap, seed=plan.seed,
                      references=references, overwrite=overwrite, progress=progress)

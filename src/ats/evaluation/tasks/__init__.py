@@ -1,7 +1,8 @@
 """Evaluation tasks: MMLU, TriviaQA, TruthfulQA MC1 and generation, and any multiple-choice JSONL file.
 
-`build_task(spec)` accepts 'mmlu', 'triviaqa', 'truthfulqa_mc1', 'truthfulqa_gen', 'nq_open', 'mc:PATH',
-'mc:PATH:letters', 'mc:PATH:likelihood'.
+`build_task(spec)` accepts every registered spec (`KNOWN_SPECS`: 'mmlu', 'triviaqa', 'truthfulqa_mc1',
+'truthfulqa_gen', 'nq_open', 'mc:PATH', 'mc:PATH:letters', 'mc:PATH:likelihood'); a new task registers itself with
+`@register_task` (`registry.py`).
 Every task runs the backbone once per example and applies every calibrator to that same forward.
 """
 
@@ -10,16 +11,14 @@ from __future__ import annotations
 from ...errors import ATSError
 from .base import Task, TaskResult
 from .mmlu import MMLUTask
-from .multiple_choice import MODES, MultipleChoiceTask
+from .multiple_choice import MultipleChoiceTask
 from .nq_open import NQOpenTask
+from .registry import REGISTRY, known_specs, register_task, resolve
 from .triviaqa import TriviaQATask
 from .truthfulqa import TruthfulQAMC1Task
 from .truthfulqa_gen import TruthfulQAGenTask
 
-TASKS = {"mmlu": MMLUTask, "triviaqa": TriviaQATask, "truthfulqa_mc1": TruthfulQAMC1Task,
-         "truthfulqa_gen": TruthfulQAGenTask, "nq_open": NQOpenTask}
-KNOWN_SPECS = ("mmlu", "triviaqa", "truthfulqa_mc1", "truthfulqa_gen", "nq_open", "mc:PATH", "mc:PATH:letters",
-               "mc:PATH:likelihood")
+KNOWN_SPECS = known_specs()  # every task module above has registered itself
 
 
 def build_task(spec: str, *, limit: int | None = None, seed: int = 0, **options) -> Task:
@@ -38,36 +37,22 @@ def build_task(spec: str, *, limit: int | None = None, seed: int = 0, **options)
         ATSError: if the spec is empty or unknown, an mc spec has no path, an option is unknown, or the task
             rejects its options or its file.
     """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ATSError(f"task spec must be a non-empty string, got {spec!r}; known: {', '.join(KNOWN_SPECS)}")
-    spec = spec.strip()
-    if spec.startswith("mc:"):
-        path, mode = spec[3:], "letters"
-        head, sep, tail = path.rpartition(":")
-        if sep and tail in MODES:
-            path, mode = head, tail
-        if not path:
-            raise ATSError(f"task {spec!r}: missing file path; expected mc:PATH[:letters|likelihood]")
-        cls, args = MultipleChoiceTask, (path, mode)
-    elif spec in TASKS:
-        cls, args = TASKS[spec], ()
-    else:
-        raise ATSError(f"unknown task {spec!r}; known: {', '.join(KNOWN_SPECS)}")
+    entry, args = resolve(spec)
     try:
-        return cls(*args, limit=limit, seed=seed, **options)
+        return entry.cls(*args, limit=limit, seed=seed, **options)
     except TypeError as err:
-        raise ATSError(f"task {spec!r}: bad option ({err})") from None
+        raise ATSError(f"task {spec.strip()!r}: bad option ({err})") from None
 
 
-def build_tasks(tasks, task_limit=None, *, seed: int = 0, mmlu_options: dict | None = None) -> list[Task]:
-    """Task objects from specs (Task objects are kept); `task_limit`: an int for all, or spec -> int ('mc' for every
-    mc:PATH); `mmlu_options` go to MMLU (n_shots, subjects, split).
+def build_tasks(tasks, task_limit=None, *, seed: int = 0, task_options: dict | None = None) -> list[Task]:
+    """Task objects from specs (Task objects are kept).
 
     Args:
         tasks: task specs or Task objects.
-        task_limit: None (all questions), an int for every task, or spec -> int (a missing spec: all).
+        task_limit: None (all questions), an int for every task, or a dict keyed by a spec or by a registered name
+            (e.g. 'mc' for every mc:PATH); a task in neither: all questions.
         seed: the seed of the subsets.
-        mmlu_options: constructor options for the 'mmlu' spec.
+        task_options: registered name -> constructor options of its tasks (e.g. {"mmlu": {"subjects": [...]}}).
 
     Returns:
         The tasks, in order.
@@ -81,13 +66,13 @@ def build_tasks(tasks, task_limit=None, *, seed: int = 0, mmlu_options: dict | N
             built.append(t)
             continue
         spec = t.strip()
+        entry, _ = resolve(spec)
         limit = task_limit
         if isinstance(task_limit, dict):
-            limit = task_limit.get("mc" if spec.startswith("mc:") and "mc" in task_limit else spec)
-        options = dict(mmlu_options or {}) if spec == "mmlu" else {}
-        built.append(build_task(spec, limit=limit, seed=seed, **options))
+            limit = task_limit.get(spec, task_limit.get(entry.name))
+        built.append(build_task(spec, limit=limit, seed=seed, **dict((task_options or {}).get(entry.name, {}))))
     return built
 
 
-__all__ = ["build_tasks", "KNOWN_SPECS", "MMLUTask", "MultipleChoiceTask", "NQOpenTask", "Task", "TaskResult",
-           "TriviaQATask", "TruthfulQAGenTask", "TruthfulQAMC1Task", "build_task"]
+__all__ = ["KNOWN_SPECS", "MMLUTask", "MultipleChoiceTask", "NQOpenTask", "REGISTRY", "Task", "TaskResult",
+           "TriviaQATask", "TruthfulQAGenTask", "TruthfulQAMC1Task", "build_task", "build_tasks", "register_task"]

@@ -22,6 +22,7 @@ from ...calibrators.base import Calibrator
 from ...errors import ATSError
 from ...io import read_jsonl
 from .base import Task, TaskResult, seeded_subset
+from .registry import register_task
 from .scoring import ItemGroup, LetterItem, choice_item, encode, letter_token_ids, score_groups
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,22 @@ def safe_stem(path: str | Path) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(path).stem).strip("._") or "file"
 
 
+def parse_mc_spec(rest: str, spec: str) -> tuple[str, str]:
+    """(path, mode) of 'mc:PATH[:letters|likelihood]' from the text after 'mc:'.
+
+    Raises:
+        ATSError: if the path is empty.
+    """
+    path, mode = rest, "letters"
+    head, sep, tail = rest.rpartition(":")
+    if sep and tail in MODES:
+        path, mode = head, tail
+    if not path:
+        raise ATSError(f"task {spec!r}: missing file path; expected mc:PATH[:letters|likelihood]")
+    return path, mode
+
+
+@register_task("mc", forms=("mc:PATH", "mc:PATH:letters", "mc:PATH:likelihood"), parse=parse_mc_spec)
 class MultipleChoiceTask(Task):
     """A JSONL multiple-choice set scored by letters (zero-shot) or by choice likelihood.
 
