@@ -222,3 +222,65 @@ def test_cli_generate_streams_the_api_text_and_confidence(smollm2, tmp_path, cap
     assert printed.startswith(expected.text)
     assert f"sequence confidence: mean {expected.mean_confidence:.3f}" in printed
     assert f"(uncalibrated mean {expected.mean_uncalibrated:.3f})" in printed
+
+
+def _fitted(backbone, kind: str):
+    """A calibrator of type `kind` away from identity for `backbone` (None for "none")."""
+    from ats.calibrators import build_calibrator
+    from ats.calibrators.thermometer import Thermometer
+
+    if kind == "none":
+        return None
+    if kind == "thermometer":
+        thermometer = Thermometer(hidden_size=backbone.hidden_size, mlp_hidden=16)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in thermometer.net.parameters():
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        thermometer.fitted = True
+        return thermometer
+    ids = torch.tensor([backbone.tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]])
+    with torch.no_grad():
+        hidden, _ = backbone.forward(ids)
+        chunk = (backbone.logits(hidden)[0, :-1].float(), ids[0, 1:])
+    calibrator = build_calibrator(kind).fit(lambda: iter([chunk]))
+    if kind == "temperature":
+        calibrator.temperature = 1.7
+    return calibrator
+
+
+@pytest.mark.parametrize("kind", ["none", "temperature", "histogram", "thermometer"])
+def test_any_calibrator_generates_the_model_text_with_its_own_probabilities(tiny_backbone, kind):
+    """Greedy text is the uncalibrated model's; each token's probability is `Calibrator.apply` on a full pass (the
+    prompt's last hidden state for Thermometer); `answer_confidence` maps it through a binning map."""
+    calibrator = _fitted(tiny_backbone, kind)
+    out = generate_calibrated(tiny_backbone, calibrator, PROMPTS[1], max_new_tokens=6)[0]
+    assert out.text == plain_greedy(tiny_backbone, [PROMPTS[1]], 6)[0]
+    ids, mask, _ = encode_prompts(tiny_backbone, [PROMPTS[1]])
+    full = torch.cat([ids, torch.tensor([out.token_ids])], 1)
+    with torch.no_grad():
+        hidden, _ = tiny_backbone.forward(full)
+        index = torch.arange(ids.shape[1] - 1, full.shape[1] - 1)[None]
+        z = tiny_backbone.logits(hidden)[:, index[0]].float()
+        q = z if calibrator is None else calibrator.apply(z, hidden, index=index)
+    p = q[0].softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.confidences), p, atol=1e-5, rtol=1e-4)
+    mapped = p.double() if calibrator is None else torch.tensor(calibrator.map_confidence(p))
+    assert out.answer_confidence == pytest.approx(float(mapped.mean()), abs=1e-6)
+    assert out.confidence_kind == ("mapped" if kind == "histogram" else "probability")
+
+
+def test_cli_generate_with_calibrator_none_prints_the_model_own_text(smollm2, capsys, monkeypatch):
+    """`ats generate --calibrator none`: the uncalibrated stream beside a calibrated one (no folder needed)."""
+    from ats.cli import main
+
+    prompt = "What is 2 + 2? Answer with one number."
+    expected = generate_calibrated(smollm2, None, prompt, max_new_tokens=8)[0]
+    assert expected.confidences == pytest.approx(expected.uncalibrated, abs=1e-6)
+    monkeypatch.setenv("NO_COLOR", "1")
+    capsys.readouterr()
+    assert main(["generate", "--model", "smollm2-135m-instruct", "--calibrator", "none", "--max-new-tokens", "8",
+                 *prompt.split()]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(expected.text) and expected.text == plain_greedy(smollm2, [prompt], 8)[0]
+    assert f"answer confidence: {expected.answer_confidence:.3f}" in printed

@@ -159,3 +159,24 @@ def test_calibrators_that_give_no_log_likelihoods_are_refused(tmp_path, tiny_fol
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(ATSError, match="trained for base model 'tiny-llama'"):
         ATSLM(pretrained=str(tiny_folder), calibrator=str(tmp_path / "other"), device="cpu")
+
+
+def test_check_calibrator_reads_capabilities_and_the_papers_layout(tmp_path, tiny_backbone):
+    """The paper's released layout (and its conversion) is an ATS-family head: accepted; Thermometer (a prompt's
+    temperature) and binning methods are refused by their capability flags, not by their class."""
+    import json
+
+    from ats.calibrators.thermometer import Thermometer
+
+    official = tmp_path / "official"
+    official.mkdir()
+    (official / "config.json").write_text(json.dumps({"calibration_type": "transformer", "in_features": 64,
+                                                      "intermediate_size": 128, "num_attention_heads": 4}))
+    assert check_calibrator(str(official)) == official
+    (tmp_path / "converted").mkdir()
+    (tmp_path / "converted" / "calibrator_config.json").write_text(json.dumps({"type": "ats-official"}))
+    assert check_calibrator(str(tmp_path / "converted")) == tmp_path / "converted"
+    thermometer = Thermometer(hidden_size=tiny_backbone.hidden_size)
+    with pytest.raises(ATSError, match="one temperature per prompt"):
+        check_calibrator(thermometer)
+    assert check_calibrator(ATSCalibrator.for_backbone(tiny_backbone)) is not None

@@ -73,3 +73,105 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+# --- every calibrator type, fitted (or set) for the serving model, each behind its own server ------------------------
+
+def _official_head(folder: Path, hidden_size: int) -> Path:
+    """A head in the layout of the paper's released heads (config.json + calibration_head.safetensors), random."""
+    import json
+
+    from safetensors.torch import save_file
+
+    heads, kv_heads, inter = 4, 2, 2 * hidden_size
+    d = hidden_size // heads
+    g = torch.Generator().manual_seed(7)
+
+    def rand(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    attn = "transformer.self_attn."
+    state = {attn + "q_proj.weight": rand(hidden_size, hidden_size),
+             attn + "k_proj.weight": rand(kv_heads * d, hidden_size),
+             attn + "v_proj.weight": rand(kv_heads * d, hidden_size),
+             attn + "o_proj.weight": rand(hidden_size, hidden_size),
+             "transformer.mlp.gate_proj.weight": rand(inter, hidden_size),
+             "transformer.mlp.up_proj.weight": rand(inter, hidden_size),
+             "transformer.mlp.down_proj.weight": rand(hidden_size, inter),
+             "transformer.input_layernorm.weight": 1 + rand(hidden_size, scale=0.1),
+             "transformer.post_attention_layernorm.weight": 1 + rand(hidden_size, scale=0.1),
+             "linear_head.weight": rand(1, hidden_size, scale=0.05), "linear_head.bias": torch.tensor([0.3])}
+    config = {"calibration_type": "transformer", "in_features": hidden_size, "intermediate_size": inter,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "feature_key": "hidden_states",
+              "normalize_logits": False, "base_model_name_or_path": "tiny", "max_position_embeddings": 4096}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    save_file(state, str(folder / "calibration_head.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def calibrator_folders(backbone, head_dir, tmp_path_factory) -> dict[str, Path]:
+    """One saved calibrator of every type for the serving model, away from identity: fitted on the model's own
+    logits over a few texts (temperature, binning, isotonic), or set by hand (vector, Thermometer, the constant
+    control, the paper's layout); "ats" is the transformer head of the other serving tests."""
+    from ats.calibrators import build_calibrator
+    from ats.calibrators.thermometer import Thermometer
+
+    root = tmp_path_factory.mktemp("calibrators")
+    tok = backbone.tokenizer
+    texts = ["The quick brown fox jumps over the lazy dog. " * 3, "Calibration is about knowing what you know. " * 3,
+             "Paris is the capital of France, and Rome the capital of Italy. " * 2]
+    chunks = []
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([tok(text)["input_ids"]])
+            hidden, _ = backbone.forward(ids)
+            chunks.append((backbone.logits(hidden)[0, :-1].float(), ids[0, 1:]))
+
+    def data():
+        return iter(chunks)
+
+    made = {name: build_calibrator(name).fit(data) for name in ("scaling-binning", "histogram", "isotonic")}
+    temperature = build_calibrator("temperature")
+    temperature.temperature = 1.7
+    made["temperature"] = temperature
+    g = torch.Generator().manual_seed(3)
+    vector = build_calibrator("vector")
+    vector.scale = 1 + 0.3 * torch.randn(backbone.vocab_size, generator=g)
+    vector.bias = 0.5 * torch.randn(backbone.vocab_size, generator=g)
+    made["vector"] = vector
+    thermometer = Thermometer(hidden_size=backbone.hidden_size, mlp_hidden=16)
+    with torch.no_grad():
+        for p in thermometer.net.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    thermometer.fitted = True
+    made["thermometer"] = thermometer
+    constant = ATSCalibrator.for_backbone(backbone, head_type="constant", method="selective-temperature")
+    with torch.no_grad():
+        constant.head.tau.fill_(-0.04)  # tau = gain * -0.04 = -0.32: one temperature of about 1.4
+    made["selective-temperature"] = constant
+    folders = {}
+    for name, calibrator in made.items():
+        calibrator.save_pretrained(root / name)
+        folders[name] = root / name
+    folders["ats"] = head_dir
+    folders["ats-official"] = _official_head(root / "ats-official", backbone.hidden_size)
+    return folders
+
+
+@pytest.fixture(scope="session")
+def calibrator_servers(model_dir, calibrator_folders, tmp_path_factory):
+    """A server per calibrator type (and one uncalibrated, "none"), started together."""
+    logs = tmp_path_factory.mktemp("calibrator-servers")
+    folders = {**calibrator_folders, "none": "none"}
+    servers = {name: Server(["--model", str(model_dir), "--calibrator", str(folder), "--served-model-name",
+                             MODEL_NAME, "--max-batch", "4"], logs / f"{name}.log", wait=False)
+               for name, folder in folders.items()}
+    try:
+        for server in servers.values():
+            server.wait(timeout=300)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
