@@ -91,6 +91,18 @@ def source_top1(source) -> tuple[np.ndarray, np.ndarray]:
     return sketch.confidence.numpy(), sketch.correct.numpy()
 
 
+def source_summary(source) -> Tensor | None:
+    """The scale summary rows (N, D) of a fit source's tokens (`FitSource.summary`), or None when it has none.
+
+    Args:
+        source: a `FitSource`.
+
+    Returns:
+        (N, D) float32 rows aligned with the source's logit chunks, or None.
+    """
+    return getattr(source, "summary", None)
+
+
 def vector_pair(tensors: dict[str, Tensor], first: str, second: str) -> tuple[np.ndarray, np.ndarray]:
     """Two saved equal-length, non-empty float64 vectors (bin edges and values, isotonic thresholds).
 

@@ -47,6 +47,9 @@ class FitSource(Protocol):
     sketch (optional): a `LogitSketch` of the same tokens as logit_chunks, built once; the global-temperature,
     binning and Thermometer methods fit on it instead of passing over the logits again; with it, sequence_ids (N,)
     gives the sequence of each of its rows.
+    summary (optional): the scale summary rows (N, D) of the same tokens as logit_chunks, in the same order
+    (`ats.model.scale_summary`, stored with the features), or None; temperature scaling and Thermometer evaluate
+    F(s) = logsumexp(s z) and its derivatives from it without any pass over the vocabulary (`fits_on_summary`).
     """
 
     logit_chunks: LogitChunks
@@ -73,6 +76,7 @@ class Calibrator(ABC):
     maps_confidence: ClassVar[bool] = False  # maps the top-1 confidence (binning methods)
     trains_head: ClassVar[bool] = False  # trained by the ATS trainer with the run's TrainingConfig (ATS, controls)
     fits_on_sketch: ClassVar[bool] = False  # fit_source uses the source's LogitSketch when it has one
+    fits_on_summary: ClassVar[bool] = False  # fit_source uses the source's scale summary when it has one
     token_head: ClassVar[bool] = False  # a per-token head: temperature(h, mask, cache=) and scale(tau) (ATS family)
     prompt_hidden: ClassVar[bool] = False  # reads only the prompt's last hidden state (Thermometer)
 

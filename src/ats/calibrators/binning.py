@@ -132,6 +132,7 @@ class ScalingBinning(_Binning):
 
     name = "scaling-binning"
     fits_on_sketch = True
+    fits_on_summary = True  # its temperature: temperature scaling's route (the scale summary when there is one)
 
     def __init__(self, *, n_bins: int = 15) -> None:
         super().__init__(n_bins=n_bins)
@@ -156,7 +157,8 @@ class ScalingBinning(_Binning):
         return self
 
     def fit_source(self, source) -> "ScalingBinning":
-        """Reuses the temperature of a temperature-scaling fit on the same source, if there is one.
+        """Reuses the temperature of a temperature-scaling fit on the same source, if there is one (else fits it
+        as `TemperatureScaling.fit_source` does: from the scale summary when the source has one).
 
         Args:
             source: the fitting data; its `sketch` (if it has one, else its logit chunks) and
@@ -169,7 +171,7 @@ class ScalingBinning(_Binning):
         sketch = getattr(source, "sketch", None)
         if sketch is None:
             return self.fit(source.logit_chunks, temperature=done)
-        self.temperature = done if done is not None else TemperatureScaling().fit_sketch(sketch).temperature
+        self.temperature = done if done is not None else TemperatureScaling().fit_source(source).temperature
         conf = sketch.top1_confidence(1.0 / self.temperature).numpy()
         self.upper_edges, self.values = equal_mass_bins(conf, conf, self.n_bins)
         return self

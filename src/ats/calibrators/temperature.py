@@ -3,6 +3,12 @@
 The fit never holds all logits: it runs exact Newton steps on s = 1/T, one pass over the chunks per step. Per token
 the loss is logsumexp(s z) - s z_y, so dL/ds = E_p[z] - z_y and d2L/ds2 = Var_p[z] >= 0 (p = softmax(s z)); the loss
 is convex in s, and a bracket [lo, hi] on the root of dL/ds guards every step (bisection when Newton leaves it).
+
+Three routes give the same Newton steps: the logit chunks (exact, one full-vocabulary pass per step), a `LogitSketch`
+(`fit_sketch`) and the features' scale summary (`fit_summary`: per token the loss is G(s) + s (z_top - z_y), G from
+the summary's piecewise quintic, no pass over the vocabulary at all). `fit_source` takes the summary when the source
+has one, else the sketch, else the chunks. The summary covers 0 < s <= its max_scale (T >= 1 / max_scale, 0.1 by
+default); an optimum beyond it is fitted by the next route instead.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from torch import Tensor
 
 from ..checks import check_positive_float, check_positive_int
 from ..errors import ATSError
-from ._fitting import iter_chunks
+from ..model.scale_summary import SummaryView, scaled_ce_from_summary
+from ._fitting import iter_chunks, source_summary
 from .base import Calibrator, LogitChunks
 from .sketch import LogitSketch
 
@@ -74,6 +81,26 @@ def sketch_derivatives(sketch: LogitSketch, s: float) -> tuple[float, float]:
     return float(grad.detach()), float(hess)
 
 
+def summary_derivatives(summary: Tensor, s: float) -> tuple[float, float]:
+    """Mean dNLL/ds and d2NLL/ds2 at inverse temperature s, from scale summary rows (in float64).
+
+    Per token NLL(s) = CE(s z, y) = G(s) + s (z_top - z_y) (`scaled_ce_from_summary`); its derivatives are those of
+    the summary's piecewise quintic, by autograd.
+
+    Args:
+        summary: (N, D) summary rows (float64 saves a conversion per call).
+        s: the inverse temperature 1/T, in (0, max_scale].
+
+    Returns:
+        (mean dNLL/ds, mean d2NLL/ds2).
+    """
+    s_t = torch.tensor(float(s), dtype=torch.float64, requires_grad=True)
+    loss = scaled_ce_from_summary(summary, s_t.expand(summary.shape[0])).ce_label.mean()
+    (grad,) = torch.autograd.grad(loss, s_t, create_graph=True)
+    (hess,) = torch.autograd.grad(grad, s_t)
+    return float(grad.detach()), float(hess)
+
+
 class TemperatureScaling(Calibrator):
     """One temperature for every token: q = z / T, T fitted by NLL with guarded Newton steps on 1/T.
 
@@ -84,6 +111,7 @@ class TemperatureScaling(Calibrator):
 
     name = "temperature"
     fits_on_sketch = True
+    fits_on_summary = True
 
     def __init__(self, *, max_passes: int = 20, tol: float = 1e-4) -> None:
         self.max_passes = check_positive_int("max_passes", max_passes)
@@ -116,9 +144,32 @@ class TemperatureScaling(Calibrator):
         """
         return self._newton(lambda s: sketch_derivatives(sketch, s))
 
+    def fit_summary(self, summary: Tensor) -> "TemperatureScaling | None":
+        """Fit T as `fit` does, every Newton step computed from scale summary rows (no pass over the vocabulary).
+
+        Args:
+            summary: (N, D) the scale summary rows of the fitting tokens (`summarize_logits`).
+
+        Returns:
+            self, with `temperature` set; None (self unchanged) when the optimum lies beyond the summary's range
+            (1/T > max_scale), where only another route can fit it.
+
+        Raises:
+            ATSError: if there is no row or the rows are not a scale summary.
+        """
+        if summary.dim() != 2 or summary.shape[0] == 0:
+            raise ATSError(f"temperature scaling: expected scale summary rows (N, D), N > 0, got "
+                           f"{tuple(summary.shape)}")
+        rows = summary.double()
+        upper = min(S_MAX, SummaryView(rows).spec.max_scale)
+        if summary_derivatives(rows, upper)[0] < 0:  # the loss still falls at the summary's largest scale
+            return None
+        return self._newton(lambda s: summary_derivatives(rows, s), upper=upper)
+
     def fit_source(self, source) -> "TemperatureScaling":
-        """Fit on the source's `sketch` when it has one (one shared pass for all global-temperature methods),
-        otherwise on its logit chunks.
+        """Fit on the source's scale `summary` when it has one (no pass over the vocabulary), else on its `sketch`
+        (one shared pass for all global-temperature methods), else on its logit chunks; an optimum beyond the
+        summary's range goes to the next route.
 
         Args:
             source: the fitting data.
@@ -126,12 +177,16 @@ class TemperatureScaling(Calibrator):
         Returns:
             self, fitted.
         """
+        summary = source_summary(source)
+        if summary is not None and self.fit_summary(summary) is not None:
+            return self
         sketch = getattr(source, "sketch", None)
         return self.fit_sketch(sketch) if sketch is not None else self.fit(source.logit_chunks)
 
-    def _newton(self, derivatives) -> "TemperatureScaling":
-        """Guarded Newton on s = 1/T; `derivatives(s)` -> (dNLL/ds, d2NLL/ds2)."""
-        s, lo, hi = 1.0, S_MIN, S_MAX  # the optimum of the convex loss lies in [lo, hi] (clamped to the range)
+    def _newton(self, derivatives, upper: float = S_MAX) -> "TemperatureScaling":
+        """Guarded Newton on s = 1/T in [S_MIN, upper]; `derivatives(s)` -> (dNLL/ds, d2NLL/ds2)."""
+        lo, hi = S_MIN, upper  # the optimum of the convex loss lies in [lo, hi] (clamped to the range)
+        s = 1.0 if lo < 1.0 < hi else math.sqrt(lo * hi)
         for passes in range(1, self.max_passes + 1):
             grad, hess = derivatives(s)
             if grad > 0:

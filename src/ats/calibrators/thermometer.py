@@ -29,12 +29,17 @@ Which hidden state is "the prompt's last token":
 
 Logits are never built for the whole data. `fit_sequences` recomputes them from hidden states in chunks
 (`ats.model.scaled_ce.scaled_cross_entropy`, exact gradient w.r.t. the per-token scale), one full-vocabulary pass per
-epoch. `fit_sketch` (what `fit_source` uses when the source has one) reads each token's `LogitSketch` instead: after
-the sketch's one shared pass, every epoch costs K + B terms per token instead of V.
+epoch. `fit_summary` (what `fit_source` uses when the features carry a scale summary) reads each token's summary row
+instead: CE = G(s) + s (z_top - z_y) with G from the summary's piecewise quintic, no pass over the vocabulary at all
+(the summary covers s <= its max_scale, T >= 0.1 by default: a prompt whose 1/T goes beyond it is evaluated at
+max_scale, and counted in the history as `beyond_summary`). `fit_sketch` (what `fit_source` uses otherwise, when the
+source has a sketch) reads each token's `LogitSketch`: after the sketch's one shared pass, every epoch costs K + B
+terms per token instead of V.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable
 
@@ -46,10 +51,13 @@ from tqdm.auto import tqdm
 from ..checks import check_nonnegative_float, check_number, check_positive_float, check_positive_int
 from ..errors import ATSError
 from ..model.backbone import IGNORE_INDEX
+from ..model.scale_summary import SummaryView, scaled_ce_from_summary
 from ..model.scaled_ce import scaled_cross_entropy
+from ._fitting import source_summary
 from .base import Calibrator, FitSource, LogitChunks
 from .temperature import S_MAX, S_MIN
 
+logger = logging.getLogger(__name__)
 SOFTPLUS_ONE = math.log(math.e - 1.0)  # softplus(SOFTPLUS_ONE) == 1: the network starts at T = 1
 
 
@@ -151,6 +159,7 @@ class Thermometer(Calibrator):
     needs_hidden = True
     prompt_hidden = True
     fits_on_sketch = True
+    fits_on_summary = True
 
     def __init__(self, *, hidden_size: int, mlp_hidden: int = 256, epochs: int = 2, lr: float = 1e-3,
                  weight_decay: float = 1e-4, batch_size: int = 8, prior_alpha: float = 1.25,
@@ -269,15 +278,20 @@ class Thermometer(Calibrator):
         return cls(**{"hidden_size": source.hidden_size, **options})
 
     def fit_source(self, source: FitSource) -> "Thermometer":
-        """Fit on the source's `sketch` when it has one (`fit_sketch`: no pass over the logits), otherwise on its
-        sequences of hidden states (`fit_sequences`).
+        """Fit on the source's scale `summary` when it has one (`fit_summary`: no pass over the vocabulary), else on
+        its `sketch` (`fit_sketch`: no pass over the logits after the sketch's), otherwise on its sequences of hidden
+        states (`fit_sequences`).
 
         Args:
-            source: the fitting data; its `store` and `logits_fn`, or `sketch` and `sequence_ids`, are read.
+            source: the fitting data; its `store` and `logits_fn`, or `summary` / `sketch` and `sequence_ids`, are
+                read.
 
         Returns:
             self, fitted.
         """
+        summary = source_summary(source)
+        if summary is not None:
+            return self.fit_summary(prompt_states(source.store), summary, source.sequence_ids)
         sketch = getattr(source, "sketch", None)
         if sketch is not None:
             return self.fit_sketch(prompt_states(source.store), sketch, source.sequence_ids)
@@ -374,13 +388,57 @@ class Thermometer(Calibrator):
         Raises:
             ATSError: if the sizes disagree, a loss is not finite, or no sequence has a fitting token.
         """
+        return self._fit_tokens(prompts, len(sketch), sequence_ids, lambda rows, s: sketch.select(rows).nll(s),
+                                "sketch", progress)
+
+    def fit_summary(self, prompts: Tensor, summary: Tensor, sequence_ids: Tensor, *,
+                    progress: bool = False) -> "Thermometer":
+        """Fit as `fit_sequences` does, each sequence's mean cross-entropy computed from the scale summary rows of
+        its response tokens (all of them, or the fitting subset's: then the mean over the sampled ones); the
+        gradient w.r.t. each prompt's 1/T is that of the summary's piecewise quintic.
+
+        A token whose prompt's 1/T exceeds the summary's max_scale (T below 0.1 by default) is evaluated at
+        max_scale (the loss is flat beyond it); `beyond_summary_` counts such token evaluations over the fit (with a
+        warning when there are any).
+
+        Args:
+            prompts: (S, H) each sequence's prompt feature (`prompt_states`).
+            summary: (N, D) the scale summary rows of the fitting tokens (`summarize_logits`).
+            sequence_ids: (N,) the sequence of each row, in [0, S).
+
+        Returns:
+            self, fitted, the network in eval mode (on the CPU).
+
+        Raises:
+            ATSError: if the sizes disagree, a loss is not finite, or no sequence has a fitting token.
+        """
+        if summary.dim() != 2 or summary.shape[0] == 0:
+            raise ATSError(f"Thermometer: expected scale summary rows (N, D), N > 0, got {tuple(summary.shape)}")
+        max_scale = SummaryView(summary).spec.max_scale
+        self.beyond_summary_ = 0
+
+        def nll(rows: Tensor, s: Tensor) -> Tensor:
+            self.beyond_summary_ += int((s.detach() > max_scale).sum())
+            return scaled_ce_from_summary(summary[rows], s.clamp(max=max_scale)).ce_label
+
+        self._fit_tokens(prompts, summary.shape[0], sequence_ids, nll, "summary", progress)
+        if self.beyond_summary_:
+            logger.warning("Thermometer: %d token evaluations had 1/T above the scale summary's max_scale %g and "
+                           "were evaluated at it; fit on the sketch or the sequences for temperatures below %g",
+                           self.beyond_summary_, max_scale, 1 / max_scale)
+        return self
+
+    def _fit_tokens(self, prompts: Tensor, n_rows: int, sequence_ids: Tensor, nll_of: Callable, what: str,
+                    progress: bool) -> "Thermometer":
+        """`fit_sketch` / `fit_summary`: AdamW over batches of sequences, each token's CE at its prompt's 1/T from
+        `nll_of(rows (n,), s (n,))` -> (n,), over `n_rows` per-token rows of the fitting tokens."""
         if prompts.dim() != 2 or prompts.shape[1] != self.hidden_size:
             raise ATSError(f"Thermometer: prompts must be (S, {self.hidden_size}), got {tuple(prompts.shape)}")
-        if sequence_ids.shape != (len(sketch),):
-            raise ATSError(f"Thermometer: {len(sketch)} sketch rows but sequence_ids of shape "
+        if sequence_ids.shape != (n_rows,):
+            raise ATSError(f"Thermometer: {n_rows} {what} rows but sequence_ids of shape "
                            f"{tuple(sequence_ids.shape)}")
         counts = torch.bincount(sequence_ids, minlength=prompts.shape[0])  # (S,) fitting tokens per sequence
-        rows = torch.argsort(sequence_ids, stable=True)  # sketch rows grouped by sequence
+        rows = torch.argsort(sequence_ids, stable=True)  # the rows grouped by sequence
         starts = torch.cumsum(counts, 0) - counts
         present = (counts > 0).nonzero().squeeze(1)
         gen = torch.Generator().manual_seed(self.seed)
@@ -392,7 +450,7 @@ class Thermometer(Calibrator):
             local = torch.repeat_interleave(torch.arange(len(batch)), counts[batch])  # (n,) batch row of each token
             picked = torch.cat([rows[starts[i]:starts[i] + counts[i]] for i in batch.tolist()])
             s = self.inverse_temperature(prompts[batch])  # (b,)
-            nll = sketch.select(picked).nll(s[local])  # (n,)
+            nll = nll_of(picked, s[local])  # (n,)
             per_seq = torch.zeros(len(batch), dtype=nll.dtype).index_add(0, local, nll) / counts[batch]
             temperature = 1.0 / s
             loss = per_seq.mean() + self.prior_weight * self.prior(temperature.to(per_seq.dtype)).mean()

@@ -455,6 +455,23 @@ class FeatureStore:
         keep_subset = self._token_subset(max_tokens, seed)
         return ids if keep_subset is None else ids[keep_subset]
 
+    def response_summary(self, *, max_tokens: int | None = None, seed: int = 0) -> Tensor | None:
+        """(N, D) float32: the scale summary row of every response token, in the order of `response_tokens` with
+        the same `max_tokens` and `seed`; None for a folder extracted without a summary.
+
+        Args:
+            max_tokens: the random subset, as in `response_tokens`; None: all.
+            seed: the seed of the subset.
+
+        Returns:
+            (N, D) rows, or None.
+        """
+        if self.scale_summary is None:
+            return None
+        rows = torch.cat([self.load_shard(k)["summary"] for k in range(self.n_shards)])
+        keep_subset = self._token_subset(max_tokens, seed)
+        return rows if keep_subset is None else rows[keep_subset]
+
     def _token_subset(self, max_tokens: int | None, seed: int) -> Tensor | None:
         """A boolean mask over all response tokens (in shard order) selecting `max_tokens` of them, or None."""
         total = int(self.meta["response_tokens"])

@@ -241,8 +241,10 @@ class FeatureSource:
     fitted: dict = field(default_factory=dict)  # name -> calibrator fitted on this source (reusable by others)
     history: object = None  # the TrainResult of the last head trained
     use_sketch: bool = True  # fit the global-temperature, binning and Thermometer methods on one shared sketch
+    use_summary: bool = True  # fit temperature scaling and Thermometer from the features' scale summary, if any
     cache_bytes: int = 6 * 2**30  # keep the fitting tokens' float32 logits in memory if they fit in this
     _sketch: LogitSketch | None = field(default=None, repr=False)
+    _summary: object = field(default=None, repr=False)
     _cache: list | None = field(default=None, repr=False)
 
     @property
@@ -289,6 +291,14 @@ class FeatureSource:
                         self.fit_tokens or self.store.meta["response_tokens"])
             self._sketch = LogitSketch.from_chunks(self.logit_chunks)
         return self._sketch
+
+    @property
+    def summary(self):
+        """(N, D) the scale summary rows of the fitting tokens, aligned with `logit_chunks`, read once from the
+        features; None when `use_summary` is off or the features carry no summary."""
+        if self.use_summary and self._summary is None:
+            self._summary = getattr(self.store, "response_summary", lambda **_: None)(max_tokens=self.fit_tokens)
+        return self._summary if self.use_summary else None
 
     @property
     def sequence_ids(self):
@@ -456,13 +466,18 @@ def calibrator_fingerprint(name: str, store, fit_tokens: int | None, *, shared_p
         name: its registry name.
         store: the training features.
         fit_tokens: the size of the token subset it is fitted on, or None for all.
-        shared_pass: whether it was fitted from the shared `LogitSketch` (recorded for the methods that use it).
+        shared_pass: whether it was fitted from the shared `LogitSketch` and, for the methods that fit on it, the
+            features' scale summary (each recorded for the methods that use it).
 
     Returns:
         A "calibrator" fingerprint.
     """
-    sketched = shared_pass and calibrator_class(name).fits_on_sketch
+    cls = calibrator_class(name)
+    sketched = shared_pass and cls.fits_on_sketch
     route = {"sketch": {"top_k": TOP_K, "tail_bins": TAIL_BINS}} if sketched else {}
+    summary = getattr(store, "scale_summary", None)
+    if shared_pass and cls.fits_on_summary and summary is not None:
+        route["scale_summary"] = summary.describe()
     return make_fingerprint("calibrator", name=name, features=_store_fingerprint(store), fit_tokens=fit_tokens,
                             **route)
 
@@ -485,10 +500,11 @@ def fit_calibrators(backbone: Backbone, train_store, out_dir: str | Path, names:
         val_store: the held-out features, for the ATS-family names.
         training: the training options of the ATS-family names.
         fit_tokens: fit token-level methods on a fixed seeded subset of this many training tokens; None: all.
-        shared_pass: fit temperature scaling, scaling-binning, histogram binning, isotonic regression and Thermometer
-            from one shared pass over the logits (a `LogitSketch`), and keep the fitting logits in memory for vector
-            scaling's epochs when they fit in 6 GiB; False: every method passes over the logits itself (the
-            reference route, slower).
+        shared_pass: fit temperature scaling and Thermometer from the features' scale summary when they carry one
+            (no pass over the vocabulary), the binning methods and isotonic regression (and those two, on features
+            without a summary) from one shared pass over the logits (a `LogitSketch`), and keep the fitting logits
+            in memory for vector scaling's epochs when they fit in 6 GiB; False: every method passes over the
+            logits itself (the reference route, slower).
         overwrite: replace calibrators made with other options instead of refusing.
         progress: show progress bars.
 
@@ -502,7 +518,7 @@ def fit_calibrators(backbone: Backbone, train_store, out_dir: str | Path, names:
     out_dir = Path(out_dir)
     fitted = {}
     source = FeatureSource(backbone, train_store, progress=progress, fit_tokens=fit_tokens, use_sketch=shared_pass,
-                           cache_bytes=FeatureSource.cache_bytes if shared_pass else 0)
+                           use_summary=shared_pass, cache_bytes=FeatureSource.cache_bytes if shared_pass else 0)
     for name in names:
         target = out_dir / name
         if calibrator_class(name).trains_head:  # ATS and its controls: trained like the ATS head
