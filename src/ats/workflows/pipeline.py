@@ -349,6 +349,21 @@ def head_fingerprint(store, head: HeadConfig, max_scale: float, method: str, tra
                             training=training_options(training, getattr(store, "scale_summary", None)))
 
 
+def head_preset(method: str, head_type: str | None = None, label: str | None = None) -> dict:
+    """The `ATSCalibrator.for_backbone` options of a head method: its registry preset, an explicit `head_type`
+    overriding the preset's, and the name in tables (`label`, else the preset's, else `method`). `train_head` and
+    `check_before_loading` both read it, so a rerun is checked against what training would build.
+
+    Raises:
+        ATSError: if `method` is not a registered calibrator.
+    """
+    preset = dict(entry(method).preset)
+    if head_type is not None:
+        preset["head_type"] = head_type
+    preset["method"] = label or preset.get("method", method)
+    return preset
+
+
 def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, *, method: str = "ats",
                head_type: str | None = None, max_scale: float = 10.0, training: TrainingConfig | None = None,
                label: str | None = None, overwrite: bool = False, resume: bool = False, progress: bool = True,
@@ -385,10 +400,7 @@ def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, 
     dist = dist or SINGLE
     out_dir = Path(out_dir)
     training = training or TrainingConfig()
-    preset = dict(entry(method).preset)
-    if head_type is not None:
-        preset["head_type"] = head_type
-    preset["method"] = label or preset.get("method", method)
+    preset = head_preset(method, head_type, label)
     calibrator = ATSCalibrator.for_backbone(backbone, max_scale=max_scale, seed=training.seed, **preset)
     fp = head_fingerprint(train_store, calibrator.config_.head, max_scale, calibrator.config_.method, training)
     if (out_dir / CONFIG_NAME).exists() and check_reuse(out_dir, "head", stored_fingerprint(out_dir), fp,
@@ -428,7 +440,7 @@ def check_before_loading(features_dir: str | Path, head_dir: str | Path | None, 
         features_dir: the run's features folder.
         head_dir: the run's head folder, or None.
         data: the data options of the rerun.
-        head_type: the head type of the rerun (the method's preset wins).
+        head_type: the head type of the rerun (beats the method's preset, as in `train_head`).
         max_scale: the clamp on exp(tau) of the rerun.
         method: the registry name of the rerun.
         training: the training options of the rerun; None: the head is not checked.
@@ -450,9 +462,9 @@ def check_before_loading(features_dir: str | Path, head_dir: str | Path | None, 
     features = stored_fingerprint(Path(features_dir) / "train") if (Path(features_dir) / "train").is_dir() else None
     summary = features.get("scale_summary") if features is not None else DEFAULT_SUMMARY.describe()
     options = training_options(training, ScaleSummarySpec(**summary) if summary is not None else None)
-    preset = entry(method).preset
-    now = {"head_type": preset.get("head_type", head_type or "transformer"), "max_scale": max_scale,
-           "method": method, "training": options}
+    preset = head_preset(method, head_type)
+    now = {"head_type": preset.get("head_type", HeadConfig().head_type), "max_scale": max_scale,
+           "method": preset["method"], "training": options}
     before = {"head_type": old.get("head", {}).get("head_type"), "max_scale": old.get("max_scale"),
               "method": old.get("method"), "training": old.get("training")}
     if before != now:

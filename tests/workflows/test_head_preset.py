@@ -1,0 +1,43 @@
+"""One rule for what a head method builds: `train_head` and `check_before_loading` read the same preset, so a rerun
+with the options that trained a head is accepted and one with other options is refused, before the model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ats.errors import ATSError
+from ats.training.config import TrainingConfig
+from ats.training.data import DataConfig
+from ats.workflows.pipeline import check_before_loading, head_preset, prepare_features, train_head
+
+
+def test_head_preset_precedence():
+    assert head_preset("selective-temperature") == {"head_type": "constant", "method": "selective-temperature"}
+    assert head_preset("selective-temperature", "linear")["head_type"] == "linear"  # explicit beats the preset
+    assert head_preset("ats", None, "ats-top-label") == {"method": "ats-top-label"}
+    with pytest.raises(ATSError):
+        head_preset("no-such-method")
+
+
+def test_a_rerun_is_checked_against_what_training_built(tiny_backbone, tmp_path):
+    data_file = tmp_path / "data.jsonl"
+    data_file.write_text("".join(json.dumps({"instruction": f"Name a word with {i} letters.", "input": "",
+                                             "output": "word " * (i + 2)}) + "\n" for i in range(8)))
+    data = DataConfig(source=str(data_file), max_length=48, val_fraction=0.25)
+    train, val = prepare_features(tiny_backbone, tmp_path / "features", data, progress=False)
+    training = TrainingConfig(epochs=1, batch_size=2, micro_batch_size=2, lr=1e-3)
+    head = train_head(tiny_backbone, train, None, tmp_path / "head", method="selective-temperature",
+                      head_type="linear", training=training, progress=False)
+    assert head.config_.head.head_type == "linear" and head.config_.method == "selective-temperature"
+    # the same options: accepted (the explicit head type beat the preset in training, and does here too)
+    check_before_loading(tmp_path / "features", tmp_path / "head", data, head_type="linear",
+                         method="selective-temperature", training=training)
+    with pytest.raises(ATSError, match="head"):  # the preset's own head type is not what was trained
+        check_before_loading(tmp_path / "features", tmp_path / "head", data, method="selective-temperature",
+                             training=training)
+    with pytest.raises(ATSError):
+        check_before_loading(tmp_path / "features", tmp_path / "head", data, head_type="linear",
+                             method="selective-temperature", training=TrainingConfig(epochs=2, batch_size=2,
+                                                                                     micro_batch_size=2, lr=1e-3))
