@@ -397,3 +397,12 @@ def test_token_term_joins_the_answer_loss(tiny_backbone, mc_file, tmp_path):
         by_hand = calibration_loss(batch.hidden[sel][keep], head.scale(tau)[sel][keep], batch.labels[sel][keep],
                                    tiny_backbone.logits, loss_type="top-label").loss
         assert part.item() == pytest.approx(by_hand.item(), rel=1e-5)
+    # a window: the first positions only, where a causal head's output equals its output on the whole sequence
+    with torch.no_grad():
+        head = calibrator_for(tiny_backbone, "transformer")
+        tau = head.head(batch.hidden, batch.attention_mask)  # (1, T) the whole sequence
+        sel = (batch.labels != -100) & (torch.arange(batch.labels.shape[1]) < 20)
+        by_hand = calibration_loss(batch.hidden[sel], head.scale(tau)[sel], batch.labels[sel], tiny_backbone.logits,
+                                   loss_type="top-label").loss
+        part = token_term(head, batch, tiny_backbone.logits, chunk_size=64, window=20)
+        assert part.item() == pytest.approx(by_hand.item(), rel=1e-4)

@@ -205,20 +205,27 @@ def answer_batches(sets: list[AnswerSet], batch_size: int, *, seed: int, epoch: 
 
 
 def token_term(calibrator, batch, logits_fn, *, chunk_size: int, max_tokens: int | None = None,
-               generator: torch.Generator | None = None) -> Tensor:
+               window: int | None = None, generator: torch.Generator | None = None) -> Tensor:
     """The top-label log loss of the head's calibrated top-1 confidence on one batch of instruction sequences
     (`ats.training.features.SequenceBatch`): the token-level proper term that keeps token calibration honest.
 
-    The head reads the whole sequences; with `max_tokens`, the loss is the mean over a random subset of that many
-    response tokens (unbiased, and the exact route then builds logits for those tokens only)."""
+    The head reads the sequences' first `window` positions (None: all; a causal head's output there is exactly its
+    output on the whole sequence); with `max_tokens`, the loss is the mean over a random subset of that many of
+    their response tokens (unbiased, and the exact route then builds logits for those tokens only)."""
     from ..model.backbone import IGNORE_INDEX
     from ..training.losses import calibration_loss
 
+    T = batch.hidden.shape[1] if window is None else min(window, batch.hidden.shape[1])
+    select_all = batch.labels != IGNORE_INDEX  # (B, T_full)
+    in_window = torch.zeros_like(select_all)
+    in_window[:, :T] = True
+    keep_rows = in_window[select_all]  # (N,) which summary rows (row-major response positions) lie in the window
     param = next(calibrator.head.parameters())
-    tau = calibrator.head(batch.hidden.to(param.device, param.dtype), batch.attention_mask.to(param.device))  # (B, T)
-    select = batch.labels != IGNORE_INDEX  # (B, T)
-    hidden, scale, labels = batch.hidden[select], calibrator.scale(tau.float().cpu())[select], batch.labels[select]
-    summary = batch.summary  # (N, D) rows of the response positions in the same order, or None
+    hidden_w = batch.hidden[:, :T]  # (B, T, H)
+    tau = calibrator.head(hidden_w.to(param.device, param.dtype), batch.attention_mask[:, :T].to(param.device))
+    select = select_all[:, :T]  # (B, T)
+    hidden, scale, labels = hidden_w[select], calibrator.scale(tau.float().cpu())[select], batch.labels[:, :T][select]
+    summary = batch.summary[keep_rows] if batch.summary is not None else None  # (N_w, D), same order, or None
     if max_tokens is not None and labels.numel() > max_tokens:
         keep = torch.randperm(labels.numel(), generator=generator)[:max_tokens]  # (max_tokens,)
         hidden, scale, labels = hidden[keep], scale[keep], labels[keep]
@@ -237,7 +244,7 @@ def _cycled_batches(store, seed: int):
 
 def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: TrainingConfig, loss_type: str,
                      token_store=None, token_weight: float = 0.0, token_max: int | None = 256,
-                     progress: bool = True) -> AnswerTrainResult:
+                     token_window: int | None = 512, progress: bool = True) -> AnswerTrainResult:
     """Train `calibrator` in place on the answers of `sets` (one optimizer step per `config.batch_size` questions of
     one task), AdamW with a cosine schedule and warmup, seeded by `config.seed` without touching the global RNG.
 
@@ -251,7 +258,8 @@ def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: Tr
         token_store: an instruction `FeatureStore` of the same backbone; with `token_weight` > 0 every step adds
             `token_weight` x the top-label loss of one of its sequences (ATS-family heads only).
         token_weight: the weight of that token-level term.
-        token_max: response tokens per step in that term (a seeded random subset of the sequence's; None: all).
+        token_max: response tokens per step in that term (a seeded random subset of the window's; None: all).
+        token_window: the instruction sequence's first positions the term reads (None: all of them).
         progress: show a progress bar.
 
     Returns:
@@ -282,7 +290,7 @@ def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: Tr
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(config.warmup_ratio * steps), steps)
     record = {**config.to_dict(), "loss_type": loss_type, "lr": lr, "optimizer_steps": steps, "data": "answers",
               "tasks": [s.name for s in sets], "token_weight": token_weight,
-              **({"token_max": token_max} if token_weight > 0 else {})}
+              **({"token_max": token_max, "token_window": token_window} if token_weight > 0 else {})}
     if not thermometer:
         calibrator.config_.training = record
     result = AnswerTrainResult()
@@ -295,7 +303,7 @@ def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: Tr
             entry = {"epoch": epoch, "task": sets[k].name, "answer_loss": loss.item()}
             if tokens is not None:
                 term = token_term(calibrator, next(tokens), logits_fn, chunk_size=config.chunk_size,
-                                  max_tokens=token_max, generator=generator)
+                                  max_tokens=token_max, window=token_window, generator=generator)
                 entry["token_loss"] = term.item()
                 loss = loss + token_weight * term
             if not torch.isfinite(loss):

@@ -61,6 +61,8 @@ class AnswerPlan:
         "ats-answers": "transformer", "linear-answers": "linear", "control-answers": "constant",
         "thermometer-answers": "thermometer", "ats-answers-tokens": "transformer+tokens"})
     token_weight: float = 1.0  # "+tokens" methods: fixed before any run, not tuned (nothing held out measures it)
+    token_window: int = 512  # the instruction sequence's first positions the token term reads (cost: the head's pass)
+    token_max: int = 64  # response tokens of that window per step (a seeded random subset)
     loss_type: str = "answer-log"
     lr_grid: tuple = (3e-4, 1e-3, 3e-3)
     epochs: int = 2
@@ -207,7 +209,7 @@ def train_method(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str,
                             seed=seed)
     train_on_answers(calibrator, sets, backbone.logits, config=config, loss_type=plan.loss_type,
                      token_store=token_store if token_weight > 0 else None, token_weight=token_weight,
-                     progress=progress)
+                     token_max=plan.token_max, token_window=plan.token_window, progress=progress)
     return calibrator
 
 
@@ -222,7 +224,8 @@ def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str,
 
     kind, token_weight = method_spec(plan, method)
     record = {"lr": lr, "seed": seed, "epochs": plan.epochs, "loss_type": plan.loss_type,
-              "batch_size": plan.batch_size, "tasks": [s.name for s in sets], "token_weight": token_weight}
+              "batch_size": plan.batch_size, "tasks": [s.name for s in sets], "token_weight": token_weight,
+              **({"token_max": plan.token_max, "token_window": plan.token_window} if token_weight > 0 else {})}
     if reusable_answer_head(folder, record, head_type=kind, max_scale=10.0, overwrite=False):
         return load_calibrator(folder, backbone)
     calibrator = train_method(backbone, sets, plan, method, lr=lr, seed=seed, token_store=token_store,
@@ -340,14 +343,14 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
         token_store = FeatureStore(Path(token_features) / "train")
         token_store.check_backbone(backbone)
 
-    if "select" in stages and "selection" not in results:
+    if "select" in stages and set(results.get("selection", {})) != set(plan.methods):
         splits = {n: split_holdout(s, plan.holdout_fraction) for n, s in pool.items()}
         train_sets = [a for a, _ in splits.values()]
         selection_tasks = [n for n in plan.selection_tasks if n in splits]
         if not selection_tasks:
             raise ATSError(f"no selection task {list(plan.selection_tasks)} in the pool {list(splits)}")
-        selection = {}
-        for method in plan.methods:
+        selection = results.setdefault("selection", {})  # saved per method: a rerun resumes with the next one
+        for method in [m for m in plan.methods if m not in selection]:
             rows = []
             for lr in plan.lr_grid:
                 head = train_method(backbone, train_sets, plan, method, lr=lr, seed=0, token_store=token_store,
@@ -359,8 +362,7 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
             best = min(rows, key=lambda r: r["heldout_log_loss"])
             selection[method] = {"grid": rows, "lr": best["lr"]}
             logger.info("%s: lr %.3g chosen", method, best["lr"])
-        results["selection"] = selection
-        write_json(results_path, results)
+            write_json(results_path, results)
     lrs = {m: results["selection"][m]["lr"] for m in plan.methods}
 
     if "loo" in stages:
@@ -369,8 +371,9 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
             if left_out in loo:
                 continue
             sets = [pool[n] for n in train_names]
-            heads = {m: [train_method(backbone, sets, plan, m, lr=lrs[m], seed=0, token_store=token_store,
-                                      progress=progress)] for m in plan.methods}
+            heads = {m: [trained_head(backbone, sets, plan, m, lr=lrs[m], seed=0, token_store=token_store,
+                                      folder=out / "loo" / left_out / m / "seed0", progress=progress)]
+                     for m in plan.methods}  # saved: a rerun resumes with the next method
             maps = baselines_on_answers(sets, logits_fn, heads.get("control-answers", [None])[0])
             loo[left_out] = {"train": train_names, **evaluate_methods(heads, maps, pool[left_out], logits_fn, plan)}
             write_json(results_path, results)
