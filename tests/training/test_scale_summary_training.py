@@ -1,6 +1,8 @@
 """Training from the features' scale summaries: every loss equals the exact route's, a head trained both ways ends
 in the same place, and the summary's settings are part of the features' fingerprint."""
 
+import math
+
 import pytest
 import torch
 
@@ -105,3 +107,16 @@ def test_features_without_a_summary_are_reused_and_train_by_the_exact_route(tiny
     assert FeatureStore(again.directory).scale_summary is None
     _, result, _ = _train(tiny_backbone, again, epochs=1)
     assert result.history and all(row["loss"] == row["loss"] for row in result.history)
+
+
+def test_the_global_control_fits_the_same_temperature_both_ways(tiny_backbone, stores):
+    """Issue 24's target: the control's fitted temperature (one global tau, the selective loss) within 1e-3 between
+    the summary and the exact route."""
+    temperatures = {}
+    for exact in (False, True):
+        cal = ATSCalibrator.for_backbone(tiny_backbone, head_type="constant", seed=0)
+        config = TrainingConfig(lr=3e-2, epochs=3, batch_size=4, micro_batch_size=2, exact_loss=exact)
+        train_ats(cal, stores[0], tiny_backbone, config=config, progress=False)
+        temperatures[exact] = math.exp(-cal.head.gain * float(cal.head.tau.detach()))  # T = 1 / exp(tau)
+    assert abs(temperatures[True] - 1) > 0.01, temperatures  # training moved it
+    assert temperatures[False] == pytest.approx(temperatures[True], rel=1e-3)
