@@ -323,13 +323,13 @@ def summary_log_partition(summary: Tensor, scale: Tensor) -> Tensor:
 
     Args:
         summary: (N, D) rows of `summarize_logits`.
-        scale: (N,) scales in (0, max_scale].
+        scale: (N,) scales in [0, max_scale] (0: exp(tau) underflowed; the distribution is uniform).
 
     Returns:
         (N,) float64 G; its gradient w.r.t. `scale` is that of the piecewise quintic.
 
     Raises:
-        ATSError: on mismatched shapes or a scale outside (0, max_scale].
+        ATSError: on mismatched shapes or a scale outside [0, max_scale].
     """
     if summary.dim() != 2 or scale.dim() != 1 or summary.shape[0] != scale.shape[0]:
         raise ATSError(f"scale summary: expected summary (N, D) and scale (N,), got {tuple(summary.shape)} and "
@@ -338,9 +338,10 @@ def summary_log_partition(summary: Tensor, scale: Tensor) -> Tensor:
     rows = summary.to(device=scale.device, dtype=torch.float64)
     s = scale.double()
     max_scale, knee = rows[:, MAX_SCALE], rows[:, KNEE]
-    if bool(((s <= 0) | (s > max_scale * (1 + 1e-6))).any()):
-        bad = ((s <= 0) | (s > max_scale * (1 + 1e-6))).nonzero()[0, 0]
-        raise ATSError(f"scale summary: scale {float(s[bad]):.6g} is outside the summary's range (0, "
+    outside = (s < 0) | (s > max_scale * (1 + 1e-6))  # s = 0 (exp(tau) underflowing) is the first node: uniform
+    if bool(outside.any()):
+        bad = outside.nonzero()[0, 0]
+        raise ATSError(f"scale summary: scale {float(s[bad]):.6g} is outside the summary's range [0, "
                        f"{float(max_scale[bad]):g}]; extract the features with a max_scale at least the head's")
     log_rho = torch.log1p(max_scale / knee) / K  # (N,)
     k = torch.floor(torch.log1p(s.detach() / knee) / log_rho).clamp_(0, K - 1).long()[:, None]  # (N, 1)
