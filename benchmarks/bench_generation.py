@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"{method} batch {b}: generated {count} tokens, expected {b * args.new_tokens}")
                 times[str(b)][method].append(elapsed)
                 if timing:
-                    shares[str(b)][method].append(timing["head_s"] / timing["decode_s"])
+                    shares[str(b)][method].append((timing["head_s"] / timing["decode_s"],
+                                                   timing["score_s"] / timing["decode_s"]))
                 print(f"repeat {r + 1}/{args.repeats} batch {b} {method:12s} {elapsed:7.2f} s "
                       f"({count / elapsed:6.1f} tok/s)", file=sys.stderr, flush=True)
     wall = time.perf_counter() - started
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 # tokens/s relative to uncalibrated: of the medians, and the median of same-repeat pairs
                 "ratio": statistics.median(base) / median,
                 "paired_ratio": statistics.median(u / m for m, u in zip(mine, base)),
-                "head_share": statistics.median(shares[str(b)][method]) if shares[str(b)][method] else None,
+                **share_figures(shares[str(b)][method], shares[str(b)]["uncalibrated"]),
             })
 
     result = {
@@ -229,13 +230,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def share_figures(mine: list[tuple[float, float]], base: list[tuple[float, float]]) -> dict:
+    """From (head share, scoring share) of decoding time per run: their medians and the in-run ratio, the arm's
+    tokens/s relative to uncalibrated decoding estimated inside each run, (1 - head - scoring) / (1 - the
+    uncalibrated run's own calibration and scoring shares); robust to machine load. Empty for `generate`."""
+    if not mine:
+        return {"head_share": None, "score_share": None, "in_run_ratio": None}
+    head, scored = (statistics.median(x[i] for x in mine) for i in (0, 1))
+    base_total = statistics.median(x[0] + x[1] for x in base)
+    return {"head_share": head, "score_share": scored, "in_run_ratio": (1 - head - scored) / (1 - base_total)}
+
+
 def format_table(result: dict) -> str:
     lines = ["| batch | method | median time (s) | tokens/s | tokens/s vs uncalibrated | paired | head share of "
-             "decoding |", "|---:|---|---:|---:|---:|---:|---:|"]
+             "decoding | scoring share | in-run ratio vs uncalibrated |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["results"]:
-        share = "-" if row["head_share"] is None else f"{100 * row['head_share']:.1f}%"
+        shares = (["-"] * 3 if row["head_share"] is None else
+                  [f"{100 * row['head_share']:.1f}%", f"{100 * row['score_share']:.1f}%", f"{row['in_run_ratio']:.3f}"])
         lines.append(f"| {row['batch']} | {row['method']} | {row['median_s']:.2f} | {row['tokens_per_s']:.1f} | "
-                     f"{row['ratio']:.3f} | {row['paired_ratio']:.3f} | {share} |")
+                     f"{row['ratio']:.3f} | {row['paired_ratio']:.3f} | {' | '.join(shares)} |")
     return "\n".join(lines)
 
 
@@ -254,8 +267,11 @@ def format_markdown(result: dict, table: str) -> str:
         f"(`ats.generation.Decoder`, what `generate_calibrated`, `ats generate` and `ats serve` run); `generate`: "
         f"transformers' own `model.generate`, a reference. Tokens/s vs uncalibrated = median uncalibrated time / "
         f"median time; paired = median over repeats of the same ratio within a repeat. Head share = time "
-        f"computing the calibration (the head's tau, or the logits map) / decoding-step time, from the decoder's "
-        f"timers. Total benchmark time {result['wall_seconds']:.0f} s.",
+        f"computing the calibration (the head's tau, or the logits map) / decoding-step time; scoring share = time "
+        f"computing the chosen tokens' calibrated and uncalibrated log-probabilities / decoding-step time; both "
+        f"from the decoder's timers. In-run ratio = (1 - head share - scoring share) / (1 - the uncalibrated run's "
+        f"head and scoring shares): the arm's tokens/s relative to uncalibrated decoding, estimated inside each run, "
+        f"robust to machine load. Total benchmark time {result['wall_seconds']:.0f} s.",
         "",
         table,
         "",

@@ -90,7 +90,8 @@ def step_timing(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in before}
     steps = max(1, d["decode_steps"])
     return {"ms_per_step": 1000 * d["decode_s"] / steps, "rows_per_step": d["decode_rows"] / steps,
-            "head_share": d["head_s"] / d["decode_s"] if d["decode_s"] else 0.0}
+            "head_share": d["head_s"] / d["decode_s"] if d["decode_s"] else 0.0,
+            "score_share": d["score_s"] / d["decode_s"] if d["decode_s"] else 0.0}
 
 
 def sequential(backbone, calibrator, prompts: list[str], new_tokens: int) -> dict:
@@ -178,14 +179,16 @@ def main(argv: list[str] | None = None) -> int:
             results = runs[arm][str(c)]
             row[arm] = {key: statistics.median(x[key] for x in results) for key in
                         ("tokens_per_s", "requests_per_s", "latency_p50_s", "latency_p95_s", "ms_per_step",
-                         "rows_per_step", "head_share")}
+                         "rows_per_step", "head_share", "score_share")}
             row[arm]["runs"] = results
             # tokens/s relative to the uncalibrated server: median of same-repeat pairs, and of the medians
             row[arm]["paired_ratio"] = statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
                                                          for a, b in zip(results, base))
             row[arm]["ratio_of_medians"] = row[arm]["tokens_per_s"] / statistics.median(b["tokens_per_s"]
                                                                                         for b in base)
-            row[arm]["in_run_ratio"] = 1 - row[arm]["head_share"]  # tokens/s with the calibration / without it
+            # tokens/s relative to uncalibrated decoding, estimated inside each server's runs (robust to load)
+            row[arm]["in_run_ratio"] = ((1 - row[arm]["head_share"] - row[arm]["score_share"])
+                                        / (1 - statistics.median(b["head_share"] + b["score_share"] for b in base)))
             row[arm]["vs_sequential"] = row[arm]["tokens_per_s"] / seq_tps
         rows.append(row)
     result = {
@@ -211,13 +214,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_table(result: dict) -> str:
     lines = ["| clients | arm | tokens/s | vs uncalibrated (paired) | vs uncalibrated (medians) | head share of "
-             "decoding | p50 / p95 latency (s) | rows / step | ms / step | vs sequential | errors |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "decoding | scoring share | in-run ratio vs uncalibrated | p50 / p95 latency (s) | rows / step | "
+             "ms / step | vs sequential | errors |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["results"]:
         for arm in ARMS:
             x = row[arm]
             lines.append(f"| {row['clients']} | {arm} | {x['tokens_per_s']:.1f} | {x['paired_ratio']:.3f} | "
-                         f"{x['ratio_of_medians']:.3f} | {100 * x['head_share']:.1f}% | {x['latency_p50_s']:.1f} / "
+                         f"{x['ratio_of_medians']:.3f} | {100 * x['head_share']:.1f}% | {100 * x['score_share']:.1f}% | "
+                         f"{x['in_run_ratio']:.3f} | {x['latency_p50_s']:.1f} / "
                          f"{x['latency_p95_s']:.1f} | {x['rows_per_step']:.1f} | {x['ms_per_step']:.0f} | "
                          f"{x['vs_sequential']:.2f}x | {row['errors'] if arm == ARMS[0] else ''} |")
     return "\n".join(lines)
@@ -240,7 +245,11 @@ def format_markdown(result: dict, table: str) -> str:
         f"the whole load (first request sent to last answer received), median over repeats; vs uncalibrated "
         f"(paired) = median over repeats of the arm's / the uncalibrated server's tokens/s in the same repeat. Head "
         f"share = time computing the calibration (the head's tau, or the logits map) / decoding time inside that "
-        f"server during the load (its /health timers): robust to machine load, unlike a ratio of two runs. Rows / "
+        f"server during the load (its /health timers); scoring share = time computing the chosen tokens' "
+        f"calibrated and uncalibrated log-probabilities / decoding time; in-run ratio = (1 - head share - scoring "
+        f"share) / (1 - the uncalibrated server's head and scoring shares): the arm's tokens/s relative to "
+        f"uncalibrated decoding, estimated inside each server's runs, robust to machine load unlike a ratio of two "
+        f"runs. Rows / "
         f"step = sequences decoded together. Sequential: {seq['runs'][0]['prompts']} prompts one at a time through "
         f"`generate_calibrated` with the ATS head in process, {seq['tokens_per_s']:.1f} tokens/s (median over "
         f"repeats). Total benchmark time {result['wall_seconds']:.0f} s.",

@@ -10,7 +10,9 @@ Four modes, read from the calibrator's class attributes (no type checks):
   prefill (kept per row in the batch) and applied to every generated token, exactly as `ats eval` applies it to an
   answer (the hidden state at the position predicting its first token).
 - `logits` (everything that reads only the logits: temperature, vector scaling, scaling-binning, histogram,
-  isotonic): q = calibrator.apply(z) per step.
+  isotonic): q = calibrator.apply(z) per step; a map that is one positive factor (temperature and scaling-binning:
+  q = z / T; histogram and isotonic: the identity), found by probing it once, is applied as that factor, so
+  decoding takes the ATS heads' shared-shift path.
 
 Calibrators that map the top-1 confidence (`maps_confidence`: scaling-binning, histogram, isotonic) additionally map
 each generated token's probability through their map (`confidence`), as the evaluation tasks do before averaging an
@@ -18,8 +20,6 @@ answer's token probabilities. `describe()` is the one line the CLI prints at sta
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,19 +30,30 @@ from ..errors import ATSError
 from ..model.heads import TransformerHead
 
 
-@dataclass
 class StepLogits:
     """One batch of positions' logits as the sampler and the scorer see them.
 
-    z: (N, V) float32, the model's own; q: (N, V) calibrated (the same tensor when the calibrator leaves them);
-    scale: (N,) when q = z * scale (the shared-shift scoring path), else None; tau: (N,) the log-factor reported per
-    token (ATS's tau; 0 uncalibrated), None for calibrators that have none.
+    z: (N, V) float32, the model's own; q: (N, V) calibrated (the same tensor when the calibrator leaves them), built
+    on first use when it is z * scale (greedy decoding never needs it); scale: (N,) when q = z * scale (the
+    shared-shift scoring path), else None; tau: (N,) the log-factor reported per token (ATS's tau; 0 uncalibrated),
+    None for calibrators that have none.
     """
 
-    z: Tensor
-    q: Tensor
-    scale: Tensor | None = None
-    tau: Tensor | None = None
+    def __init__(self, z: Tensor, q: Tensor | None = None, scale: Tensor | None = None,
+                 tau: Tensor | None = None) -> None:
+        self.z, self._q, self.scale, self.tau = z, q, scale, tau
+
+    @property
+    def q(self) -> Tensor:
+        """(N, V) the calibrated logits."""
+        if self._q is None:
+            self._q = self.z * self.scale[:, None]
+        return self._q
+
+    @property
+    def identity(self) -> bool:
+        """Whether q is z itself (no calibration)."""
+        return self._q is self.z
 
 
 def calibration_mode(calibrator: Calibrator | None) -> str:
@@ -87,14 +98,17 @@ class DecodingCalibration:
         if self.mode == "head":  # tau = log s of the head ("temperature" before the rename to log_scale)
             self._tau = getattr(self.calibrator, "log_scale", None) or self.calibrator.temperature
         self.maps_confidence = bool(self.calibrator is not None and self.calibrator.maps_confidence)
-        self.changes_logits = self.mode != "none" and self._changes_logits(backbone)
+        self.fixed_scale = self._fixed_scale(backbone) if self.mode == "logits" else None
+        self.changes_logits = self.mode != "none" and self.fixed_scale != 1.0
 
-    def _changes_logits(self, backbone) -> bool:
-        """Whether the calibrator moves the logits (histogram and isotonic only map the confidence)."""
-        if self.mode != "logits":
-            return True
-        probe = torch.linspace(-3, 3, backbone.vocab_size, device=backbone.device)[None]  # (1, V)
-        return not torch.equal(self.calibrator.apply(probe), probe)
+    def _fixed_scale(self, backbone) -> float | None:
+        """The factor s when the logits map is q = z * s with one s > 0 (temperature scaling: 1 / T; 1.0 for the
+        confidence-only maps), found by probing it; None for other maps (vector scaling). Decoding then takes the
+        shared-shift path of the ATS heads (`token_log_probs`) instead of a second pass over q."""
+        probe = torch.linspace(0.5, 3.0, backbone.vocab_size, device=backbone.device, dtype=torch.float64)[None]
+        ratio = (self.calibrator.apply(probe).double() / probe)[0]  # (V,)
+        s = float(ratio[0])
+        return s if s > 0 and torch.allclose(ratio, ratio.new_full(ratio.shape, s), rtol=1e-6, atol=0) else None
 
     @property
     def label(self) -> str:
@@ -174,11 +188,12 @@ class DecodingCalibration:
             The `StepLogits`.
         """
         z = z.float()
-        if self.mode == "none":
+        if self.mode == "none" or self.fixed_scale == 1.0:
             return StepLogits(z, z, None, tau)
         if self.mode == "head":
-            scale = self.calibrator.scale(tau).float()
-            return StepLogits(z, z * scale[:, None], scale, tau)
+            return StepLogits(z, None, self.calibrator.scale(tau).float(), tau)
+        if self.fixed_scale is not None:
+            return StepLogits(z, None, z.new_full(z.shape[:1], self.fixed_scale), None)
         q = self.calibrator.apply(z, state) if self.mode == "prompt" else self.calibrator.apply(z)
         return StepLogits(z, q, None, None)
 

@@ -114,7 +114,8 @@ class Decoder:
         self.processors = list(logits_processors)
         self.rows: list[Row] = []
         self.batch = self._new_batch()
-        self.timing = {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "head_s": 0.0}  # cumulative
+        # cumulative: decoding steps, rows, their seconds, the calibrator's seconds in them (head_s) and the scoring's
+        self.timing = {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "head_s": 0.0, "score_s": 0.0}
 
     def _new_batch(self) -> BatchCache:
         return BatchCache(self.num_layers, head=self.calibration.head_cached)
@@ -177,9 +178,10 @@ class Decoder:
     # --- decoding ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
-        """Feed every row its last token and choose the next ones. `timing` adds up the steps' time and the
-        calibrator's share of it (the head's tau, or the logits map), a measure of the calibration's cost that
-        machine load does not skew."""
+        """Feed every row its last token and choose the next ones. `timing` adds up the steps' time, the
+        calibrator's share of it (the head's tau, or the logits map) and the scoring's (the chosen tokens'
+        calibrated and uncalibrated log-probabilities): measures of the calibration's cost that machine load does
+        not skew."""
         if not self.rows:
             return
         started = time.perf_counter()
@@ -192,15 +194,17 @@ class Decoder:
         tau = self.calibration.step(hidden, mask, self.batch)
         step = self.calibration.logits(z, tau, self.batch.rows_state)
         head_s = time.perf_counter() - head_started
-        self._advance(self.rows, step)
+        self.timing["score_s"] += self._advance(self.rows, step)
         self.timing["decode_steps"] += 1
         self.timing["decode_rows"] += len(self.rows)
         self.timing["decode_s"] += time.perf_counter() - started
         self.timing["head_s"] += head_s
 
     def _choice_logits(self, rows: list[Row], step: StepLogits) -> tuple[Tensor, Tensor]:
-        """(z, q) for the sampler: end-of-sequence masked in rows under their `min_tokens`, then the processors."""
-        z, q = step.z, step.q
+        """(z, q) for the sampler: end-of-sequence masked in rows under their `min_tokens`, then the processors
+        (greedy rows read z only: q is built only for sampled rows or processors)."""
+        needs_q = bool(self.processors) or any(not r.sampling.greedy for r in rows)
+        z, q = step.z, step.q if needs_q else step.z
         blocked = [i for i, r in enumerate(rows) if len(r.records) < r.min_tokens]
         if blocked and self.eos:
             z, q = z.clone(), q.clone()
@@ -218,17 +222,20 @@ class Decoder:
                 q = processor(ids, q)
         return z, q
 
-    def _advance(self, rows: list[Row], step: StepLogits) -> None:
-        """Choose each row's next token, score it, and hand it to its row."""
+    def _advance(self, rows: list[Row], step: StepLogits) -> float:
+        """Choose each row's next token, score it, and hand it to its row; returns the seconds spent scoring."""
         z, q = self._choice_logits(rows, step)
         tokens = choose(z, q, [r.sampling for r in rows], [r.generator for r in rows])
         k = max(r.top_logprobs for r in rows)
+        started = time.perf_counter()
         logp_q, logp_z, top_ids, top_logp = score(step, tokens, k)
         made = records(tokens.tolist(), logp_q, logp_z, step.tau, top_ids, top_logp,
                        self.calibration.confidence(logp_q))
+        scored = time.perf_counter() - started
         for row, record in zip(rows, made):
             del record.top[row.top_logprobs:]
             self._append(row, record)
+        return scored
 
     def _append(self, row: Row, record: TokenLogprob) -> None:
         row.records.append(record)

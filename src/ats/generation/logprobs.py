@@ -55,13 +55,14 @@ def score(step: StepLogits, tokens: Tensor, k: int = 0) -> tuple[Tensor, Tensor,
     Returns:
         (calibrated (N,), uncalibrated (N,), top ids (N, k), top calibrated log-probabilities (N, k)).
     """
-    top_ids = step.q.topk(k, dim=-1).indices if k else tokens.new_zeros(tokens.shape[0], 0)  # (N, k)
+    ranked = step.z if step.scale is not None else step.q  # s > 0: the top tokens of q are those of z
+    top_ids = ranked.topk(k, dim=-1).indices if k else tokens.new_zeros(tokens.shape[0], 0)  # (N, k)
     ids = torch.cat([tokens[:, None], top_ids], 1)  # (N, 1 + k)
     if step.scale is not None:
         logp_z, logp_q = token_log_probs(step.z, step.scale.to(step.z.dtype), ids)
     else:
         logp_z = step.z.gather(-1, ids) - logsumexp(step.z)[:, None]
-        logp_q = logp_z if step.q is step.z else step.q.gather(-1, ids) - logsumexp(step.q)[:, None]
+        logp_q = logp_z if step.identity else step.q.gather(-1, ids) - logsumexp(step.q)[:, None]
     return logp_q[:, 0], logp_z[:, 0], top_ids, logp_q[:, 1:]
 
 

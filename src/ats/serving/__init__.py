@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-_EXPORTS = {"Engine": ".engine", "Job": ".engine", "SamplingParams": ".sampling", "create_app": ".app"}
+_EXPORTS = {"Engine": ".engine", "Job": ".engine", "SamplingParams": "..generation.sampling", "create_app": ".app"}
 
 __all__ = sorted(_EXPORTS)
 
