@@ -139,9 +139,13 @@ def render(results_path: str | Path, results_dir: str | Path) -> Path:
         rows = [[m, f"{r['lr']:g}", f"{r['heldout_log_loss']:.4f}", "yes" if r["lr"] == s["lr"] else ""]
                 for m, s in results["selection"].items() for r in s["grid"]]
         lines += [markdown_table(["method", "lr", "held-out log loss", "chosen"], rows), ""]
+        lines += [f"{m}: selection carried over from `{s['carried_over_from']}`." for m, s in
+                  results["selection"].items() if "carried_over_from" in s] + [""]
     if results.get("leave_one_out"):
         lines += ["## Leave one pool task out (seed 0)", ""]
         for name, task in results["leave_one_out"].items():
+            if "carried_over_from" in task:
+                lines += [f"(carried over from `{task['carried_over_from']}`)", ""]
             lines += [task_block(f"{name} (left out)", task), ""]
     if results.get("reported"):
         lines += [f"## Reported tasks (trained on the whole pool; seeds {plan['seeds']}: mean ± spread; intervals "
