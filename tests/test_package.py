@@ -1,18 +1,46 @@
 """The package as a whole: no pickle anywhere, no remote code by default, and layers that import only downwards."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ats"
 
 
-def test_no_pickle_and_no_remote_code_by_default():
-    sources = "\n".join(p.read_text() for p in SRC.rglob("*.py"))
-    assert "import pickle" not in sources and "torch.load(" not in sources.replace("weights_only=True", "")
-    assert "trust_remote_code: bool = False" in (SRC / "model" / "backbone.py").read_text()
-    help_text = subprocess.run([sys.executable, "-m", "ats", "train", "--help"], capture_output=True, text=True).stdout
-    assert "--trust-remote-code" in help_text
+def _calls(name: str):
+    """(file, call node) of every call of `name` (a dotted name such as "torch.load") in the package."""
+    import ast
+
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == name:
+                yield path, node
+
+
+def test_no_pickle_anywhere():
+    """No module imports pickle, and every torch.load passes weights_only=True (tensors only, no code)."""
+    import ast
+
+    imports = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py") for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, (ast.Import, ast.ImportFrom)) and
+               "pickle" in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])]
+    assert imports == []
+    unsafe = [f"{p.relative_to(SRC)}:{node.lineno}" for p, node in _calls("torch.load")
+              if not any(k.arg == "weights_only" and ast.unparse(k.value) == "True" for k in node.keywords)]
+    assert unsafe == []
+
+
+def test_no_remote_code_by_default():
+    """Neither the library nor the command line runs a model repository's own code unless asked."""
+    import inspect
+
+    from ats.cli.main import build_parser
+    from ats.model.backbone import load_backbone
+
+    assert inspect.signature(load_backbone).parameters["trust_remote_code"].default is False
+    parser = build_parser()
+    for argv in (["train", "--out", "x"], ["eval", "--out", "x"], ["generate", "--calibrator", "x", "hi"],
+                 ["serve", "--calibrator", "x"]):
+        assert parser.parse_args(argv).trust_remote_code is False, argv
+    assert parser.parse_args(["train", "--out", "x", "--trust-remote-code"]).trust_remote_code is True
 
 
 # bottom to top
@@ -65,3 +93,31 @@ def test_every_module_is_named_in_the_architecture_doc():
     missing = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
                if p.name not in ("__init__.py", "__main__.py") and p.name not in doc]
     assert missing == []
+
+
+def test_encoding_prompts_leaves_the_shared_tokenizer_alone(tiny_backbone):
+    """encode_prompts left-pads (each row = its prompt encoded alone, pad ids in front) without ever setting the
+    shared tokenizer's padding_side, which other threads (the server's) read meanwhile."""
+    from ats.generation.api import encode_prompts
+
+    tok = tiny_backbone.tokenizer
+    before = tok.padding_side
+    seen = []
+
+    class Watch(type(tok)):  # records every assignment of padding_side during the call
+        def __setattr__(self, name, value):
+            if name == "padding_side":
+                seen.append(value)
+            super().__setattr__(name, value)
+
+    original = tok.__class__
+    tok.__class__ = Watch
+    try:
+        ids, mask, texts = encode_prompts(tiny_backbone, ["Hi", "The capital of France is"], chat_template=False)
+    finally:
+        tok.__class__ = original
+    assert seen == [] and tok.padding_side == before
+    alone = [tok(t, add_special_tokens=True).input_ids for t in texts]
+    width = max(map(len, alone))
+    assert ids.tolist() == [[tok.pad_token_id] * (width - len(a)) + a for a in alone]
+    assert mask.tolist() == [[0] * (width - len(a)) + [1] * len(a) for a in alone]

@@ -1,6 +1,7 @@
 """ATS calibrator: identity at init, q = z * exp(tau), save/load round trip, refusal of a mismatched backbone."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -19,22 +20,51 @@ def _randomize(calibrator, seed=0):
 
 
 @pytest.mark.parametrize("head_type", ["linear", "mlp", "transformer"])
-def test_identity_at_init_and_scaling_formula(tiny_backbone, head_type):
+def test_identity_at_init_and_argmax_kept(tiny_backbone, head_type):
     cal = ATSCalibrator.for_backbone(tiny_backbone, head_type=head_type)
-    ids = torch.randint(0, 1000, (2, 9))
+    ids = torch.randint(0, len(tiny_backbone.tokenizer), (2, 9), generator=torch.Generator().manual_seed(0))
     h, _ = tiny_backbone.forward(ids)
     z = tiny_backbone.logits(h)
-    assert torch.equal(cal.temperature(h), torch.zeros(2, 9))
+    assert torch.equal(cal.log_scale(h), torch.zeros(2, 9))
     assert torch.equal(cal.calibrate(z, h), z)
     _randomize(cal)
-    tau = cal.temperature(h)
     q = cal.calibrate(z, h)
-    torch.testing.assert_close(q, z * torch.exp(tau).clamp(max=10.0)[..., None])
-    assert torch.equal(q.argmax(-1), z.argmax(-1))  # accuracy untouched
+    assert not torch.equal(q, z) and torch.equal(q.argmax(-1), z.argmax(-1))  # accuracy untouched
     # index form: logits at a subset of positions, hidden of the whole sequence
     index = torch.tensor([[8], [3]])
     q_at = cal.calibrate(z.gather(1, index[..., None].expand(-1, -1, z.shape[-1])), h, index=index)
     torch.testing.assert_close(q_at[:, 0], torch.stack([q[0, 8], q[1, 3]]))
+
+
+def test_a_linear_head_scales_the_logits_by_hand(tiny_backbone):
+    """A linear head with hand-set weights: tau = h . w + b computed here in float64, q = z * e^tau, and the
+    softmax of q is the softmax of z at temperature T = e^-tau; a tau above log(max_scale) is clamped."""
+    cal = ATSCalibrator.for_backbone(tiny_backbone, head_type="linear", max_scale=10.0)
+    h = torch.randn(1, 4, tiny_backbone.hidden_size, generator=torch.Generator().manual_seed(1))
+    z = tiny_backbone.logits(h)
+    w = torch.linspace(-0.05, 0.05, tiny_backbone.hidden_size)
+    with torch.no_grad():
+        cal.head.proj.weight.copy_(w[None])
+        cal.head.proj.bias.fill_(math.log(2.0))
+    tau = h[0].double() @ w.double() + math.log(2.0)  # (4,)
+    assert cal.log_scale(h)[0].double().tolist() == pytest.approx(tau.tolist(), abs=1e-5)
+    q = cal.calibrate(z, h)[0].double()
+    torch.testing.assert_close(q, z[0].double() * tau.exp()[:, None], rtol=1e-5, atol=1e-5)
+    temperature = (-tau).exp()
+    torch.testing.assert_close(q.softmax(-1), (z[0].double() / temperature[:, None]).softmax(-1), rtol=1e-5,
+                               atol=1e-7)
+    with torch.no_grad():
+        cal.head.proj.weight.zero_()
+        cal.head.proj.bias.fill_(math.log(50.0))  # s = 50 > max_scale: clamped to 10
+    torch.testing.assert_close(cal.calibrate(z, h), 10.0 * z)
+
+
+def test_temperature_is_a_deprecated_name_of_log_scale(tiny_backbone):
+    cal = _randomize(ATSCalibrator.for_backbone(tiny_backbone, head_type="linear"))
+    h = torch.randn(1, 3, tiny_backbone.hidden_size, generator=torch.Generator().manual_seed(2))
+    with pytest.warns(DeprecationWarning, match="log_scale"):
+        old = cal.temperature(h)
+    assert torch.equal(old, cal.log_scale(h))
 
 
 def test_max_scale_clamp(tiny_backbone):
@@ -52,15 +82,15 @@ def test_save_load_round_trip(tiny_backbone, tmp_path):
     assert config["head"]["head_type"] == "transformer" and config["library_version"]
     for loaded in (ATSCalibrator.from_pretrained(tmp_path / "head", backbone=tiny_backbone),
                    load_calibrator(tmp_path / "head")):
-        ids = torch.randint(0, 1000, (1, 7))
+        ids = torch.randint(0, len(tiny_backbone.tokenizer), (1, 7))
         h, _ = tiny_backbone.forward(ids)
-        assert torch.equal(loaded.temperature(h), cal.temperature(h))
+        assert torch.equal(loaded.log_scale(h), cal.log_scale(h))
     q = CalibratedModel(tiny_backbone, loaded)(ids)
     torch.testing.assert_close(q, cal.calibrate(tiny_backbone.logits(h), h))
 
 
 def test_head_for_another_backbone_is_refused(tiny_backbone, tokenizer, tmp_path):
-    from conftest import make_tiny_backbone
+    from helpers import make_tiny_backbone
 
     cal = ATSCalibrator.for_backbone(tiny_backbone, head_type="linear")
     cal.save_pretrained(tmp_path / "head")

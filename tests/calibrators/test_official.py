@@ -110,7 +110,7 @@ def test_official_head_matches_the_independent_forward(tmp_path):
     assert isinstance(calibrator, OfficialATSCalibrator) and calibrator.config_.max_scale == 10.0
     h, mask, z = inputs()
     expected_tau = official_tau(state, h, mask)
-    tau = calibrator.temperature(h, mask)
+    tau = calibrator.log_scale(h, mask)
     real = mask.bool()
     torch.testing.assert_close(tau[real].double(), expected_tau[real], atol=1e-5, rtol=1e-5)
     expected_q = z.double() * torch.exp(expected_tau).clip(max=10)[..., None]
@@ -143,8 +143,8 @@ def test_converted_head_gives_the_same_tau(tmp_path, capsys):
     for loaded in (ATSCalibrator.from_pretrained(out), ATSCalibrator.from_pretrained(src)):  # peft-style loading
         assert isinstance(loaded, OfficialATSCalibrator) and loaded.digest() == converted.digest()
     h, mask, _ = inputs(seed=5)
-    torch.testing.assert_close(converted.temperature(h, mask), load_calibrator(src).temperature(h, mask))
-    torch.testing.assert_close(converted.temperature(h, mask)[mask.bool()].double(),
+    torch.testing.assert_close(converted.log_scale(h, mask), load_calibrator(src).log_scale(h, mask))
+    torch.testing.assert_close(converted.log_scale(h, mask)[mask.bool()].double(),
                                official_tau(state, h, mask)[mask.bool()], atol=1e-5, rtol=1e-5)
     assert main(["-q", "convert", str(src), str(out)]) == 2  # exists: refused without --overwrite
     assert "already exists" in capsys.readouterr().err

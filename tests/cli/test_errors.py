@@ -42,3 +42,27 @@ def test_missing_calibrator_folder_and_bad_mc_file(tmp_path, capsys):
     assert code == 2 and len(err) == 1 and "q.jsonl" in err[0] and "answer" in err[0], err
 
 
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--model", "/no/such/dir"], "--model /no/such/dir: no such file or folder"),
+    (["train", "--alpha", "1.5"], "alpha: expected a value in [0.0, 1.0], got 1.5"),
+    (["train", "--lr", "0"], "lr: expected a number > 0, got 0.0"),
+    (["train", "--head", "linear", "--batch-size", "6", "--micro-batch-size", "4"], "multiple of micro_batch_size"),
+    (["demo", "--size", "tiny"], "lacks mmlu/test.jsonl"),
+])
+def test_bad_options_fail_before_the_model_loads_and_write_nothing(tmp_path, capsys, monkeypatch, argv, message):
+    """The model given is a folder whose config.json is not JSON: had it been loaded first, the error would name it;
+    the option's own error shows that the options were checked before any model loaded."""
+    unloadable = tmp_path / "model"
+    unloadable.mkdir()
+    (unloadable / "config.json").write_text("{not json")
+    data = tmp_path / "data"  # ATS_DATA_DIR without the task files (`ats demo` checks them first)
+    (data / "alpaca_gpt4").mkdir(parents=True)
+    (data / "alpaca_gpt4" / "alpaca_gpt4_1k.json").write_text('[{"instruction": "a", "input": "", "output": "b"}]')
+    monkeypatch.setenv("ATS_DATA_DIR", str(data))
+    out = tmp_path / "never"
+    model = [] if "--model" in argv else ["--model", str(unloadable)]
+    code, err = _run_cli([*argv, *model, "--out", str(out)], capsys)
+    assert code == 2 and len(err) == 1 and message in err[0] and "config.json" not in err[0], err
+    assert not out.exists()

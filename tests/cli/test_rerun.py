@@ -1,6 +1,6 @@
-"""`ats train` as a user runs it (real subprocesses, the embedded SmolLM2): a rerun never returns a stale result, every
-option is checked before any work, bad input gives one line and exit status 2, and training is bitwise reproducible
-across processes."""
+"""`ats train` as a user runs it (real subprocesses, the embedded SmolLM2): a rerun never returns a stale result, bad
+input gives one line and exit status 2, and training is bitwise reproducible across processes. (Options checked before
+any model loads: tests/cli/test_errors.py.)"""
 
 from __future__ import annotations
 
@@ -96,19 +96,6 @@ def test_training_is_bitwise_reproducible_across_processes(records, first_run, t
     code, _, err = ats("train", "--data", str(records), "--out", str(out), *FIRST, env={"PYTHONHASHSEED": "3"})
     assert code == 0, err
     assert sha(out / "head" / "model.safetensors") == sha(first_run / "head" / "model.safetensors")
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["train", "--model", "/no/such/dir"], "--model /no/such/dir: no such file or folder"),
-    (["train", "--alpha", "1.5"], "alpha: expected a value in [0.0, 1.0], got 1.5"),
-    (["train", "--lr", "0"], "lr: expected a number > 0, got 0.0"),
-    (["train", "--head", "linear", "--batch-size", "6", "--micro-batch-size", "4"], "multiple of micro_batch_size"),
-])
-def test_bad_options_fail_before_the_model_loads_and_write_nothing(records, tmp_path, argv, message):
-    out = tmp_path / "never"
-    code, _, err = ats(*argv, "--data", str(records), "--out", str(out))
-    assert code == 2 and len(err) == 1 and message in err[0], err
-    assert not out.exists()
 
 
 def test_calibrator_mistakes_get_one_line(first_run, tmp_path):

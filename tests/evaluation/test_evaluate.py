@@ -9,7 +9,7 @@ import pytest
 
 from ats.calibrators.base import Uncalibrated
 from ats.errors import ATSError
-from ats.evaluation.evaluate import evaluate
+from ats.evaluation.evaluate import evaluate, format_paired
 from ats.evaluation.metrics import summarize
 from ats.evaluation.report import format_table
 from ats.evaluation.tasks import MMLUTask, build_task
@@ -67,7 +67,8 @@ def test_evaluate_writes_everything_and_reuses_finished_tasks(tiny_backbone, tmp
     assert stored["methods"]["half"]["correct"] == stored["methods"]["uncalibrated"]["correct"]
     md = (out / "results.md").read_text()
     assert md.strip() == format_table(results)
-    assert "| method | MMLU Acc | MMLU ECE | MMLU Brier | mc_my_quiz Acc |" in md
+    assert md.startswith("### MMLU (n = 2)\n\n| method | Acc | ECE | Brier |\n|---|---:|---:|---:|\n| uncalibrated | ")
+    assert "\n\n### mc_my_quiz (n = 3)\n\n| method | Acc | ECE | Brier |\n" in md
 
     # a second call with the same out_dir reuses both finished task files
     mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "tasks").iterdir()}
@@ -103,20 +104,59 @@ def test_evaluate_string_specs_bootstrap_and_errors(tiny_backbone, tmp_path, qui
                        progress=False)
     assert (out / "tasks" / "mc_my_quiz_likelihood.json").is_file()
     summary = results["mc_my_quiz_likelihood"]["none"]
-    assert len(summary["ece_ci"]) == 2 and summary["ece_ci"][0] <= summary["ece_ci"][1]
-    assert "[" in format_table(results)  # confidence intervals shown
+    stored = json.loads((out / "tasks" / "mc_my_quiz_likelihood.json").read_text())["methods"]["none"]
+    again = summarize(np.array(stored["confidence"]), np.array(stored["correct"]), bootstrap=20, seed=0)
+    assert summary["ece_ci"] == pytest.approx(list(again["ece_ci"])) and summary["ece"] == pytest.approx(again["ece"])
+    lo, hi = again["ece_ci"]
+    assert f"| none | {again['accuracy']:.3f} [" in format_table(results)
+    assert f" | {again['ece']:.3f} [{lo:.3f}, {hi:.3f}] | " in format_table(results)  # the interval beside the value
     with pytest.raises(ATSError, match="unknown task"):
         evaluate(tiny_backbone, {"none": Uncalibrated()}, ["nope"], out, progress=False)
     with pytest.raises(ATSError, match="more than once"):
         evaluate(tiny_backbone, {"none": Uncalibrated()}, [f"mc:{quiz}", f"mc:{quiz}:letters"], out, progress=False)
 
 
-def test_format_table():
-    results = {"mmlu": {"none": {"accuracy": 0.5, "ece": 0.12345, "brier": 0.25},
-                        "ats": {"accuracy": 0.5, "ece": 0.0456, "brier": 0.2}},
-               "triviaqa": {"none": {"accuracy": 1 / 3, "ece": None, "brier": 0.1}}}
+def test_format_table_has_one_block_per_task():
+    results = {"mmlu": {"none": {"accuracy": 0.5, "ece": 0.12345, "brier": 0.25, "n": 4},
+                        "ats": {"accuracy": 0.5, "ece": 0.0456, "brier": 0.2, "n": 4}},
+               "triviaqa": {"none": {"accuracy": 1 / 3, "ece": None, "brier": 0.1, "ece_ci": [0.1, 0.2]}}}
     assert format_table(results) == (
-        "| method | MMLU Acc | MMLU ECE | MMLU Brier | TriviaQA Acc | TriviaQA ECE | TriviaQA Brier |\n"
-        "|---|---:|---:|---:|---:|---:|---:|\n"
-        "| none | 0.500 | 0.123 | 0.250 | 0.333 | - | 0.100 |\n"
-        "| ats | 0.500 | 0.046 | 0.200 | - | - | - |")
+        "### MMLU (n = 4)\n\n"
+        "| method | Acc | ECE | Brier |\n"
+        "|---|---:|---:|---:|\n"
+        "| none | 0.500 | 0.123 | 0.250 |\n"
+        "| ats | 0.500 | 0.046 | 0.200 |\n\n"
+        "### TriviaQA\n\n"
+        "| method | Acc | ECE | Brier |\n"
+        "|---|---:|---:|---:|\n"
+        "| none | 0.333 | - | 0.100 |")
+
+
+def _pair(diff, lo, hi):
+    return {"diff": diff, "ci": [lo, hi], "excludes_zero": lo > 0 or hi < 0}
+
+
+def test_paired_table_shows_each_method_once_per_task():
+    """Two references (ats and selective-temperature) and two baselines: each task has one block, each method one row
+    with a column per reference and metric; a reference's own columns read "-"."""
+    def metrics(pairs):
+        return {"ece": 0.1, "n": 5, "paired": {ref: {"ece": _pair(*d)} for ref, d in pairs.items()}}
+
+    by_method = {
+        "uncalibrated": metrics({"ats": (-0.1, -0.2, -0.05), "selective-temperature": (-0.08, -0.1, 0.02)}),
+        "ats": metrics({"selective-temperature": (0.02, -0.01, 0.05)}),
+        "selective-temperature": metrics({"ats": (-0.02, -0.05, 0.01)}),
+        "temperature": metrics({"ats": (0.03, 0.01, 0.04), "selective-temperature": (0.05, 0.0, 0.1)}),
+        "isotonic": metrics({"ats": (0.0, -0.1, 0.1), "selective-temperature": (0.02, -0.1, 0.1)}),
+    }
+    text = format_paired({"mmlu": by_method, "triviaqa": by_method}, keys=(("ECE", "ece"),))
+    block = ("| method | ECE (ats - method) | ECE (selective-temperature - method) |\n"
+             "|---|---:|---:|\n"
+             "| uncalibrated | -0.100 [-0.200, -0.050] * | -0.080 [-0.100, 0.020] |\n"
+             "| ats | - | 0.020 [-0.010, 0.050] |\n"
+             "| selective-temperature | -0.020 [-0.050, 0.010] | - |\n"
+             "| temperature | 0.030 [0.010, 0.040] * | 0.050 [0.000, 0.100] |\n"
+             "| isotonic | 0.000 [-0.100, 0.100] | 0.020 [-0.100, 0.100] |")
+    assert text == ("Paired differences, reference minus each method (95% paired bootstrap; * = interval excludes 0):"
+                    f"\n\n### MMLU (n = 5)\n\n{block}\n\n### TriviaQA (n = 5)\n\n{block}")
+    assert format_paired({"mmlu": {"none": {"ece": 0.1}}}) == ""

@@ -1,6 +1,6 @@
 """The ATS calibrator: a small head reads the frozen backbone's hidden states and rescales its logits per token.
 
-    tau = head(h)                      # (B, T)   log-temperature per token
+    tau = head(h)                      # (B, T)   log-scale per token: tau = log s = log(1 / T)  (`log_scale`)
     s   = exp(tau).clamp(max_scale)    # (B, T)   s > 0, so argmax is unchanged and accuracy is untouched
     q   = z * s[..., None]             # (B, T, V)
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,8 +162,9 @@ class ATSCalibrator(Calibrator):
         return self.config_.method
 
     # --- the method --------------------------------------------------------------------------------------------
-    def temperature(self, hidden: Tensor, attention_mask: Tensor | None = None, cache=None) -> Tensor:
-        """tau (B, T) from hidden states (B, T, H).
+    def log_scale(self, hidden: Tensor, attention_mask: Tensor | None = None, cache=None) -> Tensor:
+        """tau (B, T) from hidden states (B, T, H): the log of the factor on the logits, tau = log s = log(1 / T)
+        (docs/method.md, "Names"); `scale(tau)` gives s.
 
         Args:
             hidden: (B, T, H) hidden states, moved to the head's device and dtype.
@@ -170,16 +172,23 @@ class ATSCalibrator(Calibrator):
             cache: the transformer head's `HeadCache` between decoding steps, or None.
 
         Returns:
-            tau (B, T) float32, the log-temperature per token (0 on padding).
+            tau (B, T) float32 per token (0 on padding: s = 1).
         """
         param = next(self.head.parameters())
         return self.head(hidden.to(param.device, param.dtype), attention_mask, cache=cache)
+
+    def temperature(self, hidden: Tensor, attention_mask: Tensor | None = None, cache=None) -> Tensor:
+        """Deprecated name of `log_scale` (it returns tau = log(1 / T), not a temperature T); kept for callers
+        written before the rename."""
+        warnings.warn("ATSCalibrator.temperature() returns tau = log(1/T) and is renamed log_scale()",
+                      DeprecationWarning, stacklevel=2)
+        return self.log_scale(hidden, attention_mask, cache=cache)
 
     def scale(self, tau: Tensor) -> Tensor:
         """s = exp(tau), clamped to max_scale: the factor applied to the logits.
 
         Args:
-            tau: log-temperatures, any shape ((B, T) from `temperature`).
+            tau: log-scales, any shape ((B, T) from `log_scale`).
 
         Returns:
             s, same shape.
@@ -210,7 +219,7 @@ class ATSCalibrator(Calibrator):
         if squeeze:
             logits, hidden = logits[:, None], hidden[:, None]
         with torch.no_grad():
-            s = self.scale(self.temperature(hidden, attention_mask))  # (B, T)
+            s = self.scale(self.log_scale(hidden, attention_mask))  # (B, T)
         if index is not None:
             s = s.gather(1, index.to(s.device))  # (B, K)
         q = logits * s.to(logits.device, logits.dtype).unsqueeze(-1)

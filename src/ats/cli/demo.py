@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
+from ..errors import ATSError
 from . import options
+
+# What the demo reads from ATS_DATA_DIR (the layout of ../shared/data/README.md).
+DEMO_FILES = ("mmlu/test.jsonl", "mmlu/dev.jsonl", "triviaqa/validation.jsonl", "truthfulqa/mc_task.json")
 
 
 def add_parser(sub) -> None:
@@ -30,13 +33,11 @@ def run(args) -> int:
     from ..evaluation.evaluate import format_paired
     from ..evaluation.report import format_table, token_table
     from ..model.backbone import load_backbone
-    from ..sources import data_dir
     from ..workflows.experiment import SIZES, run_experiment
 
     options.check_model(args.model)
+    check_data(SIZES[args.size].data)
     start = time.time()
-    if data_dir() is None and Path("../shared/data").is_dir():
-        os.environ["ATS_DATA_DIR"] = str(Path("../shared/data").resolve())
     backbone = load_backbone(args.model, device=options.device(None))
     result = run_experiment(backbone, args.out, SIZES[args.size], overwrite=args.overwrite, progress=not args.quiet,
                             bootstrap=200)
@@ -48,3 +49,23 @@ def run(args) -> int:
     out = Path(args.out) / "eval"
     print(f"\nfigures: {out / 'figures'}; table: {out / 'results.md'}; total {(time.time() - start) / 60:.1f} min")
     return 0
+
+
+def check_data(source: str) -> None:
+    """Before the model loads: with ATS_DATA_DIR set, every file the demo reads must be there (one-line error naming
+    the missing ones); unset, the data sets come from the Hugging Face Hub.
+
+    Raises:
+        ATSError: if ATS_DATA_DIR is not a folder or lacks a file the demo reads.
+    """
+    from ..sources import data_dir
+    from ..training.data import KNOWN_SOURCES
+
+    root = data_dir()
+    if root is None:
+        return
+    needed = ((KNOWN_SOURCES[source][0],) if source in KNOWN_SOURCES else ()) + DEMO_FILES
+    missing = [name for name in needed if not (root / name).is_file()]
+    if missing:
+        raise ATSError(f"ATS_DATA_DIR={root} lacks {', '.join(missing)} (the demo reads the layout of "
+                       f"../shared/data/README.md; unset ATS_DATA_DIR to read the Hugging Face Hub instead)")

@@ -5,7 +5,7 @@
     out_dir/results.json          task -> method -> metrics (accuracy, mean confidence, ECE, adaptive ECE, Brier, NLL,
                                   AUROC, bootstrap intervals) and, per reference method R, `paired[R]`: R minus this
                                   method with a paired bootstrap 95% interval
-    out_dir/results.md            the table (with the paired differences as columns)
+    out_dir/results.md            a table per task (methods x metrics), then the paired differences per task
     out_dir/figures/<task>.png/.pdf   reliability diagrams, methods side by side
 
 Each task runs the backbone once per example and applies every calibrator to that same forward. A finished task file
@@ -25,7 +25,7 @@ from ..fingerprint import refusal
 from ..io import atomic_file, read_json, write_json
 from .metrics import paired_differences, summarize
 from .plots import reliability_figure
-from .report import TASK_LABELS, cell, format_table, jsonable, markdown_table, methods_of
+from .report import TASK_LABELS, cell, format_table, jsonable, markdown_table, task_heading
 from .tasks import Task, TaskResult, build_task
 
 logger = logging.getLogger(__name__)
@@ -207,34 +207,37 @@ def evaluate(backbone, calibrators: dict[str, Calibrator], tasks: list[str | Tas
 
 def format_paired(results: dict, keys: tuple[tuple[str, str], ...] = (("ECE", "ece"), ("Brier", "brier"),
                                                                        ("AUROC", "auroc"))) -> str:
-    """Markdown: for each reference R, rows = other methods, columns = task x (R - method) with 95% intervals; a
-    difference whose interval excludes 0 is marked with *. Empty when there are no paired differences.
+    """Markdown: one block per task, a row per compared method (each once) and, for each reference R, a column per
+    metric with R - method and its 95% paired interval; a difference whose interval excludes 0 is marked with *.
+    A reference's row shows "-" in its own columns. Empty when there are no paired differences.
 
     Args:
         results: task -> method -> metrics, as `evaluate` returns them.
         keys: (column label, metric key) pairs to show.
 
     Returns:
-        One markdown table per reference, separated by blank lines; "" when there is none.
+        A title line, then a "### <task>" table per task with paired differences; "" when there is none.
     """
-    references = list(dict.fromkeys(ref for by_method in results.values() for m in by_method.values()
-                                    for ref in m.get("paired", {})))
     blocks = []
-    for ref in references:
-        tasks = [t for t in results if ref in results[t]]
-        header = ["method"] + [f"{TASK_LABELS.get(t, t)} {label} ({ref} - method)" for t in tasks for label, _ in keys]
+    for task, by_method in results.items():
+        references = list(dict.fromkeys(ref for m in by_method.values() for ref in m.get("paired", {})))
+        if not references:
+            continue
+        header = ["method"] + [f"{label} ({ref} - method)" for ref in references for label, _ in keys]
         rows = []
-        for method in methods_of({t: results[t] for t in tasks}):
-            if method == ref:
+        for method, metrics in by_method.items():
+            pairs = metrics.get("paired", {})
+            if not pairs:  # the only reference itself: nothing to compare
                 continue
             cells = [method]
-            for t in tasks:
-                pair = results[t].get(method, {}).get("paired", {}).get(ref, {})
+            for ref in references:
                 for _, key in keys:
-                    d = pair.get(key)
+                    d = pairs.get(ref, {}).get(key)
                     cells.append("-" if d is None else cell({"v": d["diff"], "v_ci": d["ci"]}, "v")
                                  + (" *" if d.get("excludes_zero") else ""))
             rows.append(cells)
-        blocks.append(f"Paired differences, {ref} minus each method (95% paired bootstrap; * = interval excludes 0):"
-                      f"\n\n{markdown_table(header, rows)}")
-    return "\n\n".join(blocks)
+        blocks.append(task_heading(task, by_method) + "\n\n" + markdown_table(header, rows))
+    if not blocks:
+        return ""
+    return ("Paired differences, reference minus each method (95% paired bootstrap; * = interval excludes 0):\n\n"
+            + "\n\n".join(blocks))

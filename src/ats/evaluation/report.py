@@ -72,32 +72,37 @@ def cell(metrics: dict | None, key: str, *, ci: bool = True) -> str:
     return text
 
 
-def methods_of(results: dict) -> list[str]:
-    """Every method of a task -> method -> metrics dict, in first-seen order.
+def task_heading(task: str, by_method: dict) -> str:
+    """The heading of a task's block: "### <label> (n = N)", without the count when the metrics have none.
 
     Args:
-        results: task -> method -> metrics.
+        task: the task's name.
+        by_method: method -> metrics of the task (the first one's "n" is shown).
 
     Returns:
-        The method names.
+        The heading line.
     """
-    return list(dict.fromkeys(m for by_method in results.values() for m in by_method))
+    n = next(iter(by_method.values()), {}).get("n") if by_method else None
+    return f"### {TASK_LABELS.get(task, task)}" + (f" (n = {n})" if n is not None else "")
 
 
 def format_table(results: dict, metrics=TABLE_METRICS) -> str:
-    """Rows = methods, columns = task x metric, 3 decimals (with 95% intervals when present).
+    """One block per task: its heading, then a table with a row per method and a column per metric, 3 decimals
+    (with 95% intervals when present). A terminal shows it at any number of tasks.
 
     Args:
         results: task -> method -> metrics.
-        metrics: (column label, metric key) pairs to show per task.
+        metrics: (column label, metric key) pairs to show.
 
     Returns:
-        The markdown table.
+        The markdown blocks, separated by blank lines.
     """
-    tasks = list(results)
-    header = ["method"] + [f"{TASK_LABELS.get(t, t)} {label}" for t in tasks for label, _ in metrics]
-    rows = [[m] + [cell(results[t].get(m, {}), key) for t in tasks for _, key in metrics] for m in methods_of(results)]
-    return markdown_table(header, rows)
+    blocks = []
+    for task, by_method in results.items():
+        rows = [[m] + [cell(summary, key) for _, key in metrics] for m, summary in by_method.items()]
+        blocks.append(task_heading(task, by_method) + "\n\n"
+                      + markdown_table(["method"] + [label for label, _ in metrics], rows))
+    return "\n\n".join(blocks)
 
 
 def token_table(rows: dict[str, dict]) -> str:
@@ -119,7 +124,7 @@ FULL_METRICS = (("Acc", "accuracy"), ("mean conf", "mean_confidence"), ("ECE", "
 
 
 def task_tables(results: dict, metrics=FULL_METRICS) -> str:
-    """One markdown table per task (rows = methods, columns = metrics with 95% intervals when present).
+    """`format_table` with every metric (accuracy, mean confidence, ECE, Brier, AUROC).
 
     Args:
         results: task -> method -> metrics (each with "n", shown in the task's heading).
@@ -128,10 +133,4 @@ def task_tables(results: dict, metrics=FULL_METRICS) -> str:
     Returns:
         The tables, each under a "### <task> (n = N)" heading, separated by blank lines.
     """
-    blocks = []
-    for task, by_method in results.items():
-        rows = [[m] + [cell(summary, key) for _, key in metrics] for m, summary in by_method.items()]
-        n = next(iter(by_method.values())).get("n", "?")
-        blocks.append(f"### {TASK_LABELS.get(task, task)} (n = {n})\n\n"
-                      + markdown_table(["method"] + [label for label, _ in metrics], rows))
-    return "\n\n".join(blocks)
+    return format_table(results, metrics)

@@ -125,13 +125,9 @@ def encode_prompts(backbone: Backbone, prompts: Sequence[str], chat_template: bo
         (input_ids (B, P) long, attention_mask (B, P) long, the B texts given to the model).
     """
     texts, templated = format_prompts(backbone, prompts, chat_template)
-    tok = backbone.tokenizer
-    side = tok.padding_side
-    tok.padding_side = "left"
-    try:
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)
-    finally:
-        tok.padding_side = side
+    # the side is passed with this call only: the shared tokenizer's own `padding_side` is never changed
+    enc = backbone.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
+                             add_special_tokens=not templated)
     return enc["input_ids"].to(backbone.device), enc["attention_mask"].to(backbone.device), texts
 
 

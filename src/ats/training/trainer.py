@@ -100,8 +100,10 @@ def uses_summary(store, config: TrainingConfig, calibrator: ATSCalibrator) -> bo
 class Trainer:
     """Trains `calibrator.head` in place; `run()` returns the loss history and per-epoch validation metrics.
 
-    Construction seeds torch's global RNG with `config.seed`, builds the optimizer and schedule (the learning rate
-    chosen is recorded in `calibrator.config_.training`) and, with `resume`, restores the last checkpoint.
+    Construction builds the optimizer and schedule (the learning rate chosen is recorded in
+    `calibrator.config_.training`) and, with `resume`, restores the last checkpoint. torch's global RNG is never
+    seeded or drawn from: the data order comes from (seed, epoch), and each epoch runs on a forked RNG seeded from
+    (seed, epoch) (`_epoch_rng`), so any randomness of a head is reproducible and leaves the caller's RNG as it was.
 
     Args:
         calibrator: the ATS calibrator whose head is trained.
@@ -146,7 +148,6 @@ class Trainer:
     # --- setup ------------------------------------------------------------------------------------------------------
     def _setup(self, resume: bool) -> None:
         config = self.config
-        torch.manual_seed(config.seed)
         self.head = head = self.calibrator.head.to(self.backbone.device).train()
         self.full_steps, self.remainder = divmod(micro_per_epoch(self.store, config), config.accumulation)
         self.steps_per_epoch = steps_per_epoch(self.store, config)
@@ -162,7 +163,7 @@ class Trainer:
                                             {"params": no_decay, "weight_decay": 0.0}], lr=self.lr)
         self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, round(config.warmup_ratio * total), total)
         self.start = self._resume() if resume else (0, 0)  # (epoch, step in epoch)
-        self.forward = self.calibrator.temperature
+        self.forward = self.calibrator.log_scale
         self.ddp_forward = self.forward
         if self.dist.distributed:  # only the head is data-parallel; the frozen backbone is never wrapped
             model, self.optimizer = self.dist.accelerator.prepare(head, self.optimizer)
@@ -266,6 +267,14 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.head.parameters(), config.max_grad_norm)
             self._apply()
 
+    @contextlib.contextmanager
+    def _epoch_rng(self, epoch: int):
+        """A forked torch RNG (CPU and the head's GPU) seeded from (seed, epoch), restored afterwards."""
+        device = next(self.head.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(self.config.seed * 1000 + epoch)
+            yield
+
     def _val_postfix(self) -> dict:
         return {"val_ece": f"{self.result.epochs[-1]['ece']:.4f}"} if self.result.epochs and \
             "ece" in self.result.epochs[-1] else {}
@@ -284,7 +293,8 @@ class Trainer:
                    initial=start_epoch * self.steps_per_epoch + skip_steps, desc="train head",
                    disable=not self.progress)
         for epoch in range(start_epoch, self.config.epochs):
-            self._epoch(epoch, skip_steps, bar)
+            with self._epoch_rng(epoch):
+                self._epoch(epoch, skip_steps, bar)
             skip_steps = 0
             self.head.eval()
             if self.validate is not None:

@@ -35,7 +35,7 @@ def heldout_objective(calibrator: ATSCalibrator, store, backbone: Backbone, conf
     for batch in store.batches(config.micro_batch_size, rank=dist.rank, world_size=dist.world_size):
         hidden = batch.hidden.to(backbone.device)  # (b, T, H)
         labels = batch.labels.to(backbone.device)  # (b, T)
-        tau = calibrator.temperature(hidden, batch.attention_mask.to(backbone.device))  # (b, T)
+        tau = calibrator.log_scale(hidden, batch.attention_mask.to(backbone.device))  # (b, T)
         select = labels != IGNORE_INDEX
         n = int(select.sum())
         if n == 0:
