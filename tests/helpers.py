@@ -1,8 +1,13 @@
-"""Test doubles shared by several test files: calibrators with a known, hand-checkable effect, and the tiny random
-Llama most tests run on (`make_tiny_backbone`, also importable from conftest) with an ATS head away from identity
-(`calibrator_for`)."""
+"""Test doubles shared by several test files: calibrators with a known, hand-checkable effect; a tiny byte-level BPE
+tokenizer with a chat template built here (`make_tiny_tokenizer`, no embedded model needed); the tiny random Llama
+most tests run on (`make_tiny_backbone`) with an ATS head away from identity (`calibrator_for`); and small data files
+in every layout `ats.sources` reads through ATS_DATA_DIR (`write_tiny_data`)."""
 
 from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -37,19 +42,55 @@ class SquareConfidence(Calibrator):
         return confidence ** 2
 
 
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# SmolLM2's chat template (ChatML with a default system turn), so prompts and label masks look like the real model's.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def make_tiny_tokenizer(vocab_size: int = 49152):
+    """A byte-level BPE tokenizer trained here on the tiny data's text (every byte is a token, so any text round-trips;
+    " A" ... " Z" after "Answer:" are single tokens, as letter scoring needs), with SmolLM2's special tokens, chat
+    template and vocabulary size: the ~700 trained tokens are followed by filler words (" w700", " w701", ...) that
+    no text encodes to but a model can emit, so a random model's logits spread as over a real vocabulary.
+    Deterministic: the same corpus and trainer give the same vocabulary and merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(tiny_corpus(), trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    vocab.update({f"\u0120w{i}": i for i in range(len(vocab), vocab_size)})  # "\u0120" is the byte-level space
+    tok = Tokenizer.from_str(json.dumps(spec))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
 def make_tiny_backbone(tokenizer, *, hidden_size: int = 64, layers: int = 2, seed: int = 0,
                        name: str = "tiny-llama", tie_word_embeddings: bool = True,
                        output_scale: float = 8.0) -> Backbone:
-    """A random Llama with SmolLM2's vocabulary, small enough for millisecond forward passes. Tied embeddings make it
-    repeat its input; untied with `output_scale` about 60 it writes varied text with top-1 probabilities of 0.3-0.9."""
-    torch.manual_seed(seed)
+    """A random Llama with `tokenizer`'s vocabulary, small enough for millisecond forward passes (the global RNG is
+    left as it was). Tied embeddings make it repeat its input; untied with `output_scale` about 60 it writes varied
+    text with top-1 probabilities of 0.3-0.9."""
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         tie_word_embeddings=tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
-    model = LlamaForCausalLM(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
     # Sharpen the random model a little so that its top-1 confidence is not uniformly tiny.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(output_scale)
@@ -81,3 +122,139 @@ def perturbed_ats(backbone, std: float = 0.3, seed: int = 0):
         for p in ats.head.proj.parameters():
             p.normal_(0, std)
     return ats
+
+
+# --- tiny data: every layout read through ATS_DATA_DIR (see ../shared/data/README.md), written by the tests ----------
+CAPITALS = [("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Germany", "Berlin"), ("Japan", "Tokyo"),
+            ("Egypt", "Cairo"), ("Peru", "Lima"), ("Kenya", "Nairobi"), ("Canada", "Ottawa"), ("Chile", "Santiago"),
+            ("Norway", "Oslo"), ("Greece", "Athens"), ("Cuba", "Havana"), ("Ireland", "Dublin"),
+            ("Poland", "Warsaw"), ("Austria", "Vienna"), ("Portugal", "Lisbon"), ("Sweden", "Stockholm"),
+            ("Finland", "Helsinki"), ("Denmark", "Copenhagen")]
+COLOURS = ["red", "blue", "green", "yellow", "black", "white", "orange", "purple"]
+# the subjects of `ats demo --size tiny` (experiment.QUICK_SUBJECTS) and one more
+MMLU_SUBJECTS = ("abstract_algebra", "anatomy", "astronomy", "college_biology", "high_school_biology",
+                 "high_school_geography", "high_school_us_history", "marketing", "nutrition", "philosophy",
+                 "world_religions")
+POOL_MC = ("sciq", "social_iqa", "boolq", "winogrande")
+CORPUS_SUBJECTS = ("anatomy", "astronomy", "high_school_biology")  # fixed: the tokenizer is trained on them
+
+
+def tiny_instructions(n: int = 48) -> list[dict]:
+    """n Alpaca-form records {instruction, input, output}: capitals, sums and colours (every third with an input)."""
+    rows = []
+    for i in range(n):
+        country, capital = CAPITALS[i % len(CAPITALS)]
+        a, b = i + 2, 3 * i + 1
+        kind = i % 3
+        if kind == 0:
+            rows.append({"instruction": f"What is the capital of {country}?", "input": "",
+                         "output": f"The capital of {country} is {capital}. It is a large city."})
+        elif kind == 1:
+            rows.append({"instruction": "Add the two numbers.", "input": f"{a} and {b}",
+                         "output": f"{a} plus {b} is {a + b}."})
+        else:
+            colour = COLOURS[i % len(COLOURS)]
+            rows.append({"instruction": f"Write a short sentence about a {colour} bird.", "input": "",
+                         "output": f"The {colour} bird sings in the tree every morning, and the sky is clear."})
+    return rows
+
+
+def _mmlu_row(subject: str, i: int) -> dict:
+    a, b = i + 1, 2 * i + 3
+    right = a + b
+    choices = [str(right + d) for d in (-1, 0, 1, 2)]
+    shift = i % 4  # rotate so that the answers are not all at one letter
+    choices = choices[shift:] + choices[:shift]
+    return {"subject": subject, "question": f"In {subject.replace('_', ' ')}, what is {a} plus {b}?",
+            "choices": choices, "answer": choices.index(str(right))}
+
+
+def _trivia_row(i: int) -> dict:
+    country, capital = CAPITALS[i % len(CAPITALS)]
+    question = f"What is the capital city of {country}?" if i < len(CAPITALS) else \
+        f"Which city is the capital of {country} (question {i})?"
+    return {"question": question, "question_id": f"tiny_{i}", "question_source": "tests",
+            "answer": {"value": capital, "aliases": [capital, f"{capital} City"],
+                       "normalized_aliases": [capital.lower(), f"{capital.lower()} city"],
+                       "normalized_value": capital.lower(), "type": "WikipediaEntity"}}
+
+
+def _truthful_rows(n: int) -> list[tuple[str, str, list[str], list[str]]]:
+    """(question, best answer, true answers, false answers)."""
+    rows = []
+    for i in range(n):
+        country, capital = CAPITALS[i % len(CAPITALS)]
+        wrong = CAPITALS[(i + 1) % len(CAPITALS)][1]
+        rows.append((f"What happens if you visit {capital} in {country}?", f"You are in {country}",
+                     [f"You are in {country}", f"Nothing special happens in {capital}"],
+                     [f"You are in {wrong}", "You turn into a bird"]))
+    return rows
+
+
+def write_tiny_data(root: Path, *, instructions: int = 48, mmlu_test: int = 6, trivia: int = 1024,
+                    truthful: int = 12, pool: int = 12) -> Path:
+    """Small files in every layout ATS_DATA_DIR holds (Alpaca-GPT4, Alpaca-cleaned, MMLU dev (5 per subject) /
+    validation / test, TriviaQA, TruthfulQA MC and CSV, the QA pool); returns `root`."""
+    root = Path(root)
+    for folder in ("alpaca_gpt4", "alpaca_cleaned", "mmlu", "triviaqa", "truthfulqa", "qa_pool"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    records = tiny_instructions(instructions)
+    (root / "alpaca_gpt4" / "alpaca_gpt4_1k.json").write_text(json.dumps(records, indent=1))
+    (root / "alpaca_cleaned" / "alpaca_cleaned.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in reversed(records)))
+    sizes = {"dev": 5, "validation": 4, "test": mmlu_test}
+    for split, n in sizes.items():
+        offset = {"dev": 0, "validation": 100, "test": 200}[split]
+        rows = [_mmlu_row(s, offset + i) for s in MMLU_SUBJECTS for i in range(n)]
+        (root / "mmlu" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "triviaqa" / "validation.jsonl").write_text(
+        "".join(json.dumps(_trivia_row(i)) + "\n" for i in range(trivia)))
+    truthful_rows = _truthful_rows(truthful)
+    mc = [{"question": q, "mc1_targets": {t[0]: 1, **{f: 0 for f in false}},
+           "mc2_targets": {**{a: 1 for a in t}, **{f: 0 for f in false}}} for q, _, t, false in truthful_rows]
+    (root / "truthfulqa" / "mc_task.json").write_text(json.dumps(mc, indent=1))
+    with open(root / "truthfulqa" / "TruthfulQA.csv", "w", encoding="utf-8-sig", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Type", "Category", "Question", "Best Answer", "Correct Answers", "Incorrect Answers",
+                         "Source"])
+        for q, best, true, false in truthful_rows:
+            writer.writerow(["Adversarial", "Misconceptions", q, best, "; ".join(true), "; ".join(false), "tests"])
+    nq = [{"question": f"who lives in {capital.lower()}", "answers": [f"people of {country}", country]}
+          for country, capital in CAPITALS[:pool]]
+    (root / "qa_pool" / "nq_open.jsonl").write_text("".join(json.dumps(r) + "\n" for r in nq))
+    for k, name in enumerate(POOL_MC):
+        rows = []
+        for i in range(pool):
+            country, capital = CAPITALS[(i + k) % len(CAPITALS)]
+            choices = [capital, CAPITALS[(i + k + 3) % len(CAPITALS)][1]] if name in ("boolq", "winogrande") else \
+                [capital, CAPITALS[(i + k + 3) % len(CAPITALS)][1], COLOURS[i % len(COLOURS)]]
+            answer = i % len(choices)
+            choices = choices[-answer:] + choices[:-answer] if answer else choices  # the capital moves to `answer`
+            rows.append({"question": f"({name}) Which city is in {country}?", "choices": choices, "answer": answer})
+        (root / "qa_pool" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def tiny_corpus() -> list[str]:
+    """The text the tiny tokenizer is trained on: the tiny data's sentences, prompt scaffolding and letter answers."""
+    lines = [f"{r['instruction']} {r['input']} {r['output']}" for r in tiny_instructions(48)]
+    lines += [r["question"] + " " + " ".join(r["choices"]) for r in (_mmlu_row(s, i) for s in CORPUS_SUBJECTS
+                                                                     for i in range(12))]
+    lines += [f"Q: {r['question']}\nA: {r['answer']['value']}" for r in map(_trivia_row, range(20))]
+    lines += [f"{q} {best}" for q, best, _, _ in _truthful_rows(20)]
+    lines += [f"Answer: {chr(ord('A') + i)}\n" for i in range(26)] * 3
+    lines += ["The following are multiple choice questions (with answers) about anatomy.\n\n"] * 3
+    lines += ["<|im_start|>system\nYou are a helpful assistant<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"] * 3
+    lines += list(PROSE) * 2
+    return lines
+
+
+# everyday sentences (among them the prompts the generation and serving tests send), so that their words are tokens
+PROSE = ("The capital of France is Paris, and Rome is the capital of Italy.",
+         "Write a short poem about the sea and the wind, please.", "Write one word about the sea and the wind:",
+         "Hi! Hello world, this is a test.", "Once upon a time there was a quick brown fox.",
+         "The quick brown fox jumps over the lazy dog.", "What colour is the sky on a clear day?",
+         "How many legs does a spider have? What do bees make? Which is a fruit? List three colours.",
+         "What is 2 + 2? Answer with one number.", "Calibration is about knowing what you know.",
+         "Question: what is the answer? Answer: the answer is yes, no, true or false.",
+         "Pick a color, pick a word, pick a letter or pick a thing.")

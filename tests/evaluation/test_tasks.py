@@ -280,7 +280,7 @@ def test_mc_validation_errors(tmp_path, bad, message):
     assert "\n" not in str(err.value)
 
 
-def test_real_mmlu_dev_file_with_a_repeated_choice_evaluates(tiny_backbone, caplog):
+def test_real_mmlu_dev_file_with_a_repeated_choice_evaluates(tiny_backbone, caplog, shared_data):
     # the official MMLU dev split repeats a choice on line 93: such rows are scored as given, with a warning
     from ats.sources import local_file
 
@@ -344,7 +344,8 @@ def test_mc_letters_and_likelihood_match_full_forward(tiny_backbone, tmp_path):
         assert res["none"].confidence[i] == pytest.approx(probs.max().item(), abs=1e-4)
 
 
-def test_mmlu_real_model_five_shot(smollm2):
+@pytest.mark.slow
+def test_mmlu_real_model_five_shot(smollm2, shared_data):
     """The embedded SmolLM2 with a 3-shot prefix: cached scoring = the model's own uncached forward."""
     task = MMLUTask(limit=1, subjects=["astronomy"], n_shots=3)
     res = task.run(smollm2, {"none": Uncalibrated()}, progress=False)

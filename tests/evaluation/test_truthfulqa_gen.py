@@ -78,12 +78,10 @@ def test_judge_bleu_and_errors():
         judge_answer("x", SEEDS_TRUE, [], "rouge")
 
 
-def test_judge_matches_lm_eval_on_real_rows():
+def test_judge_matches_lm_eval_on_real_rows(shared_data):
     """Our references and scores = lm-eval's truthfulqa_gen (preprocess_function + process_results_gen)."""
     utils = pytest.importorskip("lm_eval.tasks.truthfulqa.utils")
     path = local_file("truthfulqa/TruthfulQA.csv")
-    if path is None:
-        pytest.skip("needs ATS_DATA_DIR")
     with open(path, encoding="utf-8-sig", newline="") as f:
         raw = list(csv.DictReader(f))[:2]  # lm-eval bootstraps every ROUGE score: slow
     ours = read_csv(path)[:2]
@@ -104,7 +102,7 @@ def test_judge_matches_lm_eval_on_real_rows():
 
 
 # --- the data --------------------------------------------------------------------------------------------------------
-def test_real_csv_loads_817_questions():
+def test_real_csv_loads_817_questions(shared_data):
     rows = load_truthfulqa_gen()
     assert len(rows) == 817
     first = rows[0]

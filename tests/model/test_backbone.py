@@ -1,10 +1,11 @@
-"""The real embedded SmolLM2: loads offline from its GGUF wheel; logits == output layer of the final hidden state."""
+"""The real embedded models (SmolLM2, Gemma 3 270M): load offline from their GGUF wheels; logits == the output layer
+of the final hidden state; a second load reads the cached model folder."""
 
 import pytest
 import torch
 
 from ats.errors import ATSError
-from ats.model.backbone import EMBEDDED_MODELS, load_backbone
+from ats.model.backbone import load_backbone
 
 
 def test_smollm2_hidden_states_give_the_models_logits(smollm2):
@@ -29,11 +30,30 @@ def test_cached_gguf_load_reuses_a_plain_model_folder(smollm2):
     weights = folder / "model.safetensors"
     before = weights.stat().st_mtime_ns
     again = load_backbone("smollm2-135m-instruct")
-    assert weights.stat().st_mtime_ns == before  # loaded from the cache, not dequantized again
+    # read from the cached folder (not dequantized again into it): the model's source is that folder
+    assert again.model.config._name_or_path == str(folder) and weights.stat().st_mtime_ns == before
     assert again.revision == smollm2.revision
     torch.testing.assert_close(again.output_weight, smollm2.output_weight)
     # an ordinary model folder: no trace of the GGUF quantisation that other tools (lm-eval) would refuse
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+
+
+@pytest.mark.slow
+def test_gemma3_270m_hidden_states_give_the_models_logits():
+    """The embedded base Gemma 3 270M: sizes, no chat template needed, h (B, T, H) and h @ W^T == the model's logits
+    (Gemma's logits carry no soft-capping in this release)."""
+    gemma = load_backbone("gemma3-270m")
+    assert gemma.hidden_size == 640 and gemma.vocab_size == gemma.model.config.vocab_size == 262144
+    assert not any(p.requires_grad for p in gemma.model.parameters())
+    ids = gemma.tokenizer(["The capital of France is", "Two plus two"], return_tensors="pt", padding=True)
+    hidden, _ = gemma.forward(ids.input_ids, ids.attention_mask)
+    assert hidden.shape == (2, ids.input_ids.shape[1], 640)
+    reference = gemma.model(input_ids=ids.input_ids, attention_mask=ids.attention_mask)
+    logits = hidden @ gemma.model.get_output_embeddings().weight.T  # computed here, not by the backbone
+    mask = ids.attention_mask.bool()
+    torch.testing.assert_close(logits[mask], reference.logits[mask], atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(gemma.logits(hidden)[mask], reference.logits[mask], atol=1e-3, rtol=1e-4)
+    assert gemma.model.config._name_or_path != "gemma3-270m"  # a local folder: nothing came from the Hub
 
 
 def test_unknown_inputs_are_refused(tmp_path):
@@ -44,4 +64,3 @@ def test_unknown_inputs_are_refused(tmp_path):
         load_backbone(str(tmp_path / "empty"))
     with pytest.raises(ATSError, match="dtype"):
         load_backbone("smollm2-135m-instruct", dtype="float8")
-    assert "gemma3-270m" in EMBEDDED_MODELS

@@ -16,7 +16,7 @@ from ats.training.data import (
 )
 
 
-def test_shared_alpaca_sample_loads():
+def test_shared_alpaca_sample_loads(shared_data):
     records = load_instructions("alpaca_gpt4")
     assert len(records) == 1000 and all(r.output.strip() for r in records)
     subset = load_instructions("alpaca_gpt4", limit=10, seed=1)

@@ -35,9 +35,8 @@ WORKER = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     sys.path.insert(0, {tests!r})
-    from conftest import make_tiny_backbone
+    from helpers import make_tiny_backbone, make_tiny_tokenizer
     from ats.calibrators.ats import ATSCalibrator
-    from ats.model.backbone import load_backbone
     from ats.training.distributed import init_distributed
     from ats.evaluation.token_eval import token_validator
     from ats.training.data import DataConfig
@@ -48,7 +47,7 @@ WORKER = textwrap.dedent("""
     root = Path({root!r})
     dist = init_distributed()
     assert dist.distributed and dist.world_size == 2, dist
-    backbone = make_tiny_backbone(load_backbone("smollm2-135m-instruct").tokenizer)
+    backbone = make_tiny_backbone(make_tiny_tokenizer())
     options = DataConfig(**{options!r})
     sources = {{"cached": prepare_features(backbone, root / "features", options, progress=False, dist=dist),
                "online": online_features(backbone, options)}}

@@ -65,7 +65,7 @@ def test_corrupt_shard_is_refused(tiny_backbone, examples, tmp_path):
 
 
 def test_features_of_another_backbone_are_refused(tiny_backbone, examples, tmp_path, tokenizer):
-    from conftest import make_tiny_backbone
+    from helpers import make_tiny_backbone
 
     store = extract_features(tiny_backbone, examples[:3], tmp_path / "f", progress=False)
     other = make_tiny_backbone(tokenizer, seed=1)
@@ -77,12 +77,11 @@ KILLED_EXTRACTION = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
-from conftest import make_tiny_backbone
-from ats.model.backbone import load_backbone
+from helpers import make_tiny_backbone, make_tiny_tokenizer
 from ats.training.data import load_instructions, tokenize_instructions
 import ats.training.features as features
 
-tokenizer = load_backbone("smollm2-135m-instruct").tokenizer
+tokenizer = make_tiny_tokenizer()
 backbone = make_tiny_backbone(tokenizer)
 examples = tokenize_instructions(tokenizer, load_instructions("alpaca_gpt4", limit=12, seed=0), max_length=96)[0]
 real_write_json = features.write_json

@@ -57,14 +57,13 @@ def test_short_training_lowers_the_loss_and_val_ece(tiny_backbone, stores, head_
 KILLED_RUN = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {tests!r})
-    from conftest import make_tiny_backbone
-    from ats.model.backbone import load_backbone
+    from helpers import make_tiny_backbone, make_tiny_tokenizer
     from ats.calibrators.ats import ATSCalibrator
     from ats.training.features import FeatureStore
     from ats.training.config import TrainingConfig
     from ats.training.trainer import train_ats
 
-    backbone = make_tiny_backbone(load_backbone("smollm2-135m-instruct").tokenizer)
+    backbone = make_tiny_backbone(make_tiny_tokenizer())
     cal = ATSCalibrator.for_backbone(backbone, head_type="mlp")
     config = TrainingConfig(lr=3e-3, epochs=2, batch_size=4, micro_batch_size=2, save_every=1)
     kill = lambda step: os.kill(os.getpid(), signal.SIGKILL) if step == {kill_at} else None
@@ -105,7 +104,7 @@ def test_bad_training_options(tiny_backbone, stores):
 def test_non_finite_loss_stops_with_place_and_keeps_checkpoint(tokenizer, tmp_path):
     """A backbone whose output layer yields NaN logits: training by the exact route (which recomputes the logits;
     the scale summary was taken before the corruption) stops at once and says where."""
-    from conftest import make_tiny_backbone
+    from helpers import make_tiny_backbone
 
     backbone = make_tiny_backbone(tokenizer, seed=3)
     examples = tokenize_instructions(tokenizer, load_instructions("alpaca_gpt4", limit=6), max_length=48)[0]
@@ -130,3 +129,17 @@ def test_automatic_learning_rate_follows_the_number_of_steps(tiny_backbone, stor
     assert record["lr_automatic"] and record["lr"] == pytest.approx(auto_lr(steps)) and steps == 5
     cal, _ = _train(tiny_backbone, stores, lr=2e-3, epochs=1)
     assert not cal.config_.training["lr_automatic"] and cal.config_.training["lr"] == 2e-3
+
+
+def test_training_leaves_the_global_rng_alone_and_is_reproducible(tiny_backbone, stores):
+    """The trainer neither seeds nor draws from torch's global RNG, and two runs (the global RNG in different states)
+    end with bit-identical weights."""
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)  # what the global RNG gives next from this state
+    torch.manual_seed(123)
+    first, _ = _train(tiny_backbone, stores, head_type="transformer", epochs=1)
+    assert torch.equal(torch.rand(3), expected_next)
+    torch.manual_seed(999)
+    second, _ = _train(tiny_backbone, stores, head_type="transformer", epochs=1)
+    for a, b in zip(first.head.state_dict().values(), second.head.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

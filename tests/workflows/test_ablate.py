@@ -104,7 +104,7 @@ def test_run_alignment_compares_backbones(tiny_backbone, tokenizer, tmp_path):
     from ats.training.data import DataConfig
     from ats.workflows.alignment import run_alignment
 
-    from conftest import make_tiny_backbone
+    from helpers import make_tiny_backbone
 
     quiz = tmp_path / "quiz.jsonl"
     quiz.write_text('{"question": "Which is a colour?", "choices": ["red", "seven"], "answer": 0}\n')

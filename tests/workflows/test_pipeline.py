@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from ats.errors import ATSError
 from ats.fingerprint import stored_fingerprint
 from ats.training.config import TrainingConfig
 from ats.training.data import DataConfig
 from ats.workflows.pipeline import fit_calibrators, prepare_features, train_head
+
+from helpers import make_tiny_backbone
 
 DATA = DataConfig(limit=10, max_length=64, val_fraction=0.3)
 TRAINING = TrainingConfig(lr=1e-3, epochs=1, batch_size=2, micro_batch_size=2)
@@ -21,10 +24,15 @@ def test_features_reuse_refuse_and_overwrite(tiny_backbone, tmp_path):
     fp = stored_fingerprint(train.directory)
     assert fp["kind"] == "features" and fp["data"]["max_length"] == 64 and fp["split"] == "train"
     assert fp["backbone"]["base_model"] == "tiny-llama" and len(fp["data"]["checksum"]) == 16
-    shard = train.directory / "shard-00000.safetensors"
-    mtime = shard.stat().st_mtime_ns
-    again, _ = prepare_features(tiny_backbone, tmp_path / "f", DATA, progress=False)
-    assert shard.stat().st_mtime_ns == mtime and len(again) == len(train)
+    # a backbone with the same name and revision but other weights: the fingerprint matches, so the stored features
+    # come back; recomputed, they would be this backbone's hidden states, which differ
+    twin = make_tiny_backbone(tiny_backbone.tokenizer, seed=5)
+    twin.name, twin.revision = tiny_backbone.name, tiny_backbone.revision
+    ids = torch.arange(12)[None]
+    assert not torch.allclose(twin.forward(ids)[0], tiny_backbone.forward(ids)[0])
+    again, _ = prepare_features(twin, tmp_path / "f", DATA, progress=False)
+    assert len(again) == len(train)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(again.sequences(), train.sequences(), strict=True))
     with pytest.raises(ATSError, match=r"features made with other options: data.checksum .*data.limit 10 -> 12"):
         prepare_features(tiny_backbone, tmp_path / "f", DATA.replace(limit=12), progress=False)
     bigger, _ = prepare_features(tiny_backbone, tmp_path / "f", DATA.replace(limit=12), overwrite=True, progress=False)
