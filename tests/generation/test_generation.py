@@ -37,7 +37,7 @@ def reference(backbone, calibrator, prompt: str, out, chat_template: bool = True
     full_mask = torch.cat([mask, torch.ones_like(new)], 1)
     hidden, _ = backbone.forward(full, full_mask)
     with torch.no_grad():
-        tau = calibrator.temperature(hidden, full_mask)[0]  # (T,)
+        tau = calibrator.log_scale(hidden, full_mask)[0]  # (T,)
         z = backbone.logits(hidden)[0].float()  # (T, V)
     P = ids.shape[1]
     positions = torch.arange(P - 1, P - 1 + new.shape[1])

@@ -25,7 +25,7 @@ def forward(backbone, calibrator, ids: list[int]) -> tuple[torch.Tensor, torch.T
         tau = torch.zeros(len(ids))
         q = z
     else:
-        tau = calibrator.temperature(hidden)[0].float()
+        tau = calibrator.log_scale(hidden)[0].float()
         q = z * calibrator.scale(tau)[:, None]
     return q.log_softmax(-1), z.log_softmax(-1), tau
 

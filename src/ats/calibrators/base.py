@@ -77,7 +77,7 @@ class Calibrator(ABC):
     trains_head: ClassVar[bool] = False  # trained by the ATS trainer with the run's TrainingConfig (ATS, controls)
     fits_on_sketch: ClassVar[bool] = False  # fit_source uses the source's LogitSketch when it has one
     fits_on_summary: ClassVar[bool] = False  # fit_source uses the source's scale summary when it has one
-    token_head: ClassVar[bool] = False  # a per-token head: temperature(h, mask, cache=) and scale(tau) (ATS family)
+    token_head: ClassVar[bool] = False  # a per-token head: log_scale(h, mask, cache=) and scale(tau) (ATS family)
     prompt_hidden: ClassVar[bool] = False  # reads only the prompt's last hidden state (Thermometer)
 
     # --- fitting ----------------------------------------------------------------------------------------------------

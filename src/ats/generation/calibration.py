@@ -95,8 +95,6 @@ class DecodingCalibration:
             if head is not None:
                 head.eval()
         self.head_cached = self.mode == "head" and isinstance(self.calibrator.head, TransformerHead)
-        if self.mode == "head":  # tau = log s of the head ("temperature" before the rename to log_scale)
-            self._tau = getattr(self.calibrator, "log_scale", None) or self.calibrator.temperature
         self.maps_confidence = bool(self.calibrator is not None and self.calibrator.maps_confidence)
         self.fixed_scale = self._fixed_scale(backbone) if self.mode == "logits" else None
         self.changes_logits = self.mode != "none" and self.fixed_scale != 1.0
@@ -156,7 +154,7 @@ class DecodingCalibration:
         """
         if self.mode == "head":
             cache = batch.head if self.head_cached else None
-            return self._tau(hidden, mask, cache=cache).float()
+            return self.calibrator.log_scale(hidden, mask, cache=cache).float()
         if self.mode == "prompt":
             batch.rows_state = hidden[:, -1]  # (G, H): left padding puts every prompt's last token last
         if self.mode == "none":
@@ -169,8 +167,8 @@ class DecodingCalibration:
         outside head mode (zeros in none mode)."""
         if self.mode == "head":
             if self.head_cached:
-                return self._tau(hidden, mask, cache=batch.head)[:, -1].float()
-            return self._tau(hidden, mask[:, -1:])[:, -1].float()
+                return self.calibrator.log_scale(hidden, mask, cache=batch.head)[:, -1].float()
+            return self.calibrator.log_scale(hidden, mask[:, -1:])[:, -1].float()
         if self.mode == "none":
             return torch.zeros(hidden.shape[0], device=hidden.device)
         return None
