@@ -81,6 +81,7 @@ def test_each_calibrator_served_equals_in_process(kind, calibrator_servers, cali
         assert all(t is not None for t in ats["tau"])
     health = server.health()
     assert health["calibration"].startswith(ats["calibrator"]) and "\n" not in health["calibration"]
+    assert ("leaves log-probabilities" in health["calibration"]) == (kind in {"histogram", "isotonic"})
 
 
 def test_thermometer_reads_each_prompt_at_prefill(calibrator_servers, calibrator_folders, backbone):

@@ -103,8 +103,8 @@ class DecodingCalibration:
         """The factor s when the logits map is q = z * s with one s > 0 (temperature scaling: 1 / T; 1.0 for the
         confidence-only maps), found by probing it; None for other maps (vector scaling). Decoding then takes the
         shared-shift path of the ATS heads (`token_log_probs`) instead of a second pass over q."""
-        probe = torch.linspace(0.5, 3.0, backbone.vocab_size, device=backbone.device, dtype=torch.float64)[None]
-        ratio = (self.calibrator.apply(probe).double() / probe)[0]  # (V,)
+        probe = torch.linspace(0.5, 3.0, backbone.vocab_size, device=backbone.device)[None]  # (1, V) float32
+        ratio = (self.calibrator.apply(probe).double() / probe.double())[0]  # (V,); exactly 1 for the identity
         s = float(ratio[0])
         return s if s > 0 and torch.allclose(ratio, ratio.new_full(ratio.shape, s), rtol=1e-6, atol=0) else None
 
