@@ -355,9 +355,7 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
             for lr in plan.lr_grid:
                 head = train_method(backbone, train_sets, plan, method, lr=lr, seed=0, token_store=token_store,
                                     progress=progress)
-                losses = [score_answers(head, splits[n][1], logits_fn) for n in selection_tasks]
-                conf = np.concatenate([c for c, _ in losses])
-                ok = np.concatenate([k for _, k in losses])
+                conf, ok = _pool_scores([splits[n][1] for n in selection_tasks], head, logits_fn)
                 rows.append({"lr": lr, "heldout_log_loss": mean_log_loss(conf, ok)})
             best = min(rows, key=lambda r: r["heldout_log_loss"])
             selection[method] = {"grid": rows, "lr": best["lr"]}
