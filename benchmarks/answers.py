@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--render-only", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("fontTools").setLevel(logging.WARNING)  # its font subsetting logs every glyph at INFO
 
     import torch
 
