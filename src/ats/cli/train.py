@@ -26,6 +26,13 @@ def add_parser(sub) -> None:
     g.add_argument("--pool-size", type=int, default=200, help="questions per QA-pool task (default: 200)")
     g.add_argument("--mmlu-pool", type=int, default=2,
                    help="MMLU validation questions per subject, 0 for none (default: 2)")
+    g.add_argument("--method", default=None, metavar="SPEC",
+                   help="what learns from the answers: an ATS head type (default: --head), 'thermometer' (one "
+                        "temperature per question from the prompt), or a head with '+tokens' (plus the top-label "
+                        "loss on instruction tokens, so token calibration does not collapse; needs --token-features)")
+    g.add_argument("--token-features", default=None, metavar="DIR",
+                   help="an `ats train` features folder of the same model (its train/ split feeds the '+tokens' term)")
+    g.add_argument("--token-weight", type=float, default=1.0, help="weight of the '+tokens' term (default: 1.0)")
     options.add_overwrite(p)
     p.add_argument("--out", required=True, help="run folder: features (or answers) in OUT/features (OUT/answers), "
                                                 "the head in OUT/head")
@@ -40,7 +47,13 @@ def run_answers(args) -> int:
     from ..model.heads import HeadConfig
     from ..training.losses import ANSWER_LOSSES
     from ..workflows.answer_training import score_answers
-    from ..workflows.answers import AnswerPlan, answer_head_record, reusable_answer_head, train_answer_head
+    from ..workflows.answers import (
+        AnswerPlan,
+        answer_head_record,
+        parse_spec,
+        reusable_answer_head,
+        train_answer_head,
+    )
 
     options.check_model(args.model)
     loss = args.loss_type
@@ -48,18 +61,24 @@ def run_answers(args) -> int:
         if loss != "selective":  # the default of instruction data; an explicit token loss is a mistake here
             raise ATSError(f"--loss {loss} is a token loss; with --data answers use {' or '.join(ANSWER_LOSSES)}")
         loss = "answer-log"
-    for flag, value, low in (("--pool-size", args.pool_size, 1), ("--mmlu-pool", args.mmlu_pool, 0)):
+    for flag, value, low in (("--pool-size", args.pool_size, 1), ("--mmlu-pool", args.mmlu_pool, 0),
+                             ("--token-weight", args.token_weight, 0)):
         if value < low:
             raise ATSError(f"{flag} must be >= {low}, got {value}")
     training = options.training_config(args, loss_type=loss)
-    head_type = HeadConfig.from_args(args).head_type
-    plan = AnswerPlan(pool_size=args.pool_size, mmlu_pool_per_subject=args.mmlu_pool)
-    reusable_answer_head(Path(args.out) / "head", answer_head_record(training, loss, plan), head_type=head_type,
-                         max_scale=args.max_scale, overwrite=args.overwrite)  # refuses before the model loads
+    spec = args.method or HeadConfig.from_args(args).head_type
+    kind, tokens = parse_spec(spec, field="--method")
+    if tokens and not (args.token_features and (Path(args.token_features) / "train").is_dir()):
+        raise ATSError(f"--method {spec}: --token-features must name an `ats train` features folder (with train/), "
+                       f"got {args.token_features!r}")
+    plan = AnswerPlan(pool_size=args.pool_size, mmlu_pool_per_subject=args.mmlu_pool, token_weight=args.token_weight)
+    reusable_answer_head(Path(args.out) / "head", answer_head_record(training, loss, plan,
+                                                                     plan.token_weight if tokens else 0.0),
+                         head_type=kind, max_scale=args.max_scale, overwrite=args.overwrite)  # before the model loads
     backbone = options.backbone_from_args(args)
     calibrator, pool, reused = train_answer_head(
-        backbone, Path(args.out), head_type=head_type, training=training, loss_type=loss,
-        max_scale=args.max_scale, plan=plan, overwrite=args.overwrite, progress=not args.quiet)
+        backbone, Path(args.out), spec=spec, training=training, loss_type=loss, max_scale=args.max_scale, plan=plan,
+        token_features=args.token_features, overwrite=args.overwrite, progress=not args.quiet)
     rows = []
     for name, answers in pool.items():
         before = summarize(*score_answers(None, answers, backbone.logits))
@@ -68,7 +87,7 @@ def run_answers(args) -> int:
                      f"{before['mean_confidence']:.3f} -> {after['mean_confidence']:.3f}",
                      f"{before['ece']:.3f} -> {after['ece']:.3f}", f"{before['auroc']:.3f} -> {after['auroc']:.3f}"])
     print(f"Answer calibration on the training pool (in sample: judge the head on tasks it was not trained on, "
-          f"e.g. ats eval; {loss} loss, {head_type} head):")
+          f"e.g. ats eval; {loss} loss, {spec}):")
     print(markdown_table(["task", "questions", "accuracy", "confidence", "ECE", "AUROC"], rows))
     print(f"\nhead {'reused from' if reused else 'saved to'} {Path(args.out) / 'head'}")
     return 0
@@ -78,6 +97,11 @@ def run(args) -> int:
     """Run `ats train` with the parsed `args`; returns the exit code."""
     if args.source == "answers":
         return run_answers(args)
+    from ..errors import ATSError
+
+    for flag, value in (("--method", args.method), ("--token-features", args.token_features)):
+        if value is not None:
+            raise ATSError(f"{flag} {value}: only with --data answers (instruction data trains the --head type)")
     from ..calibrators.ats import ATSConfig
     from ..calibrators.base import Uncalibrated
     from ..evaluation.metrics import summarize

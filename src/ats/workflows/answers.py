@@ -167,30 +167,45 @@ HEAD_KINDS = ("transformer", "linear", "mlp", "constant", "thermometer")
 BASELINES = ("isotonic-answers", "histogram-answers", "scaling-binning-answers")  # fitted on the pool's confidences
 
 
+def parse_spec(spec: str, *, field: str) -> tuple[str, bool]:
+    """(kind, with the token term) of a method spec: "transformer", ..., "thermometer", optionally "+tokens".
+
+    Raises:
+        ATSError: naming `field`, if the spec names an unknown kind or suffix (Thermometer has no token term).
+    """
+    kind, plus, extra = spec.partition("+")
+    if kind not in HEAD_KINDS or (plus and extra != "tokens") or (extra and kind == "thermometer"):
+        raise ATSError(f"{field}: unknown spec {spec!r} (one of {', '.join(HEAD_KINDS)}, an ATS head optionally "
+                       "with '+tokens')")
+    return kind, bool(extra)
+
+
 def method_spec(plan: AnswerPlan, method: str) -> tuple[str, float]:
-    """(kind, token weight) of a plan method: "transformer", ..., "thermometer", optionally "+tokens" (the answer loss
-    plus `plan.token_weight` x the top-label loss on instruction tokens).
+    """(kind, token weight) of a plan method: `parse_spec`'s kind, and `plan.token_weight` for "+tokens" (the answer
+    loss plus that weight x the top-label loss on instruction tokens), else 0.
 
     Raises:
         ATSError: if the spec names an unknown kind or suffix.
     """
-    spec = plan.methods[method]
-    kind, plus, extra = spec.partition("+")
-    if kind not in HEAD_KINDS or (plus and extra != "tokens") or (extra and kind == "thermometer"):
-        raise ATSError(f"answer plan method {method!r}: unknown spec {spec!r} (one of {', '.join(HEAD_KINDS)}, "
-                       "a head optionally with '+tokens')")
-    return kind, plan.token_weight if extra else 0.0
+    kind, tokens = parse_spec(plan.methods[method], field=f"answer plan method {method!r}")
+    return kind, plan.token_weight if tokens else 0.0
 
 
-def fresh_head(backbone, kind: str, seed: int, method: str, **thermometer_options):
-    """An untrained calibrator for `backbone` (identity at start): an ATS-family head of type `kind`, or a
-    Thermometer sized for the backbone (its schedule options recorded in its config)."""
+def token_record(plan: AnswerPlan, token_weight: float) -> dict:
+    """The token-term fields of a head's training record (the window and subset only when the term is on)."""
+    return {"token_weight": token_weight,
+            **({"token_max": plan.token_max, "token_window": plan.token_window} if token_weight > 0 else {})}
+
+
+def fresh_head(backbone, kind: str, seed: int, method: str, *, max_scale: float = 10.0, **thermometer_options):
+    """An untrained calibrator for `backbone` (identity at start): an ATS-family head of type `kind` (scales clamped
+    at `max_scale`), or a Thermometer sized for the backbone (its schedule options recorded in its config)."""
     from ..calibrators.ats import ATSCalibrator
     from ..calibrators.thermometer import Thermometer
 
     if kind == "thermometer":
         return Thermometer(hidden_size=backbone.hidden_size, seed=seed, **thermometer_options)
-    return ATSCalibrator.for_backbone(backbone, head_type=kind, seed=seed, method=method)
+    return ATSCalibrator.for_backbone(backbone, head_type=kind, seed=seed, method=method, max_scale=max_scale)
 
 
 def train_method(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
@@ -224,8 +239,7 @@ def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str,
 
     kind, token_weight = method_spec(plan, method)
     record = {"lr": lr, "seed": seed, "epochs": plan.epochs, "loss_type": plan.loss_type,
-              "batch_size": plan.batch_size, "tasks": [s.name for s in sets], "token_weight": token_weight,
-              **({"token_max": plan.token_max, "token_window": plan.token_window} if token_weight > 0 else {})}
+              "batch_size": plan.batch_size, "tasks": [s.name for s in sets], **token_record(plan, token_weight)}
     if reusable_answer_head(folder, record, head_type=kind, max_scale=10.0, overwrite=False):
         return load_calibrator(folder, backbone)
     calibrator = train_method(backbone, sets, plan, method, lr=lr, seed=seed, token_store=token_store,
@@ -414,10 +428,10 @@ def token_level(backbone, out: Path, plan: AnswerPlan, features: str | Path, ins
             **{m: summarize(c, k) for m, (c, k) in scored.items()}}
 
 
-def answer_head_record(training: TrainingConfig, loss_type: str, plan: AnswerPlan) -> dict:
+def answer_head_record(training: TrainingConfig, loss_type: str, plan: AnswerPlan, token_weight: float = 0.0) -> dict:
     """The training record a head trained by `train_answer_head` carries (compared on reuse)."""
     return {**training.to_dict(), "loss_type": loss_type, "data": "answers", "tasks": pool_names(plan),
-            "lr": training.lr if training.lr is not None else 1e-3}
+            "lr": training.lr if training.lr is not None else 1e-3, **token_record(plan, token_weight)}
 
 
 RECORD_DEFAULTS = {"token_weight": 0.0}  # record fields of heads saved before the field existed
@@ -451,20 +465,23 @@ def reusable_answer_head(head_dir: Path, record: dict, *, head_type: str, max_sc
                    "another --out")
 
 
-def train_answer_head(backbone, out: str | Path, *, head_type: str, training: TrainingConfig, loss_type: str,
-                      max_scale: float = 10.0, plan: AnswerPlan | None = None, overwrite: bool = False,
-                      progress: bool = True):
-    """`ats train --data answers`: the pool's answers (cached in OUT/answers), a head trained on all of them with
+def train_answer_head(backbone, out: str | Path, *, spec: str, training: TrainingConfig, loss_type: str,
+                      max_scale: float = 10.0, plan: AnswerPlan | None = None, token_features: str | Path | None = None,
+                      overwrite: bool = False, progress: bool = True):
+    """`ats train --data answers`: the pool's answers (cached in OUT/answers), a calibrator trained on all of them with
     `training` and `loss_type`, saved in OUT/head (reused when it was trained with the same settings).
 
     Args:
         backbone: the frozen backbone.
         out: the run folder.
-        head_type: "transformer", "linear", "mlp" or "constant" (the global control).
+        spec: what is trained (`parse_spec`): an ATS head type ("transformer", "linear", "mlp", "constant": the
+            global control), "thermometer", or an ATS head with "+tokens" (plus `plan.token_weight` x the top-label
+            loss on the instruction tokens of `token_features`).
         training: lr (None: 1e-3), epochs, batch_size (questions per step), seed, ...
         loss_type: "answer-log" or "answer-brier".
-        max_scale: the clamp on exp(tau).
-        plan: the pool's sizes (`pool_size`, `mmlu_pool_per_subject`); default `AnswerPlan()`.
+        max_scale: the clamp on exp(tau) (ATS heads).
+        plan: the pool's sizes and the token term's settings; default `AnswerPlan()`.
+        token_features: an instruction feature folder of the same backbone (its train/ split), for "+tokens".
         overwrite: replace a head trained with other settings instead of refusing.
         progress: show progress bars.
 
@@ -472,25 +489,36 @@ def train_answer_head(backbone, out: str | Path, *, head_type: str, training: Tr
         (the calibrator, name -> the pool's answer sets, whether the head was reused).
 
     Raises:
-        ATSError: if OUT/head holds a head trained otherwise (without `overwrite`).
+        ATSError: if the spec is unknown, "+tokens" comes without token features, or OUT/head holds a head trained
+            otherwise (without `overwrite`).
     """
     from ..calibrators import load_calibrator
-    from ..calibrators.ats import ATSCalibrator
-    from .answer_training import train_on_answers
+    from ..training.features import FeatureStore
 
     plan = plan or AnswerPlan()
+    kind, tokens = parse_spec(spec, field="--method")
+    if tokens and token_features is None:
+        raise ATSError(f"--method {spec}: the token term reads instruction features; pass --token-features DIR "
+                       "(an `ats train` features folder of this model)")
     out = Path(out)
     head_dir = out / "head"
-    reuse = reusable_answer_head(head_dir, answer_head_record(training, loss_type, plan), head_type=head_type,
-                                 max_scale=max_scale, overwrite=overwrite)
+    token_weight = plan.token_weight if tokens else 0.0
+    reuse = reusable_answer_head(head_dir, answer_head_record(training, loss_type, plan, token_weight),
+                                 head_type=kind, max_scale=max_scale, overwrite=overwrite)
     pool = {name: cached_answers(backbone, task, out / "answers" / name, progress=progress)
             for name, task in pool_tasks(plan).items()}
     if reuse:
         logger.info("reusing the head in %s (same settings)", head_dir)
         return load_calibrator(head_dir, backbone), pool, True
-    calibrator = ATSCalibrator.for_backbone(backbone, head_type=head_type, seed=training.seed, max_scale=max_scale,
-                                            method=f"{head_type}-answers")
+    token_store = None
+    if tokens:
+        token_store = FeatureStore(Path(token_features) / "train")
+        token_store.check_backbone(backbone)
+    lr = training.lr if training.lr is not None else 1e-3
+    calibrator = fresh_head(backbone, kind, training.seed, f"{kind}-answers", max_scale=max_scale, lr=lr,
+                            epochs=training.epochs, batch_size=training.batch_size)
     train_on_answers(calibrator, list(pool.values()), backbone.logits, config=training, loss_type=loss_type,
-                     progress=progress)
+                     token_store=token_store, token_weight=token_weight, token_max=plan.token_max,
+                     token_window=plan.token_window, progress=progress)
     calibrator.save_pretrained(head_dir)
     return calibrator, pool, False

@@ -1,0 +1,72 @@
+"""`ats train --data answers` beyond the ATS heads, on the tiny model folder and the tiny QA pool (conftest):
+Thermometer trained on the answers, a head with the top-label term on instruction tokens, and the refusals (unknown
+spec, '+tokens' without features, the answer options with instruction data), each in one line before anything
+loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ats.cli import main
+
+from helpers import make_tiny_backbone
+
+POOL = ["--data", "answers", "--pool-size", "3", "--mmlu-pool", "0", "--epochs", "1", "--batch-size", "4",
+        "--micro-batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("answers") / "tiny-model"
+    backbone = make_tiny_backbone(tokenizer)
+    backbone.model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def one_error(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_refusals_come_before_anything_loads(model_dir, tmp_path, capsys):
+    base = ["train", "--model", str(model_dir), *POOL]
+    assert main([*base, "--method", "linear+tokens", "--out", str(tmp_path / "a")]) == 2
+    assert "--token-features" in one_error(capsys)
+    assert main([*base, "--method", "thermometer+tokens", "--out", str(tmp_path / "a")]) == 2
+    assert "unknown spec 'thermometer+tokens'" in one_error(capsys)
+    assert main([*base, "--method", "bayes", "--out", str(tmp_path / "a")]) == 2
+    assert "--method: unknown spec 'bayes'" in one_error(capsys)
+    assert main(["train", "--model", str(model_dir), "--method", "thermometer", "--out", str(tmp_path / "a")]) == 2
+    assert "only with --data answers" in one_error(capsys)
+    assert not (tmp_path / "a").exists()
+
+
+def test_thermometer_and_the_token_term_train_on_answers(model_dir, tmp_path, capsys):
+    base = ["-q", "train", "--model", str(model_dir), *POOL]
+    out = tmp_path / "thermo"
+    assert main([*base, "--method", "thermometer", "--out", str(out)]) == 0
+    config = json.loads((out / "head" / "calibrator_config.json").read_text())
+    assert config["type"] == "thermometer"
+    record = config["history"][0]
+    assert record["data"] == "answers" and record["loss_type"] == "answer-log" and record["token_weight"] == 0.0
+    assert "| sciq | 3 |" in capsys.readouterr().out
+    assert main([*base, "--method", "thermometer", "--out", str(out)]) == 0  # the same settings: reused
+    assert f"head reused from {out / 'head'}" in capsys.readouterr().out
+    # instruction features from `ats train`, then a linear head with the token term read from them
+    instr = tmp_path / "instr"
+    assert main(["-q", "train", "--model", str(model_dir), "--limit", "8", "--max-length", "48", "--epochs", "1",
+                 "--batch-size", "2", "--micro-batch-size", "2", "--head", "linear", "--out", str(instr)]) == 0
+    out = tmp_path / "tokens"
+    args = [*base, "--method", "linear+tokens", "--token-features", str(instr / "features"), "--out", str(out)]
+    assert main([*args, "--token-weight", "0.5"]) == 0
+    config = json.loads((out / "head" / "calibrator_config.json").read_text())
+    assert config["head"]["head_type"] == "linear"
+    assert {k: config["training"][k] for k in ("token_weight", "token_max", "token_window", "data")} == {
+        "token_weight": 0.5, "token_max": 64, "token_window": 512, "data": "answers"}
+    capsys.readouterr()
+    assert main([*args, "--token-weight", "1.0"]) == 2  # another weight: refused, naming it
+    assert "other settings (token_weight)" in one_error(capsys)
