@@ -28,7 +28,7 @@ _CHECK_KEYS = ("low", "high", "low_open", "high_open")
 
 
 def option(default, help: str, *, choices: Iterable | None = None, cli: bool = True, flag: str | None = None,
-           unset: str = "automatic", **checks):
+           unset: str = "automatic", result: bool = True, **checks):
     """A config field with its help text and checks (`low`, `high`, `low_open`, `high_open`, `choices`).
 
     Args:
@@ -39,6 +39,8 @@ def option(default, help: str, *, choices: Iterable | None = None, cli: bool = T
             records).
         flag: the command-line flag; default: `--` plus the field name with dashes.
         unset: what a None default means, for --help ("all", "automatic").
+        result: False for an option that changes how work is done, never its result (batch sizes of a pass,
+            checkpoint spacing): fingerprints leave it out (`ats.fingerprint.result_options`).
         **checks: range checks for numbers, as for `check_number` (`low`, `high`, `low_open`, `high_open`).
 
     Returns:
@@ -51,7 +53,8 @@ def option(default, help: str, *, choices: Iterable | None = None, cli: bool = T
     if unknown:
         raise TypeError(f"option: unknown check(s) {sorted(unknown)}")
     metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "cli": cli, "flag": flag,
-                "checks": checks, "unset": unset}
+                "checks": checks, "unset": unset,
+                "result": result}
     if callable(default):
         return field(default_factory=default, metadata=metadata)
     return field(default=default, metadata=metadata)

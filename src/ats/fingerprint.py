@@ -14,6 +14,7 @@ A fingerprint is a JSON object; nested objects are compared key by key (`trainin
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -41,6 +42,29 @@ def make_fingerprint(kind: str, **parts) -> dict:
     """
     return json.loads(json.dumps({"kind": kind, "library_version": __version__, **parts}, sort_keys=True,
                                  default=str))
+
+
+# Options that change how work is done, never its result, declared in files outside the workflows' change
+# (`DataConfig.batch_tokens`, `TrainingConfig.save_every`): to be marked there with `option(..., result=False)`,
+# after which this set goes.
+UNMARKED_NOT_RESULT = frozenset({"batch_tokens", "save_every"})
+
+
+def result_options(config, *, leave_out: tuple[str, ...] = ()) -> dict:
+    """A config's options that can change a result: `to_dict()` less the fields marked `option(..., result=False)`.
+
+    The one rule of what a fingerprint records of a config (data, training, heads).
+
+    Args:
+        config: a `ConfigMixin` dataclass.
+        leave_out: further fields to leave out (recorded another way by the caller).
+
+    Returns:
+        {field name: value}, JSON-ready, in declaration order.
+    """
+    dropped = set(leave_out) | UNMARKED_NOT_RESULT
+    kept = {f.name for f in dataclasses.fields(config) if f.metadata.get("result", True) and f.name not in dropped}
+    return {k: v for k, v in config.to_dict().items() if k in kept}
 
 
 def digest(value) -> str:

@@ -11,7 +11,7 @@ from ats.errors import ATSError
 from ats.fingerprint import stored_fingerprint
 from ats.training.config import TrainingConfig
 from ats.training.data import DataConfig
-from ats.workflows.pipeline import fit_calibrators, prepare_features, train_head
+from ats.workflows.pipeline import fit_calibrators, fit_head, prepare_features, train_head
 
 from helpers import make_tiny_backbone
 
@@ -41,9 +41,9 @@ def test_features_reuse_refuse_and_overwrite(tiny_backbone, tmp_path):
 
 def test_a_head_resumes_only_the_run_it_was(tiny_backbone, tmp_path):
     train, val = prepare_features(tiny_backbone, tmp_path / "f", DATA, progress=False)
-    head = train_head(tiny_backbone, train, val, tmp_path / "head", head_type="linear", training=TRAINING,
-                      progress=False)
-    assert not head.reused and (tmp_path / "head.work" / "fingerprint.json").is_file()
+    head, reused = fit_head(tiny_backbone, train, val, tmp_path / "head", head_type="linear", training=TRAINING,
+                            progress=False)
+    assert not reused and not hasattr(head, "reused") and (tmp_path / "head.work" / "fingerprint.json").is_file()
     # an interrupted run of OTHER options sits in head.work: resuming refuses to continue it
     (tmp_path / "head" / "calibrator_config.json").unlink()
     work = tmp_path / "head.work" / "fingerprint.json"
@@ -54,9 +54,9 @@ def test_a_head_resumes_only_the_run_it_was(tiny_backbone, tmp_path):
         train_head(tiny_backbone, train, val, tmp_path / "head", head_type="linear", training=TRAINING, resume=True,
                    progress=False)
     # without --resume the stale checkpoints are cleared and the head trained afresh
-    again = train_head(tiny_backbone, train, val, tmp_path / "head", head_type="linear", training=TRAINING,
-                       progress=False)
-    assert not again.reused and stored_fingerprint(tmp_path / "head.work")["training"]["lr"] == 0.001
+    again, reused = fit_head(tiny_backbone, train, val, tmp_path / "head", head_type="linear", training=TRAINING,
+                             progress=False)
+    assert not reused and stored_fingerprint(tmp_path / "head.work")["training"]["lr"] == 0.001
 
 
 def test_controls_train_like_the_ats_head_and_baselines_refit_only_when_asked(tiny_backbone, tmp_path):
@@ -68,7 +68,13 @@ def test_controls_train_like_the_ats_head_and_baselines_refit_only_when_asked(ti
     assert control.config_.training["lr"] == TRAINING.lr and control.config_.training["loss_type"] == "selective"
     again = fit_calibrators(tiny_backbone, train, tmp_path / "cal", ("temperature", "selective-linear"),
                             val_store=val, training=TRAINING, progress=False)
-    assert again["temperature"].temperature == fitted["temperature"].temperature and again["selective-linear"].reused
+    assert again["temperature"].temperature == fitted["temperature"].temperature
+    head, reused = fit_head(tiny_backbone, train, val, tmp_path / "cal" / "selective-linear",
+                            method="selective-linear", training=TRAINING, progress=False)
+    assert reused and head.digest() == control.digest()  # the control saved by fit_calibrators, reused as it is
+    reloaded = train_head(tiny_backbone, train, val, tmp_path / "cal" / "selective-linear", method="selective-linear",
+                          training=TRAINING, progress=False)
+    assert reloaded.digest() == control.digest()
     with pytest.raises(ATSError, match=r"selective-linear: head made with other options: .*training.lr 0.001 -> 0.002"):
         fit_calibrators(tiny_backbone, train, tmp_path / "cal", ("selective-linear",), val_store=val,
                         training=TRAINING.replace(lr=2e-3), progress=False)

@@ -110,7 +110,7 @@ def run(args) -> int:
     from ..model.backbone import load_backbone
     from ..model.heads import HeadConfig
     from ..training.distributed import init_distributed
-    from ..workflows.pipeline import check_before_loading, online_features, prepare_features, train_head
+    from ..workflows.pipeline import check_before_loading, fit_head, online_features, prepare_features
 
     # every option is checked before the backbone loads
     options.check_model(args.model)
@@ -140,11 +140,10 @@ def run(args) -> int:
     else:
         train_store, val_store = prepare_features(backbone, features, data,
                                                   overwrite=args.overwrite, progress=progress, dist=dist)
-    trained = train_head(backbone, train_store, val_store, out / "head", head_type=head.head_type,
-                            max_scale=max_scale, training=training, overwrite=args.overwrite, resume=args.resume,
-                            progress=progress, dist=dist)
+    _, reused = fit_head(backbone, train_store, val_store, out / "head", head_type=head.head_type,
+                         max_scale=max_scale, training=training, overwrite=args.overwrite, resume=args.resume,
+                         progress=progress, dist=dist)
     calibrator = options.load_calibrator_folder(out / "head", backbone)  # reload: what users will load
-    calibrator.reused = trained.reused
     results = gathered_token_confidences(val_store, backbone, {"uncalibrated": Uncalibrated(), "ats": calibrator},
                                          dist, progress=progress)
     if dist.is_main:
@@ -161,5 +160,5 @@ def run(args) -> int:
             print(f"warning: the head barely moved (mean confidence changed by {moved:.4f}); with "
                   f"{record.get('optimizer_steps')} steps at lr {record.get('lr'):.3g} it may be undertrained: "
                   f"raise --lr or --epochs")
-        print(f"\nhead {'reused from' if calibrator.reused else 'saved to'} {out / 'head'}")
+        print(f"\nhead {'reused from' if reused else 'saved to'} {out / 'head'}")
     return 0

@@ -38,7 +38,7 @@ from ..evaluation.token_eval import token_confidences
 from ..io import atomic_file, write_json
 from ..model.heads import HEAD_TYPES
 from ..training.config import TrainingConfig
-from .pipeline import train_head
+from .pipeline import fit_head
 
 ABLATIONS = ("smoothing", "alpha", "head")
 ALPHAS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -190,10 +190,11 @@ def train_runs(backbone, train_store, val_store, out_dir: Path, runs: list[HeadR
     info: dict = {}
     for run in runs:
         config = training.replace(loss_type=run.loss_type, alpha=run.alpha)
-        calibrator = train_head(backbone, train_store, val_store, out_dir / "heads" / run.name,
-                                head_type=run.head_type, training=config, overwrite=overwrite, progress=progress)
+        calibrator, reused = fit_head(backbone, train_store, val_store, out_dir / "heads" / run.name,
+                                      head_type=run.head_type, training=config, overwrite=overwrite,
+                                      progress=progress)
         calibrators[run.name] = calibrator.to(backbone.device)
-        info[run.name] = {**asdict(run), "dir": f"heads/{run.name}", "trained_now": not calibrator.reused,
+        info[run.name] = {**asdict(run), "dir": f"heads/{run.name}", "trained_now": not reused,
                           "training": calibrator.config_.training}
     return calibrators, info
 

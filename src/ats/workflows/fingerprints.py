@@ -1,0 +1,130 @@
+"""The fingerprints of the workflow steps' results (features, heads, fitted calibrators), built from the configs.
+
+One function per kind of result; the steps (`pipeline`) and the check made before a model loads
+(`check_before_loading`) call the same ones, so a rerun is accepted or refused by one rule. What a config contributes
+is `ats.fingerprint.result_options`: every field but those marked `option(..., result=False)`.
+"""
+
+from __future__ import annotations
+
+from ..calibrators import calibrator_class
+from ..calibrators.sketch import TAIL_BINS, TOP_K
+from ..fingerprint import digest, make_fingerprint, result_options, stored_fingerprint
+from ..model.backbone import Backbone
+from ..model.heads import HeadConfig
+from ..model.scale_summary import ScaleSummarySpec
+from ..training.config import TrainingConfig
+from ..training.data import DataConfig, load_instructions
+from ..training.features import summary_meta
+
+
+def data_fingerprint(config: DataConfig) -> dict:
+    """The data options that determine the examples, and a checksum of the records they select.
+
+    Loads the records (so a changed data file changes the fingerprint).
+
+    Args:
+        config: the data options.
+
+    Returns:
+        The options (less those that never change the result), "records" (their number) and "checksum".
+
+    Raises:
+        ATSError: if the data cannot be read.
+    """
+    records = load_instructions(config.source, limit=config.limit, seed=config.seed)
+    return {**result_options(config), "records": len(records), "checksum": digest([vars(r) for r in records])}
+
+
+def features_fingerprint(backbone: Backbone, config: DataConfig, split: str, *, data: dict | None = None,
+                         summary: ScaleSummarySpec | None = None) -> dict:
+    """The fingerprint of one split's feature cache.
+
+    Args:
+        backbone: the backbone the features come from (its `describe()` is recorded).
+        config: the data options.
+        split: "train" or "val".
+        data: `data_fingerprint(config)` if already computed.
+        summary: the settings of the scale summary stored with the features, or None (hidden states only).
+
+    Returns:
+        A "features" fingerprint of the backbone, the data, the split and the scale summary's settings.
+    """
+    return make_fingerprint("features", backbone=backbone.describe(), data=data or data_fingerprint(config),
+                            split=split, **summary_meta(summary))
+
+
+def without_summary(fingerprint: dict | None) -> dict | None:
+    """A features fingerprint less its scale summary: what a folder extracted before summaries existed records."""
+    return None if fingerprint is None else {k: v for k, v in fingerprint.items() if k != "scale_summary"}
+
+
+def training_options(training: TrainingConfig, summary: ScaleSummarySpec | None) -> dict:
+    """The training options a head's fingerprint records: those that can change the result, with the loss route.
+
+    `exact_loss` is replaced by the route the trainer takes: "loss_route" names the scale summary when the loss is
+    computed from it, and is absent on the exact route, so heads trained before the summary existed (always exact)
+    keep their fingerprints.
+
+    Args:
+        training: the training options.
+        summary: the scale summary of the training features (`FeatureStore.scale_summary`), or None.
+
+    Returns:
+        The options, JSON-ready.
+    """
+    options = result_options(training, leave_out=("exact_loss",))
+    if summary is not None and not training.exact_loss:
+        options["loss_route"] = {"scale_summary": summary.describe()}
+    return options
+
+
+def store_fingerprint(store) -> dict:
+    """The fingerprint of a feature source: the one recorded by `prepare_features` / `online_features`, else (features
+    extracted by hand) the digest of its meta.json, which lists every shard's sha256."""
+    fp = getattr(store, "fingerprint", None)
+    directory = getattr(store, "directory", None)
+    if fp is None and directory is not None:
+        fp = stored_fingerprint(directory)
+    return fp if fp is not None else {"meta_digest": digest(store.meta)}
+
+
+def head_fingerprint(features: dict, summary: ScaleSummarySpec | None, head: HeadConfig, max_scale: float,
+                     method: str, training: TrainingConfig) -> dict:
+    """The fingerprint of a trained head.
+
+    Args:
+        features: the fingerprint of its training features (`store_fingerprint`).
+        summary: the scale summary of those features, or None (decides the loss route recorded).
+        head: the head's config.
+        max_scale: the clamp on exp(tau).
+        method: the method's name in tables.
+        training: the training options (less those that never change the result).
+
+    Returns:
+        A "head" fingerprint.
+    """
+    return make_fingerprint("head", features=features, head=result_options(head), max_scale=max_scale,
+                            method=method, training=training_options(training, summary))
+
+
+def calibrator_fingerprint(name: str, store, fit_tokens: int | None, *, shared_pass: bool = True) -> dict:
+    """The fingerprint of a fitted (non-head) calibrator.
+
+    Args:
+        name: its registry name.
+        store: the training features.
+        fit_tokens: the size of the token subset it is fitted on, or None for all.
+        shared_pass: whether it was fitted from the shared `LogitSketch` and, for the methods that fit on it, the
+            features' scale summary (each recorded for the methods that use it).
+
+    Returns:
+        A "calibrator" fingerprint.
+    """
+    cls = calibrator_class(name)
+    route = {"sketch": {"top_k": TOP_K, "tail_bins": TAIL_BINS}} if shared_pass and cls.fits_on_sketch else {}
+    summary = getattr(store, "scale_summary", None)
+    if shared_pass and cls.fits_on_summary and summary is not None:
+        route["scale_summary"] = summary.describe()
+    return make_fingerprint("calibrator", name=name, features=store_fingerprint(store), fit_tokens=fit_tokens,
+                            **route)
