@@ -137,7 +137,7 @@ def main() -> None:
         lines.append("| " + " | ".join(cells) + " |")
     command = "python " + " ".join(sys.argv)
     text = (f"# The head's decoder layer: hand-written vs transformers' LlamaDecoderLayer\n\nCommand: `{command}`; "
-            f"machine: {machine()}, {args.threads} thread(s). Train step: forward + backward of tau on "
+            f"machine: {machine()}. Train step: forward + backward of tau on "
             f"({args.batch}, {args.length}) hidden states; decode: one cached step after {args.past} positions "
             f"(the head's fused path with `HeadCache` vs the same layer with transformers' `DynamicCache`, cropped "
             f"back after each step). Best of {args.repeats} (decode: {4 * args.repeats}), arms interleaved.\n\n"
