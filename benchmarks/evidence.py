@@ -44,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--truthfulqa-gen", type=int, default=400,
                    help="TruthfulQA free-form questions (0: leave the task out)")
     p.add_argument("--tradeoff", default="selective-a0.1,selective-a0.3,selective-a0.7,selective-a0.9,nll",
-                   help="trade-off heads trained at the lr chosen for ats (names in ats.workflows.evidence.TRADEOFF)")
+                   help="trade-off heads trained at the lr chosen for ats (the 'tradeoff' group of "
+                        "ats.workflows.variants)")
     p.add_argument("--bootstrap", type=int, default=1000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, not the method")

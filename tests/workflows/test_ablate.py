@@ -17,7 +17,7 @@ def test_plan_shares_the_default_configuration():
     assert [label for label, _ in plan["smoothing"]] == ["none", "full", "selective"]
     assert [label for label, _ in plan["alpha"]] == ["0.1", "0.3", "0.5", "0.7", "0.9"]
     assert [label for label, _ in plan["head"]] == ["constant", "linear", "mlp", "transformer"]
-    shared = HeadRun()
+    shared = HeadRun().variant
     assert all(any(run == shared for _, run in rows) for rows in plan.values())
     assert len(unique_runs(plan)) == 10 and len({r.name for r in unique_runs(plan)}) == 10
     assert list(ablation_plan("alpha")) == ["alpha"]

@@ -1,4 +1,5 @@
-"""Reliability diagrams (matplotlib, Agg): per-bin accuracy against the diagonal, the gap shaded, counts below.
+"""Every figure (matplotlib, Agg): reliability diagrams (per-bin accuracy against the diagonal, the gap shaded,
+counts below), the evidence run's token-vs-task trade-off and the ablations' ECE against alpha.
 
 The statistics come from `metrics.reliability_bins`; this file only draws them. Figures are built on a bare
 `matplotlib.figure.Figure` (no pyplot global state) and written atomically as PNG (dpi 200) and PDF (TrueType fonts,
@@ -8,6 +9,7 @@ as publication venues require).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -22,6 +24,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from ..errors import ATSError  # noqa: E402
 from .metrics import ReliabilityStats, reliability_bins  # noqa: E402
+from .report import TASK_LABELS  # noqa: E402
 
 STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsize": 7.5,
           "pdf.fonttype": 42, "ps.fonttype": 42}
@@ -156,3 +159,73 @@ def reliability_figure(results: dict[str, tuple[np.ndarray, np.ndarray]], path_s
         ATSError: if `results` is empty or a method's inputs are invalid.
     """
     return save_figure(make_reliability_figure(results, title=title, n_bins=n_bins), path_stem)
+
+
+def tradeoff_figure(token_level: dict, tasks: dict, points: list[str], stem: str | Path) -> list[Path]:
+    """Token-level ECE (held-out instruction tokens) against task ECE, one panel per task, one point per
+    objective / alpha; the uncalibrated model as a reference.
+
+    Args:
+        token_level: method -> token-level metrics.
+        tasks: task -> method -> metrics.
+        points: the methods to plot (those missing from either side are skipped).
+        stem: the figure's path without suffix.
+
+    Returns:
+        [the .png path, the .pdf path].
+    """
+    task_names = list(tasks)
+    with matplotlib.rc_context(STYLE):
+        fig = Figure(figsize=(3.0 * len(task_names) + 0.4, 3.0), layout="constrained")
+        axes = fig.subplots(1, len(task_names), squeeze=False)[0]
+        for ax, task in zip(axes, task_names):
+            for name in ["uncalibrated", *points]:
+                if name not in token_level or name not in tasks[task]:
+                    continue
+                x, y = token_level[name]["ece"], tasks[task][name]["ece"]
+                marker = "s" if name == "uncalibrated" else "*" if name == "ats-top-label" else "o"
+                ax.scatter([x], [y], marker=marker, s=30)
+                ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            ax.set_title(TASK_LABELS.get(task, task))
+            ax.set_xlabel("held-out token ECE")
+            ax.set_ylabel("task ECE")
+            ax.set_xlim(left=0)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+    return save_figure(fig, stem)
+
+
+def alpha_figure(rows: list[tuple[str, str]], results: dict, stem: str | Path, *, tasks: list[str],
+                 reference: str = "uncalibrated") -> list[Path]:
+    """ECE against alpha, one line per task (dashed, same colour: the `reference` method); PNG + PDF.
+
+    Args:
+        rows: (alpha as text, method name) pairs.
+        results: task -> method -> metrics.
+        stem: the figure's path without suffix.
+        tasks: the tasks to draw, in order.
+        reference: the method drawn dashed.
+
+    Returns:
+        [the .png path, the .pdf path].
+    """
+    alphas = [float(label) for label, _ in rows]
+    with matplotlib.rc_context(STYLE):
+        fig = Figure(figsize=(4.2, 3.0), layout="constrained")
+        ax = fig.add_subplot()
+        colours = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+        for i, task in enumerate(tasks):
+            colour = colours[i % len(colours)]
+            ys = [results[task].get(method, {}).get("ece") for _, method in rows]
+            ax.plot(alphas, [math.nan if y is None else y for y in ys], marker="o", color=colour,
+                    label=TASK_LABELS.get(task, task))
+            ref = results[task].get(reference, {}).get("ece")
+            if ref is not None and math.isfinite(ref):
+                ax.axhline(ref, color=colour, linestyle="--", linewidth=0.8, alpha=0.7)
+        ax.set_xlabel(r"smoothing weight $\alpha$ (selective loss)")
+        ax.set_ylabel("ECE")
+        ax.set_xticks(alphas)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(title=f"dashed: {reference}", title_fontsize=7, frameon=False)
+    return save_figure(fig, stem)

@@ -1,8 +1,8 @@
 """Calibration of an aligned chat model beside a pre-trained base model, before and after ATS, on the same tasks.
 
 Per backbone: features on the same instruction data, one ATS head (the given training config), and uncalibrated vs.
-ATS on the tasks and on the held-out instruction tokens. Each model's work lives in out_dir/<model>/ (features, head,
-eval) and is reused on a rerun with the same options.
+ATS on the tasks and on the held-out instruction tokens (one runner arm each). Each model's work lives in
+out_dir/<model>/ (features, head, eval) and is reused on a rerun with the same options.
 """
 
 from __future__ import annotations
@@ -11,18 +11,16 @@ import gc
 import logging
 from pathlib import Path
 
-from ..calibrators.base import Uncalibrated
-from ..evaluation.evaluate import evaluate
-from ..evaluation.metrics import summarize
 from ..evaluation.report import TASK_LABELS, cell, jsonable, markdown_table
 from ..evaluation.tasks import build_tasks
-from ..evaluation.token_eval import token_confidences
 from ..io import atomic_file, write_json
 from ..model.backbone import load_backbone
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig
-from .ablate import REFERENCE, VAL_TASK, task_order
-from .pipeline import prepare_features, train_head
+from .ablate import VAL_TASK, task_order
+from .plans import AlignmentPlan
+from .runner import HeadJob, Runner
+from .variants import Variant
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +52,8 @@ def run_alignment(models: list, out_dir: str | Path, *, tasks: list, task_limit=
                   n_bins: int = 15, seed: int = 0, task_options: dict | None = None, overwrite: bool = False,
                   progress: bool = True) -> dict:
     """Per backbone (an embedded name, a path or Hub id, or a loaded Backbone): uncalibrated vs. ATS on `tasks` and
-    on held-out tokens. Writes out_dir/alignment.md and alignment.json.
+    on held-out tokens (`run_alignment_plan` with the plan's fields as options). Writes out_dir/alignment.md and
+    alignment.json.
 
     Args:
         models: backbone names / paths / Hub ids, or loaded Backbones.
@@ -77,34 +76,37 @@ def run_alignment(models: list, out_dir: str | Path, *, tasks: list, task_limit=
     Raises:
         ATSError: if a step's stored results were made with other options (without `overwrite`) or a step fails.
     """
+    plan = AlignmentPlan(tasks=tasks, task_limit=task_limit, data=data, training=training or TrainingConfig(),
+                         n_bins=n_bins, seed=seed, task_options=task_options)
+    return run_alignment_plan(models, out_dir, plan, device=device, overwrite=overwrite, progress=progress)
+
+
+def run_alignment_plan(models: list, out_dir: str | Path, plan: AlignmentPlan, *, device: str | None = None,
+                       overwrite: bool = False, progress: bool = True) -> dict:
+    """`run_alignment` with its options as a plan (see there)."""
     out_dir = Path(out_dir)
-    training = training or TrainingConfig()
     results: dict = {}
     names = []
     for model in models:
         backbone = load_backbone(model, device=device) if isinstance(model, str) else model
         name = str(model) if isinstance(model, str) else backbone.name
         names.append(name)
-        work = out_dir / Path(name).name.replace(":", "_")
         logger.info("alignment: %s", name)
-        train_store, val_store = prepare_features(backbone, work / "features", data, overwrite=overwrite,
-                                                  progress=progress)
-        ats = train_head(backbone, train_store, val_store, work / "head", training=training, overwrite=overwrite,
-                         progress=progress).to(backbone.device)
-        calibrators = {REFERENCE: Uncalibrated(), "ats": ats}
-        built = build_tasks(tasks, task_limit, seed=seed, task_options=task_options)
-        per_model = evaluate(backbone, calibrators, built, work / "eval", n_bins=n_bins, seed=seed,
-                             overwrite=overwrite, progress=progress) if built else {}
-        token = token_confidences(val_store, backbone, calibrators, progress=progress)
-        per_model[VAL_TASK] = {m: summarize(c, k, n_bins=n_bins) for m, (c, k) in token.items()}
+        runner = Runner(backbone, out_dir / Path(name).name.replace(":", "_"), overwrite=overwrite,
+                        progress=progress)
+        arm = runner.arm(plan.data, [HeadJob.of(Variant("ats"), "head", plan.training)], n_bins=plan.n_bins)
+        built = build_tasks(plan.tasks, plan.task_limit, seed=plan.seed, task_options=plan.task_options)
+        per_model = runner.tasks(arm.calibrators, built, n_bins=plan.n_bins, seed=plan.seed)
+        per_model[VAL_TASK] = arm.token_level
         results[name] = jsonable(per_model)
-        del backbone, ats, calibrators
+        del backbone, runner, arm
         gc.collect()
     table = format_alignment_table(results)
     with atomic_file(out_dir / "alignment.md") as f:
         f.write(f"## Calibration before / after ATS: aligned chat model vs. base model\n\n{table}\n")
-    summary = jsonable({"settings": {"models": names, "training": training.to_dict(), "task_limit": task_limit,
-                                     "seed": seed, "data": data.to_dict() if data else None},
+    summary = jsonable({"settings": {"models": names, "training": plan.training.to_dict(),
+                                     "task_limit": plan.task_limit, "seed": plan.seed,
+                                     "data": plan.data.to_dict() if plan.data else None},
                         "results": results})
     write_json(out_dir / "alignment.json", summary)
     return {**summary, "table": table}

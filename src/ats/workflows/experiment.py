@@ -1,7 +1,8 @@
 """The paper's main experiment in one call: train ATS, fit every baseline on the same tokens, evaluate all methods.
 
-Used by `ats demo` (the README's main job) and by `benchmarks/paper_table.py` at larger sizes. Every step reuses
-what an earlier, interrupted run of the same command already finished.
+Used by `ats demo` (the README's main job) and by `benchmarks/paper_table.py` at larger sizes. The plan is an
+`ExperimentSize` (`plans.py`); the steps are the runner's, so every step reuses what an earlier, interrupted run of
+the same command already finished.
 """
 
 from __future__ import annotations
@@ -11,49 +12,19 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..calibrators.base import Uncalibrated
-from ..evaluation.evaluate import evaluate
-from ..evaluation.metrics import summarize
 from ..evaluation.report import format_table, token_table
 from ..evaluation.tasks import build_task
-from ..evaluation.token_eval import token_confidences
 from ..model.backbone import Backbone
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig
-from .pipeline import BASELINES, fit_calibrators, prepare_features, train_head
+from .plans import CONTROLS, QUICK_SUBJECTS, SIZES, ExperimentSize
+from .runner import HeadJob, Runner
+from .variants import Variant
 
 logger = logging.getLogger(__name__)
 
-CONTROLS = ("selective-temperature", "selective-linear")
-
-# A small, varied set of MMLU subjects for quick runs (None = all 57).
-QUICK_SUBJECTS = ["abstract_algebra", "anatomy", "astronomy", "college_biology", "high_school_geography",
-                  "high_school_us_history", "marketing", "nutrition", "philosophy", "world_religions"]
-
-
-@dataclass
-class ExperimentSize:
-    """How much data each step uses; `ats demo --size` picks one of SIZES."""
-
-    limit: int = 300  # Alpaca-GPT4 examples (train + validation)
-    max_length: int = 320
-    epochs: int = 2
-    lr: float = 1e-3  # the paper's 5e-5 is for ~13k steps; with a few hundred examples the head barely moves
-    mmlu_per_subject: int = 3
-    mmlu_subjects: list[str] | None = None
-    triviaqa: int = 150
-    truthfulqa: int = 150
-    baselines: tuple[str, ...] = BASELINES
-    controls: tuple[str, ...] = CONTROLS
-    data: str = "alpaca_gpt4"
-
-
-SIZES = {
-    "tiny": ExperimentSize(limit=60, max_length=256, epochs=1, mmlu_per_subject=1, mmlu_subjects=QUICK_SUBJECTS,
-                           triviaqa=20, truthfulqa=20, controls=("selective-temperature",)),
-    "demo": ExperimentSize(limit=200, max_length=256, mmlu_per_subject=2, triviaqa=120, truthfulqa=120),
-    "benchmark": ExperimentSize(limit=1000, max_length=512, mmlu_per_subject=8, triviaqa=400, truthfulqa=400),
-}
+__all__ = ["CONTROLS", "QUICK_SUBJECTS", "SIZES", "ExperimentResult", "ExperimentSize", "run_experiment",
+           "size_record"]
 
 
 @dataclass
@@ -84,40 +55,23 @@ def run_experiment(backbone: Backbone, out_dir: str | Path, size: ExperimentSize
     Raises:
         ATSError: if a step's stored results were made with other options (without `overwrite`) or a step fails.
     """
-    out = Path(out_dir)
+    runner = Runner(backbone, out_dir, overwrite=overwrite, progress=progress)
     result = ExperimentResult()
-    clock = time.time()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        result.seconds[name] = round(time.time() - clock, 1)
-        clock = time.time()
-
-    logger.info("features: %s, %d examples, max length %d", size.data, size.limit, size.max_length)
-    train_store, val_store = prepare_features(
-        backbone, out / "features", DataConfig(source=size.data, limit=size.limit, max_length=size.max_length),
-        overwrite=overwrite, progress=progress)
-    lap("features")
     training = TrainingConfig(epochs=size.epochs, lr=size.lr)
-    logger.info("training the %s ATS head on %d response tokens", head_type, train_store.meta["response_tokens"])
-    ats = train_head(backbone, train_store, val_store, out / f"ats-{head_type}", head_type=head_type,
-                     training=training, overwrite=overwrite, progress=progress)
-    lap("train")
-    logger.info("controls and baselines: %s", ", ".join((*size.controls, *size.baselines)))
-    calibrators = {"uncalibrated": Uncalibrated(), **fit_calibrators(
-        backbone, train_store, out / "baselines", (*size.controls, *size.baselines), val_store=val_store,
-        training=training, overwrite=overwrite, progress=progress), "ats": ats}
-    lap("baselines")
-    token = token_confidences(val_store, backbone, calibrators, progress=progress)
-    result.token_level = {name: summarize(*value) for name, value in token.items()}
+    logger.info("features: %s, %d examples, max length %d; then the %s ATS head, the controls and baselines %s",
+                size.data, size.limit, size.max_length, head_type, ", ".join((*size.controls, *size.baselines)))
+    arm = runner.arm(DataConfig(source=size.data, limit=size.limit, max_length=size.max_length),
+                     [HeadJob.of(Variant("ats", head_type=head_type), f"ats-{head_type}", training)],
+                     baselines=(*size.controls, *size.baselines), baseline_options={"training": training},
+                     laps=result.seconds)
+    result.token_level = arm.token_level
     logger.info("token-level calibration on the held-out split:\n%s", token_table(result.token_level))
-    lap("token_eval")
+    start = time.time()
     tasks = [build_task("mmlu", limit=size.mmlu_per_subject, subjects=size.mmlu_subjects),
              build_task("triviaqa", limit=size.triviaqa), build_task("truthfulqa_mc1", limit=size.truthfulqa)]
-    result.tasks = evaluate(backbone, calibrators, tasks, out / "eval", progress=progress, bootstrap=bootstrap,
-                            overwrite=overwrite)
+    result.tasks = runner.tasks(arm.calibrators, tasks, bootstrap=bootstrap)
     logger.info("task-level calibration:\n%s", format_table(result.tasks))
-    lap("tasks")
+    result.seconds["tasks"] = round(time.time() - start, 1)
     return result
 
 

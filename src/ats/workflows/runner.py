@@ -1,0 +1,166 @@
+"""The one experiment runner: the reusable steps every experiment is made of, in one order.
+
+    features -> heads -> baselines -> token-level evaluation -> tasks -> JSON
+
+`Runner` holds what every step shares (the backbone, the run folder, overwrite, progress); each step reuses what
+an earlier run with the same options left in the run folder (fingerprints) and refuses results made with other
+options. `Runner.arm` runs the first four steps on one feature cache; the workflows (`experiment`, `evidence`,
+`ablate`, `alignment`) are plans (`plans.py`) read by short functions that call these steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..calibrators.base import Calibrator, Uncalibrated
+from ..evaluation.evaluate import evaluate
+from ..evaluation.metrics import summarize
+from ..evaluation.report import jsonable
+from ..evaluation.token_eval import token_confidences
+from ..io import write_json
+from ..model.backbone import Backbone
+from ..training.config import TrainingConfig
+from ..training.data import DataConfig
+from .pipeline import fit_calibrators, fit_head, prepare_features
+from .variants import Variant
+
+logger = logging.getLogger(__name__)
+
+REFERENCE = "uncalibrated"
+
+
+@dataclass(frozen=True)
+class HeadJob:
+    """One head to train (or reuse): the variant, its folder relative to the run folder and its training options
+    (the variant's own changes already applied)."""
+
+    variant: Variant
+    folder: str
+    training: TrainingConfig
+
+    @classmethod
+    def of(cls, variant: Variant, folder: str | Path, base: TrainingConfig, **changes) -> "HeadJob":
+        """The job of `variant` in `folder`, trained with `base` plus the variant's options plus `changes`."""
+        return cls(variant, str(folder), variant.training(base, **changes))
+
+
+@dataclass
+class Arm:
+    """What `Runner.arm` made of one feature cache: the stores, the calibrators (uncalibrated first), which heads were
+    reused, and the token-level metrics on the held-out split (empty when not asked for)."""
+
+    train: object
+    val: object
+    calibrators: dict[str, Calibrator]
+    reused: dict[str, bool] = field(default_factory=dict)
+    token_level: dict = field(default_factory=dict)
+
+
+class Runner:
+    """The steps of an experiment on one backbone and one run folder.
+
+    Args:
+        backbone: the frozen backbone.
+        out: the run folder; every step's folder is relative to it.
+        overwrite: replace results made with other options instead of refusing.
+        progress: show progress bars.
+    """
+
+    def __init__(self, backbone: Backbone, out: str | Path, *, overwrite: bool = False, progress: bool = True):
+        self.backbone = backbone
+        self.out = Path(out)
+        self.overwrite = overwrite
+        self.progress = progress
+
+    def features(self, data: DataConfig | None, folder: str | Path = "features") -> tuple:
+        """Step 1: the train / val feature caches of `data` in `out/folder` (`prepare_features`)."""
+        return prepare_features(self.backbone, self.out / folder, data, overwrite=self.overwrite,
+                                progress=self.progress)
+
+    def heads(self, jobs: Iterable[HeadJob], train, val) -> tuple[dict[str, Calibrator], dict[str, bool]]:
+        """Step 2: every head job trained (or reused), moved to the backbone's device.
+
+        Returns:
+            (variant name -> calibrator, variant name -> whether it was reused), in job order.
+        """
+        calibrators, reused = {}, {}
+        for job in jobs:
+            v = job.variant
+            calibrator, reused[v.name] = fit_head(
+                self.backbone, train, val, self.out / job.folder, method=v.method, head_type=v.head_type,
+                label=v.label,
+                training=job.training, overwrite=self.overwrite, progress=self.progress)
+            calibrators[v.name] = calibrator.to(self.backbone.device)
+        return calibrators, reused
+
+    def baselines(self, names: tuple[str, ...], train, val=None, *, folder: str | Path = "baselines",
+                  training: TrainingConfig | None = None, fit_tokens: int | None = None) -> dict[str, Calibrator]:
+        """Step 3: the named calibrators fitted (or reused) in `out/folder` (`fit_calibrators`; the controls are
+        trained with `training`), moved to the backbone's device."""
+        fitted = fit_calibrators(self.backbone, train, self.out / folder, names, val_store=val, training=training,
+                                 fit_tokens=fit_tokens, overwrite=self.overwrite, progress=self.progress)
+        return {name: calibrator.to(self.backbone.device) for name, calibrator in fitted.items()}
+
+    def token_level(self, val, calibrators: dict[str, Calibrator], *, n_bins: int = 15) -> dict:
+        """Step 4: method -> `summarize` of every calibrator on the held-out split's response tokens."""
+        token = token_confidences(val, self.backbone, calibrators, progress=self.progress)
+        return {name: summarize(conf, correct, n_bins=n_bins) for name, (conf, correct) in token.items()}
+
+    def tasks(self, calibrators: dict[str, Calibrator], tasks: list, *, folder: str | Path = "eval",
+              **options) -> dict:
+        """Step 5: task -> method -> metrics of every calibrator on the built `tasks` (`evaluate` in `out/folder`;
+        `options`: its n_bins, bootstrap, seed, references); {} without tasks."""
+        if not tasks:
+            return {}
+        return evaluate(self.backbone, calibrators, tasks, self.out / folder, overwrite=self.overwrite,
+                        progress=self.progress, **options)
+
+    def write(self, name: str, record: dict) -> dict:
+        """Step 6: `record`, made JSON-safe, written to `out/name`; returns what was written."""
+        record = jsonable(record)
+        write_json(self.out / name, record)
+        return record
+
+    def arm(self, data: DataConfig | None, jobs: Iterable[HeadJob] = (), *, folder: str | Path = "",
+            baselines: tuple[str, ...] = (), baseline_options: dict | None = None, token_level: bool = True,
+            n_bins: int = 15, laps: dict | None = None) -> Arm:
+        """Steps 1-4 on one feature cache under `out/folder`: features, heads, baselines, token-level metrics.
+
+        Args:
+            data: the data options of the features.
+            jobs: the heads (folders relative to the run folder).
+            folder: the arm's folder (its features go to `folder/features`).
+            baselines: calibrators fitted on the same tokens, in `folder/baselines`.
+            baseline_options: `baselines` options (training of the controls, fit_tokens).
+            token_level: evaluate every calibrator on the held-out tokens.
+            n_bins: equal-width bins of the token-level ECE.
+            laps: if given, the seconds of each step are added to it ("features", "train", "baselines",
+                "token_eval").
+
+        Returns:
+            The `Arm`; its calibrators are the uncalibrated model, the baselines, then the heads.
+        """
+        clock = [time.time()]
+
+        def lap(name: str) -> None:
+            if laps is not None:
+                laps[name] = round(time.time() - clock[0], 1)
+            clock[0] = time.time()
+
+        train, val = self.features(data, Path(folder) / "features")
+        lap("features")
+        heads, reused = self.heads(jobs, train, val)
+        lap("train")
+        fitted = self.baselines(baselines, train, val, folder=Path(folder) / "baselines",
+                                **(baseline_options or {})) if baselines else {}
+        if baselines:
+            lap("baselines")
+        arm = Arm(train, val, {REFERENCE: Uncalibrated(), **fitted, **heads}, reused)
+        if token_level:
+            arm.token_level = self.token_level(val, arm.calibrators, n_bins=n_bins)
+            lap("token_eval")
+        return arm
