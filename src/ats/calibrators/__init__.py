@@ -153,9 +153,34 @@ SAVED_TYPES: dict[str, Entry] = {"ats-official": Entry(".official:OfficialATSCal
                                                         help="the paper's released heads (docs/official_heads.md)")}
 
 
+def saved_class(directory: Path) -> type[Calibrator]:
+    """The class of the calibrator saved in `directory`, by the "type" of its calibrator_config.json; a folder in
+    the layout of the paper's code (config.json with "calibration_type") is an `OfficialATSCalibrator`.
+
+    Args:
+        directory: a local calibrator folder.
+
+    Returns:
+        The class whose `from_pretrained` (or, for the paper's layout, `from_official`) reads it.
+
+    Raises:
+        ATSError: if the config is missing or invalid or its "type" is not a class name in the registry.
+    """
+    if not (directory / CONFIG_NAME).exists():
+        from .official import OfficialATSCalibrator, is_official_folder
+
+        if is_official_folder(directory):
+            return OfficialATSCalibrator
+    kind = read_config(directory).get("type")
+    loadable = {**{n: e for n, e in REGISTRY.items() if not e.preset}, **SAVED_TYPES}
+    if kind not in loadable:
+        raise ATSError(f"{directory / CONFIG_NAME}: field 'type' is {kind!r}; known: {', '.join(loadable)}")
+    return loadable[kind].load()
+
+
 def load_calibrator(directory: str | Path, backbone=None) -> Calibrator:
-    """Load any saved calibrator, dispatching on the "type" field of its calibrator_config.json; with `backbone`,
-    check that it matches.
+    """Load any saved calibrator, dispatching on the "type" field of its calibrator_config.json (`saved_class`);
+    with `backbone`, check that it matches.
 
     A folder in the layout of the paper's code (config.json with "calibration_type" + calibration_head.safetensors)
     is read as an `OfficialATSCalibrator`. A name that is not a local folder but has the shape owner/name is a Hub
@@ -175,16 +200,10 @@ def load_calibrator(directory: str | Path, backbone=None) -> Calibrator:
     from ..hub import resolve_folder
 
     directory = resolve_folder(directory)
-    if not (directory / CONFIG_NAME).exists():
-        from .official import OfficialATSCalibrator, is_official_folder
-
-        if is_official_folder(directory):
-            return OfficialATSCalibrator.from_official(directory, backbone=backbone)
-    kind = read_config(directory).get("type")
-    loadable = {**{n: e for n, e in REGISTRY.items() if not e.preset}, **SAVED_TYPES}
-    if kind not in loadable:
-        raise ATSError(f"{directory / CONFIG_NAME}: field 'type' is {kind!r}; known: {', '.join(loadable)}")
-    return loadable[kind].load().from_pretrained(directory, backbone=backbone)
+    cls = saved_class(directory)
+    if not (directory / CONFIG_NAME).exists():  # the paper's layout (saved_class checked it)
+        return cls.from_official(directory, backbone=backbone)
+    return cls.from_pretrained(directory, backbone=backbone)
 
 
 def __getattr__(name: str):  # the classes, imported on first use: `from ats.calibrators import TemperatureScaling`
@@ -196,4 +215,4 @@ def __getattr__(name: str):  # the classes, imported on first use: `from ats.cal
 
 __all__ = ["CONFIG_NAME", "Calibrator", "Entry", "FitSource", "LogitChunks", "REGISTRY", "SAVED_TYPES",
            "Uncalibrated", "build_calibrator", "calibrator_class", "calibrator_for", "entry", "load_calibrator",
-           "names", "register"]
+           "names", "register", "saved_class"]

@@ -16,75 +16,21 @@ and schedule (`selective-temperature` in the registry), a `linear` head the shal
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from .. import __version__
-from ..config import ConfigMixin, option
 from ..errors import ATSError
 from ..hub import resolve_folder
-from ..io import atomic_dir
 from ..model.backbone import Backbone
 from ..model.heads import HeadConfig, build_head
-from .base import CONFIG_NAME, WEIGHTS_NAME, Calibrator, FitSource, read_config, read_tensors
+from .ats_config import LEGACY_TRAINING_KEYS, ATSConfig
+from .base import CONFIG_NAME, Calibrator, FitSource, read_config
+from .saving import load_module
 
-LEGACY_TRAINING_KEYS = ("loss_type", "alpha", "weighting")  # lived here before 0.2; now in the training record
-
-
-@dataclass
-class ATSConfig(ConfigMixin):
-    """Everything needed to rebuild an ATS calibrator and to check it against a backbone."""
-
-    head: HeadConfig = option(HeadConfig, "the head's type and sizes", cli=False)
-    max_scale: float = option(10.0, "clamp on exp(tau), the factor applied to the logits (the reference code's 10)",
-                              low=0, low_open=True)
-    base_model: str = option("unknown", "backbone name", cli=False)
-    revision: str = option("unknown", "backbone revision", cli=False)
-    hidden_size: int = option(0, "backbone hidden size", cli=False, low=0)
-    vocab_size: int = option(0, "backbone vocabulary size", cli=False, low=0)
-    library_version: str = option(__version__, "ats version that made it", cli=False)
-    method: str = option("ats", "method name in tables (ats, selective-temperature, selective-linear)", cli=False)
-    training: dict = option(dict, "the training settings, for the record", cli=False)
-
-    def to_dict(self) -> dict:
-        """A JSON-ready dict of every field, the head config nested as a dict.
-
-        Returns:
-            {field name: value}.
-        """
-        return {**dataclasses.asdict(self), "head": self.head.to_dict()}
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "config", **_) -> "ATSConfig":
-        """Also reads heads saved before 0.2, whose loss settings sat beside the head (moved into `training`).
-
-        Args:
-            data: the saved config (without "type"), as `to_dict` writes it.
-            where: what the data came from, quoted in errors.
-            **_: ignored (the `ConfigMixin.from_dict` signature).
-
-        Returns:
-            The validated config.
-
-        Raises:
-            ATSError: if `data` is not a dict, lacks "head", has an unknown key or an invalid value.
-        """
-        if not isinstance(data, dict):
-            raise ATSError(f"{where}: expected a JSON object, got {type(data).__name__}")
-        if "head" not in data:
-            raise ATSError(f"{where}: missing field 'head'")
-        data = dict(data)
-        legacy = {k: data.pop(k) for k in LEGACY_TRAINING_KEYS if k in data}
-        if legacy:
-            data["training"] = {**legacy, **dict(data.get("training") or {})}
-        data["head"] = HeadConfig.from_dict(data["head"], where=f"{where}: head")
-        return super().from_dict(data, where)
+__all__ = ["LEGACY_TRAINING_KEYS", "ATSCalibrator", "ATSConfig", "CalibratedModel"]
 
 
 class ATSCalibrator(Calibrator):
@@ -95,13 +41,20 @@ class ATSCalibrator(Calibrator):
     """
 
     name = "ats"
+    Config = ATSConfig
     needs_hidden = True
     trains_head = True
     token_head = True
+    weights_metadata = {"format": "pt"}
 
     def __init__(self, config: ATSConfig) -> None:
         self.config_ = config
         self.head: nn.Module = build_head(config.head)
+
+    @classmethod
+    def from_config(cls, config: ATSConfig) -> "ATSCalibrator":
+        """An identity head built from `config` (the loading path)."""
+        return cls(config)
 
     @classmethod
     def for_backbone(cls, backbone: Backbone, *, head_type: str = "transformer", seed: int = 0,
@@ -143,18 +96,6 @@ class ATSCalibrator(Calibrator):
             The untrained calibrator.
         """
         return cls.for_backbone(source.backbone, **options)
-
-    def fit_source(self, source: FitSource) -> "ATSCalibrator":
-        """Train the head with the source's training settings (ATS trains on whole sequences of hidden states).
-
-        Args:
-            source: the fitting data; its `train_head` trains this calibrator's head in place.
-
-        Returns:
-            self, trained.
-        """
-        source.train_head(self)
-        return self
 
     @property
     def label(self) -> str:
@@ -253,14 +194,6 @@ class ATSCalibrator(Calibrator):
         self.head.to(device)
         return self
 
-    def config(self) -> dict:
-        """The `ATSConfig` as a dict.
-
-        Returns:
-            {field name: value}, the head config nested.
-        """
-        return self.config_.to_dict()
-
     def state_tensors(self) -> dict[str, Tensor]:
         """The head's weights.
 
@@ -269,18 +202,13 @@ class ATSCalibrator(Calibrator):
         """
         return dict(self.head.state_dict())
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write calibrator_config.json and the head's model.safetensors, atomically.
+    def restore(self, fitted: dict, tensors: dict[str, Tensor]) -> None:
+        """Load the head's saved weights (eval mode).
 
-        Args:
-            directory: the folder to write; an existing one is replaced.
+        Raises:
+            ATSError: if the weights are missing or do not match the config.
         """
-        with atomic_dir(directory) as tmp:
-            (tmp / CONFIG_NAME).write_text(json.dumps({"type": self.name, **self.config()}, indent=2, sort_keys=True))
-            state = {k: v.detach().to("cpu").contiguous() for k, v in self.head.state_dict().items()}
-            # one metadata key: safetensors writes its metadata map in a per-process random order, so two keys would
-            # make the same weights give different file bytes in different processes
-            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        load_module(self.head, tensors)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, backbone: Backbone | None = None) -> "ATSCalibrator":
@@ -307,20 +235,7 @@ class ATSCalibrator(Calibrator):
                 return OfficialATSCalibrator.from_official(directory, backbone=backbone)
             if read_config(directory).get("type") == OfficialATSCalibrator.name:
                 return OfficialATSCalibrator.from_pretrained(directory, backbone=backbone)
-        data = read_config(directory)
-        if data.pop("type", None) != cls.name:
-            raise ATSError(f"{directory / CONFIG_NAME}: field 'type' must be {cls.name!r}")
-        calibrator = cls(ATSConfig.from_dict(data, where=str(directory / CONFIG_NAME)))
-        state = read_tensors(directory)
-        try:
-            calibrator.head.load_state_dict(state, strict=True)
-        except RuntimeError as err:
-            first = str(err).splitlines()[0]
-            raise ATSError(f"{directory / WEIGHTS_NAME}: weights do not match the config ({first})") from None
-        calibrator.head.eval()
-        if backbone is not None:
-            calibrator.check_backbone(backbone)
-        return calibrator
+        return super().from_pretrained(directory, backbone=backbone)
 
 
 class CalibratedModel(nn.Module):

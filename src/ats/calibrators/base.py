@@ -16,111 +16,75 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import ClassVar, Protocol
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from ..config import ConfigMixin
 from ..errors import ATSError
-from ..hub import resolve_folder
-from ..io import atomic_dir, atomic_file, read_json
+from .fit_source import FitRoutes, FitSource, LogitChunks
+from .hub_card import HubCard
+from .saving import CONFIG_NAME, WEIGHTS_NAME, SavedCalibrator, read_config, read_tensors
 
-CONFIG_NAME = "calibrator_config.json"
-WEIGHTS_NAME = "model.safetensors"
-
-# A re-iterable source of token-level fitting data: each call yields chunks of
-# logits (N, V) float32 and next-token labels (N,) int64 for response tokens only.
-LogitChunks = Callable[[], Iterator[tuple[Tensor, Tensor]]]
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "Calibrator", "FitSource", "LogitChunks", "NoOptions", "Uncalibrated",
+           "read_config", "read_tensors", "top1_confidence"]
 
 
-class FitSource(Protocol):
-    """What a calibrator is fitted on; the workflow layer provides it (`ats.workflows.pipeline.FeatureSource`).
+@dataclass
+class NoOptions(ConfigMixin):
+    """The config of a calibrator without options."""
 
-    logit_chunks: token-level (logits, labels) chunks of the response tokens;
-    store / logits_fn: the sequences of hidden states and the output layer, for methods that read hidden states;
-    backbone / hidden_size: what the calibrator is sized for;
-    train_head(calibrator): train an ATS-family head with the run's training config (loss, data, steps, schedule);
-    sketch (optional): a `LogitSketch` of the same tokens as logit_chunks, built once; the global-temperature,
-    binning and Thermometer methods fit on it instead of passing over the logits again; with it, sequence_ids (N,)
-    gives the sequence of each of its rows.
-    summary (optional): the scale summary rows (N, D) of the same tokens as logit_chunks, in the same order
-    (`ats.model.scale_summary`, stored with the features), or None; temperature scaling and Thermometer evaluate
-    F(s) = logsumexp(s z) and its derivatives from it without any pass over the vocabulary (`fits_on_summary`).
+
+class Calibrator(FitRoutes, SavedCalibrator, HubCard, ABC):
+    """Base class: options (a `Config` dataclass), fitting by route, apply (logits, then the confidence map), move,
+    check against a backbone, digest; fitting routes (`FitRoutes`), save and load (`SavedCalibrator`), the Hub
+    (`HubCard`).
+
+    A method declares what it needs as class capabilities, read here and by the pipeline, the decoder, the server
+    and the lm-eval bridge: hidden states (`needs_hidden`), only the prompt's (`prompt_hidden`), a per-token head
+    (`token_head`), the shared sketch or scale summary (`fits_on_sketch`, `fits_on_summary`), the ATS trainer
+    (`trains_head`), another method fitted on the same source (`builds_on`). Its options live once, in `Config`:
+    the keyword-only constructor takes them, `config_` holds them (also readable as attributes: `cal.n_bins`), and
+    `config()` saves them beside the fitted values named in `fitted_keys`.
     """
 
-    logit_chunks: LogitChunks
-    fitted: dict  # name -> calibrator already fitted on this source (e.g. scaling-binning reuses the temperature)
-    store: object
-    logits_fn: Callable[[Tensor], Tensor]
-    backbone: object
-    hidden_size: int
-
-    def train_head(self, calibrator: "Calibrator") -> None:
-        """Train an ATS-family head in place with the run's training config.
-
-        Args:
-            calibrator: the calibrator whose head is trained (`trains_head` is True).
-        """
-        ...
-
-
-class Calibrator(ABC):
-    """Base class: fit, apply (logits, then the confidence map), move, check against a backbone, save and load."""
-
     name: ClassVar[str]  # the registry name; also the "type" saved in calibrator_config.json
+    Config: ClassVar[type[ConfigMixin]] = NoOptions  # the options: defaults, checks and help in one place
+    fitted_attributes: ClassVar[tuple[str, ...]] = ()  # None until fitted (`is_fitted`)
+
     needs_hidden: ClassVar[bool] = False  # reads the backbone's hidden states (ATS, Thermometer)
     maps_confidence: ClassVar[bool] = False  # maps the top-1 confidence (binning methods)
-    trains_head: ClassVar[bool] = False  # trained by the ATS trainer with the run's TrainingConfig (ATS, controls)
-    fits_on_sketch: ClassVar[bool] = False  # fit_source uses the source's LogitSketch when it has one
-    fits_on_summary: ClassVar[bool] = False  # fit_source uses the source's scale summary when it has one
     token_head: ClassVar[bool] = False  # a per-token head: log_scale(h, mask, cache=) and scale(tau) (ATS family)
     prompt_hidden: ClassVar[bool] = False  # reads only the prompt's last hidden state (Thermometer)
+    # the routes it fits by (trains_head, fits_on_summary, fits_on_sketch, builds_on): see `FitRoutes`
 
-    # --- fitting ----------------------------------------------------------------------------------------------------
-    @classmethod
-    def for_source(cls, source: FitSource, **options) -> "Calibrator":
-        """A fresh calibrator sized for the data in `source` (most need nothing from it).
+    config_: ConfigMixin = NoOptions()  # the instance's options (a class without options shares this empty one)
 
-        Args:
-            source: the data it will be fitted on.
-            **options: the class's keyword-only constructor options.
+    def __init__(self, **options) -> None:
+        self.config_ = self.Config(**options)
 
-        Returns:
-            The unfitted calibrator.
-        """
-        return cls(**options)
+    def __getattr__(self, name: str):  # options read as attributes: cal.n_bins is cal.config_.n_bins
+        if name in self.config_.__dataclass_fields__:
+            return getattr(self.config_, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def fit_source(self, source: FitSource) -> "Calibrator":
-        """Fit on `source`; token-level methods use its logit chunks. Returns self.
+    @property
+    def is_fitted(self) -> bool:
+        """Whether every attribute in `fitted_attributes` is set (always, for a class without any)."""
+        return all(getattr(self, key, None) is not None for key in self.fitted_attributes)
 
-        Args:
-            source: the fitting data.
-
-        Returns:
-            self, fitted.
+    def check_fitted(self) -> None:
+        """Refuse to calibrate, save or digest before fitting.
 
         Raises:
-            ATSError: if the data are malformed or empty.
+            ATSError: if not fitted.
         """
-        return self.fit(source.logit_chunks)
-
-    def fit(self, chunks: LogitChunks) -> "Calibrator":
-        """Fit on token-level (logits, labels) chunks; returns self.
-
-        Args:
-            chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
-
-        Returns:
-            self, fitted (in subclasses fitted on chunks).
-
-        Raises:
-            ATSError: always here: a method that is not fitted on logit chunks (use `fit_source`).
-        """
-        raise ATSError(f"calibrator {self.name!r} is not fitted on logit chunks; use fit_source()")
+        if not self.is_fitted:
+            raise ATSError(f"{type(self).__name__}: not fitted; call fit_source() (or fit()) or from_pretrained() "
+                           "first")
 
     # --- applying ---------------------------------------------------------------------------------------------------
     def calibrate(
@@ -251,176 +215,6 @@ class Calibrator(ABC):
             h.update(tensor.detach().cpu().double().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
 
-    # --- persistence: JSON config + safetensors, never pickle -------------------------------------------------------
-    def config(self) -> dict:
-        """JSON-serialisable settings and fitted scalars (tensors go to `state_tensors`).
-
-        Returns:
-            {option: value}, written to calibrator_config.json beside "type".
-        """
-        return {}
-
-    def state_tensors(self) -> dict[str, Tensor]:
-        """The fitted tensors, saved to model.safetensors (none by default).
-
-        Returns:
-            {name: tensor}.
-        """
-        return {}
-
-    def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
-        """Restore from what `config` and `state_tensors` wrote.
-
-        Args:
-            config: the saved calibrator_config.json without its "type".
-            tensors: the saved tensors ({} when there is no model.safetensors).
-
-        Raises:
-            ATSError: in subclasses, if a value or tensor is missing or invalid.
-        """
-
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write `calibrator_config.json` (with "type") and, if there are tensors, `model.safetensors`, atomically.
-
-        Args:
-            directory: the folder to write; an existing one is replaced.
-
-        Raises:
-            ATSError: if the calibrator is not fitted.
-        """
-        with atomic_dir(directory) as tmp:
-            (tmp / CONFIG_NAME).write_text(json.dumps({"type": self.name, **self.config()}, indent=2, sort_keys=True))
-            tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_tensors().items()}
-            if tensors:
-                save_file(tensors, str(tmp / WEIGHTS_NAME))
-
-    def card_info(self) -> dict:
-        """What a model card records about this calibrator: its type and label, and from its config the backbone
-        (base_model, revision, hidden_size) and the training record, where it has them."""
-        config = self.config()
-        return {"type": self.name, "label": self.label, "base_model": config.get("base_model"),
-                "revision": config.get("revision"), "hidden_size": config.get("hidden_size"),
-                "training": config.get("training") or {}}
-
-    def save_for_hub(self, directory: str | Path, repo_id: str, *, datasets: list[str] | None = None,
-                     evidence: dict[str, dict[str, float]] | None = None) -> Path:
-        """`save_pretrained(directory)` plus the model card README.md that `push_to_hub` uploads.
-
-        Args:
-            directory: the folder to write; an existing one is replaced.
-            repo_id: the Hub repo the card's usage lines name (owner/name).
-            datasets: the training data (Hub ids or descriptions).
-            evidence: numbers to record, {row: {metric: value}} (e.g. {"held-out tokens": {"ece": 0.01}}).
-
-        Returns:
-            The folder.
-        """
-        from ..hub import model_card
-
-        directory = Path(directory)
-        self.save_pretrained(directory)
-        card = model_card({**self.card_info(), "repo_id": repo_id, "datasets": datasets or [], "evidence": evidence})
-        with atomic_file(directory / "README.md") as f:
-            f.write(card)
-        return directory
-
-    def push_to_hub(self, repo_id: str, *, datasets: list[str] | None = None,
-                    evidence: dict[str, dict[str, float]] | None = None, private: bool = False,
-                    token: str | None = None, commit_message: str = "Upload calibrator") -> str:
-        """Upload the config, the safetensors weights and a generated model card to the Hub repo `repo_id`.
-
-        Needs the network and a write token (`hf auth login`); `save_for_hub` writes the same folder locally.
-
-        Args:
-            repo_id: owner/name; created if it does not exist.
-            datasets: the training data, recorded in the card.
-            evidence: numbers recorded in the card, {row: {metric: value}}.
-            private: create the repo private.
-            token: a Hub token (None: the logged-in one).
-            commit_message: the commit's message.
-
-        Returns:
-            The URL of the commit.
-
-        Raises:
-            ATSError: if `repo_id` is not owner/name or the upload fails.
-        """
-        import tempfile
-
-        from ..hub import upload_folder
-
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = self.save_for_hub(Path(tmp) / "calibrator", repo_id, datasets=datasets, evidence=evidence)
-            return upload_folder(folder, repo_id, private=private, token=token, commit_message=commit_message)
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, backbone=None) -> "Calibrator":
-        """Load a saved calibrator of this type; with `backbone`, check that it matches.
-
-        Args:
-            directory: the calibrator's folder, or a Hub repo id (owner/name) when no such folder exists.
-            backbone: the `Backbone` it will be applied to, or None to skip the check.
-
-        Returns:
-            The loaded calibrator.
-
-        Raises:
-            ATSError: if the config or weights are missing or invalid, the saved "type" is not this class's, or
-                the backbone does not match.
-        """
-        directory = resolve_folder(directory)
-        config = read_config(directory)
-        if config.get("type") != cls.name:
-            raise ATSError(f"{directory / CONFIG_NAME}: field 'type' is {config.get('type')!r}, expected {cls.name!r}")
-        tensors = read_tensors(directory) if (directory / WEIGHTS_NAME).exists() else {}
-        obj = cls.__new__(cls)
-        obj.load_state({k: v for k, v in config.items() if k != "type"}, tensors)
-        if backbone is not None:
-            obj.check_backbone(backbone)
-        return obj
-
-
-def read_config(directory: Path) -> dict:
-    """A calibrator folder's config; a folder without one gets a hint at where heads are saved.
-
-    Args:
-        directory: the calibrator's folder.
-
-    Returns:
-        The parsed calibrator_config.json, "type" included.
-
-    Raises:
-        ATSError: if the file is missing (a run folder is named as such) or is not a JSON object.
-    """
-    path = directory / CONFIG_NAME
-    if directory.is_dir() and not path.exists() and (directory / "head" / CONFIG_NAME).exists():
-        raise ATSError(f"{directory}: a run folder, not a calibrator; the head is in {directory / 'head'}")
-    config = read_json(path)
-    if not isinstance(config, dict):
-        raise ATSError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
-
-
-def read_tensors(directory: Path) -> dict[str, Tensor]:
-    """The tensors of `model.safetensors`, with one-line errors for a missing or corrupt file.
-
-    Args:
-        directory: the calibrator's folder.
-
-    Returns:
-        {name: tensor}, on the CPU.
-
-    Raises:
-        ATSError: if the file is missing, corrupt or truncated.
-    """
-    path = directory / WEIGHTS_NAME
-    try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        raise ATSError(f"{path}: file not found") from None
-    except Exception as err:  # safetensors raises its own error types for corrupt files
-        raise ATSError(f"{path}: corrupt or truncated safetensors file ({err})") from None
-
 
 def _numpy(x) -> np.ndarray:
     if isinstance(x, Tensor):
@@ -435,10 +229,6 @@ class Uncalibrated(Calibrator):
 
     def fit(self, chunks: LogitChunks) -> "Uncalibrated":
         """Nothing to fit: `chunks` is ignored; returns self."""
-        return self
-
-    def fit_source(self, source: FitSource) -> "Uncalibrated":
-        """Nothing to fit: `source` is ignored; returns self."""
         return self
 
     @property

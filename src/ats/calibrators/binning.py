@@ -10,14 +10,18 @@ the upper edges u are quantiles of the fitting confidences (the last edge is 1.0
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..checks import check_positive_float, check_positive_int
-from ..errors import ATSError
-from ._fitting import collect_top1, source_top1, vector_pair
-from .base import Calibrator, LogitChunks
+from ..checks import check_positive_float
+from ..config import ConfigMixin, option
+from ._fitting import collect_top1
+from .base import LogitChunks
+from .confidence_map import ConfidenceMap
+from .sketch import LogitSketch
 from .temperature import TemperatureScaling
 
 
@@ -69,19 +73,20 @@ def apply_bins(confidence, upper: np.ndarray, values: np.ndarray):
     return values[idx]
 
 
-class _Binning(Calibrator):
-    """Shared state and persistence: upper edges (K,) and bin values (K,) as float64 tensors."""
+@dataclass
+class BinningConfig(ConfigMixin):
+    """The binning methods' one option."""
 
-    maps_confidence = True
+    n_bins: int = option(15, "the number of equal-mass bins (fewer when quantiles tie)", low=1)
 
-    def __init__(self, *, n_bins: int = 15) -> None:
-        self.n_bins = check_positive_int("n_bins", n_bins)
-        self.upper_edges: np.ndarray | None = None
-        self.values: np.ndarray | None = None
 
-    def _check_fitted(self) -> None:
-        if self.upper_edges is None or self.values is None:
-            raise ATSError(f"{type(self).__name__}: not fitted; call fit() or from_pretrained() first")
+class _Binning(ConfidenceMap):
+    """Bins as upper edges (K,) and bin values (K,), float64; options: `BinningConfig` (n_bins), keyword-only."""
+
+    Config = BinningConfig
+    fitted_attributes = ("upper_edges", "values")
+    upper_edges: np.ndarray | None = None
+    values: np.ndarray | None = None
 
     def calibrate_confidence(self, confidence):
         """Map each confidence to its bin's value (see `apply_bins`).
@@ -95,48 +100,22 @@ class _Binning(Calibrator):
         Raises:
             ATSError: if not fitted.
         """
-        self._check_fitted()
+        self.check_fitted()
         return apply_bins(confidence, self.upper_edges, self.values)
-
-    def config(self) -> dict:
-        """{"n_bins"}: the number of bins asked for; `ATSError` if not fitted."""
-        self._check_fitted()
-        return {"n_bins": self.n_bins}
-
-    def state_tensors(self) -> dict[str, Tensor]:
-        """The fitted bins, {"upper_edges": (K,), "values": (K,)} float64; `ATSError` if not fitted."""
-        self._check_fitted()
-        return {"upper_edges": torch.from_numpy(self.upper_edges.copy()),
-                "values": torch.from_numpy(self.values.copy())}
-
-    def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
-        """Restore the number of bins and the fitted bins.
-
-        Args:
-            config: the saved config (without "type").
-            tensors: {"upper_edges": (K,), "values": (K,)}.
-
-        Raises:
-            ATSError: if `n_bins` is invalid or the tensors are missing or not equal-length vectors.
-        """
-        self.n_bins = check_positive_int("n_bins", config.get("n_bins", 15))
-        self.upper_edges, self.values = vector_pair(tensors, "upper_edges", "values")
 
 
 class ScalingBinning(_Binning):
     """Temperature scaling, then equal-mass bins on the scaled confidence mapped to their mean scaled confidence.
 
-    Args:
-        n_bins: the number of equal-mass bins (fewer when quantiles tie).
+    Options: `BinningConfig` (n_bins). Its temperature is that of temperature scaling on the same source when one is
+    fitted there (`builds_on`), else fitted as temperature scaling fits it (from the scale summary when there is one).
     """
 
     name = "scaling-binning"
-    fits_on_sketch = True
-    fits_on_summary = True  # its temperature: temperature scaling's route (the scale summary when there is one)
-
-    def __init__(self, *, n_bins: int = 15) -> None:
-        super().__init__(n_bins=n_bins)
-        self.temperature: float | None = None
+    builds_on = "temperature"
+    fits_on_summary = True  # through its temperature: temperature scaling's route
+    fitted_keys = ("temperature",)
+    temperature: float | None = None
 
     def fit(self, chunks: LogitChunks, *, temperature: float | None = None) -> "ScalingBinning":
         """Fit the temperature (unless given), then the bins on the scaled confidences.
@@ -153,28 +132,28 @@ class ScalingBinning(_Binning):
         """
         self.temperature = temperature if temperature is not None else TemperatureScaling().fit(chunks).temperature
         conf, _ = collect_top1(chunks, transform=lambda z: z / self.temperature)
-        self.upper_edges, self.values = equal_mass_bins(conf, conf, self.n_bins)
+        return self.fit_top1(conf, conf)
+
+    def fit_top1(self, conf: np.ndarray, target: np.ndarray) -> "ScalingBinning":
+        """The bins of the scaled confidences (N,), each bin's value the mean of `target` (the confidence itself)."""
+        self.upper_edges, self.values = equal_mass_bins(conf, target, self.n_bins)
         return self
 
-    def fit_source(self, source) -> "ScalingBinning":
-        """Reuses the temperature of a temperature-scaling fit on the same source, if there is one (else fits it
-        as `TemperatureScaling.fit_source` does: from the scale summary when the source has one).
-
-        Args:
-            source: the fitting data; its `sketch` (if it has one, else its logit chunks) and
-                `fitted["temperature"]` are read.
-
-        Returns:
-            self, fitted.
-        """
-        done = getattr(source.fitted.get("temperature"), "temperature", None)
-        sketch = getattr(source, "sketch", None)
-        if sketch is None:
-            return self.fit(source.logit_chunks, temperature=done)
-        self.temperature = done if done is not None else TemperatureScaling().fit_source(source).temperature
+    def fit_source_sketch(self, source, sketch: LogitSketch) -> "ScalingBinning":
+        """The shared-sketch route: the scaled confidences from the sketch, no pass over the logits."""
+        self.temperature = self._source_temperature(source)
         conf = sketch.top1_confidence(1.0 / self.temperature).numpy()
-        self.upper_edges, self.values = equal_mass_bins(conf, conf, self.n_bins)
-        return self
+        return self.fit_top1(conf, conf)
+
+    def fit_source_data(self, source) -> "ScalingBinning":
+        """Without a sketch: the reused temperature (if any) and one pass over the logit chunks."""
+        done = self.prerequisite(source)
+        return self.fit(source.logit_chunks, temperature=done.temperature if done is not None else None)
+
+    def _source_temperature(self, source) -> float:
+        """The temperature of the source's temperature-scaling fit, or fitted here by its route."""
+        done = self.prerequisite(source)
+        return done.temperature if done is not None else TemperatureScaling().fit_source(source).temperature
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
@@ -183,78 +162,28 @@ class ScalingBinning(_Binning):
         Same arguments as `Calibrator.calibrate`; only `logits`, (B, K, V) or (N, V), is read. Returns logits / T,
         same shape and dtype; raises `ATSError` if not fitted.
         """
-        self._check_fitted()
+        self.check_fitted()
         return logits / self.temperature
 
-    def config(self) -> dict:
-        """The number of bins and the temperature.
-
-        Returns:
-            {"n_bins", "temperature"}.
-
-        Raises:
-            ATSError: if not fitted.
-        """
-        return {**super().config(), "temperature": self.temperature}
-
-    def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
-        """Restore the bins and the temperature.
-
-        Args:
-            config: the saved config (without "type").
-            tensors: {"upper_edges": (K,), "values": (K,)}.
+    def restore(self, fitted: dict, tensors: dict[str, Tensor]) -> None:
+        """Set the saved bins and temperature.
 
         Raises:
             ATSError: if a value is missing or invalid.
         """
-        super().load_state(config, tensors)
-        self.temperature = check_positive_float("temperature", config.get("temperature"))
+        super().restore(fitted, tensors)
+        self.temperature = check_positive_float("temperature", fitted.get("temperature"))
 
 
 class HistogramBinning(_Binning):
     """Equal-mass bins on the uncalibrated confidence mapped to the empirical accuracy in each bin.
 
-    Args:
-        n_bins: the number of equal-mass bins (fewer when quantiles tie).
+    Options: `BinningConfig` (n_bins).
     """
 
     name = "histogram"
-    fits_on_sketch = True
 
-    def fit(self, chunks: LogitChunks) -> "HistogramBinning":
-        """Fit the bins on the uncalibrated top-1 confidences and their correctness.
-
-        Args:
-            chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
-
-        Returns:
-            self, fitted.
-
-        Raises:
-            ATSError: if a chunk is malformed or there is no fitting token.
-        """
-        conf, correct = collect_top1(chunks)
+    def fit_top1(self, conf: np.ndarray, correct: np.ndarray) -> "HistogramBinning":
+        """The bins of the uncalibrated confidences (N,), each bin's value the accuracy (mean of `correct`) in it."""
         self.upper_edges, self.values = equal_mass_bins(conf, correct, self.n_bins)
         return self
-
-    def fit_source(self, source) -> "HistogramBinning":
-        """Fit on the source's `sketch` (its exact top-1 confidences) when it has one, else on its logit chunks.
-
-        Args:
-            source: the fitting data.
-
-        Returns:
-            self, fitted.
-        """
-        conf, correct = source_top1(source)
-        self.upper_edges, self.values = equal_mass_bins(conf, correct, self.n_bins)
-        return self
-
-    def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
-                  index: Tensor | None = None) -> Tensor:
-        """`logits` unchanged (the map is `calibrate_confidence`); `ATSError` if not fitted.
-
-        Same arguments as `Calibrator.calibrate`; only `logits` is read.
-        """
-        self._check_fitted()
-        return logits

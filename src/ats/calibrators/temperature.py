@@ -14,14 +14,16 @@ default); an optimum beyond it is fitted by the next route instead.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..checks import check_positive_float, check_positive_int
+from ..checks import check_positive_float
+from ..config import ConfigMixin, option
 from ..errors import ATSError
 from ..model.scale_summary import SummaryView, scaled_ce_from_summary
-from ._fitting import iter_chunks, source_summary
+from ._fitting import iter_chunks
 from .base import Calibrator, LogitChunks
 from .sketch import LogitSketch
 
@@ -101,23 +103,29 @@ def summary_derivatives(summary: Tensor, s: float) -> tuple[float, float]:
     return float(grad.detach()), float(hess)
 
 
+@dataclass
+class TemperatureConfig(ConfigMixin):
+    """Temperature scaling's options: the Newton steps' budget and tolerance."""
+
+    max_passes: int = option(20, "the most Newton steps (each one pass over the chunks)", low=1)
+    tol: float = option(1e-4, "stop when a step (or the bracket) is within this relative tolerance", low=0,
+                        low_open=True)
+
+
 class TemperatureScaling(Calibrator):
     """One temperature for every token: q = z / T, T fitted by NLL with guarded Newton steps on 1/T.
 
-    Args:
-        max_passes: the most Newton steps (each one pass over the chunks).
-        tol: stop when a step (or the bracket) is within this relative tolerance.
+    Options: `TemperatureConfig` (max_passes, tol), keyword-only.
     """
 
     name = "temperature"
+    Config = TemperatureConfig
     fits_on_sketch = True
     fits_on_summary = True
-
-    def __init__(self, *, max_passes: int = 20, tol: float = 1e-4) -> None:
-        self.max_passes = check_positive_int("max_passes", max_passes)
-        self.tol = check_positive_float("tol", tol)
-        self.temperature: float | None = None
-        self.passes_: int = 0
+    fitted_keys = ("temperature",)
+    fitted_attributes = ("temperature",)
+    temperature: float | None = None  # T, once fitted
+    passes_: int = 0  # Newton steps of the last fit
 
     def fit(self, chunks: LogitChunks) -> "TemperatureScaling":
         """Fit T by NLL (see the module docstring); T stays in [0.01, 100]. Each Newton step is one pass.
@@ -166,22 +174,13 @@ class TemperatureScaling(Calibrator):
             return None
         return self._newton(lambda s: summary_derivatives(rows, s), upper=upper)
 
-    def fit_source(self, source) -> "TemperatureScaling":
-        """Fit on the source's scale `summary` when it has one (no pass over the vocabulary), else on its `sketch`
-        (one shared pass for all global-temperature methods), else on its logit chunks; an optimum beyond the
-        summary's range goes to the next route.
+    def fit_source_summary(self, source, summary: Tensor) -> "TemperatureScaling | None":
+        """The scale-summary route (`fit_summary`); None when the optimum lies beyond the summary's range."""
+        return self.fit_summary(summary)
 
-        Args:
-            source: the fitting data.
-
-        Returns:
-            self, fitted.
-        """
-        summary = source_summary(source)
-        if summary is not None and self.fit_summary(summary) is not None:
-            return self
-        sketch = getattr(source, "sketch", None)
-        return self.fit_sketch(sketch) if sketch is not None else self.fit(source.logit_chunks)
+    def fit_source_sketch(self, source, sketch: LogitSketch) -> "TemperatureScaling":
+        """The shared-sketch route (`fit_sketch`)."""
+        return self.fit_sketch(sketch)
 
     def _newton(self, derivatives, upper: float = S_MAX) -> "TemperatureScaling":
         """Guarded Newton on s = 1/T in [S_MIN, upper]; `derivatives(s)` -> (dNLL/ds, d2NLL/ds2)."""
@@ -207,41 +206,19 @@ class TemperatureScaling(Calibrator):
         self.temperature = 1.0 / s
         return self
 
-    def _check_fitted(self) -> float:
-        if self.temperature is None:
-            raise ATSError(f"{type(self).__name__}: not fitted; call fit() or from_pretrained() first")
-        return self.temperature
-
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
         """logits / T, same shape and dtype; `ATSError` if not fitted.
 
         Same arguments as `Calibrator.calibrate`; only `logits`, (B, K, V) or (N, V), is read.
         """
-        return logits / self._check_fitted()
+        self.check_fitted()
+        return logits / self.temperature
 
-    def config(self) -> dict:
-        """The options and the fitted temperature.
-
-        Returns:
-            {"max_passes", "tol", "temperature"}.
+    def restore(self, fitted: dict, tensors: dict[str, Tensor]) -> None:
+        """Set the saved temperature.
 
         Raises:
-            ATSError: if not fitted.
+            ATSError: if it is missing or not a positive number.
         """
-        return {"max_passes": self.max_passes, "tol": self.tol, "temperature": self._check_fitted()}
-
-    def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
-        """Restore the options and the temperature.
-
-        Args:
-            config: the saved config (without "type").
-            tensors: unused (temperature scaling saves no tensors).
-
-        Raises:
-            ATSError: if the temperature is missing or not a positive number, or an option is invalid.
-        """
-        self.max_passes = check_positive_int("max_passes", config.get("max_passes", 20))
-        self.tol = check_positive_float("tol", config.get("tol", 1e-6))
-        self.temperature = check_positive_float("temperature", config.get("temperature"))
-        self.passes_ = 0
+        self.temperature = check_positive_float("temperature", fitted.get("temperature"))

@@ -8,38 +8,42 @@ every parameter back to the identity map unless the data clearly move it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checks import check_nonnegative_float, check_positive_float, check_positive_int
+from ..checks import check_positive_int
+from ..config import ConfigMixin, option
 from ..errors import ATSError
 from ._fitting import iter_chunks
 from .base import Calibrator, LogitChunks
 
 
+@dataclass
+class VectorConfig(ConfigMixin):
+    """Vector scaling's options: minibatch Adam over the chunks, and the penalty pulling the map to the identity."""
+
+    epochs: int = option(5, "passes over the chunks", low=1)
+    lr: float = option(1e-2, "Adam's learning rate", low=0, low_open=True)
+    weight_decay: float = option(1e-4, "the weight of the penalty pulling (a, b) back to (1, 0)", low=0)
+    batch_size: int = option(512, "tokens per Adam step (minibatches are drawn within a chunk)", low=1)
+    seed: int = option(0, "the seed of the shuffling")
+
+
 class VectorScaling(Calibrator):
     """Per-class affine map of the logits, fitted by minibatch Adam over the chunks with an identity-pulling penalty.
 
-    Args:
-        epochs: passes over the chunks.
-        lr: Adam's learning rate.
-        weight_decay: the weight of the penalty pulling (a, b) back to (1, 0) (see the module docstring).
-        batch_size: tokens per Adam step (minibatches are drawn within a chunk).
-        seed: the seed of the shuffling.
+    Options: `VectorConfig` (epochs, lr, weight_decay, batch_size, seed), keyword-only.
     """
 
     name = "vector"
-
-    def __init__(self, *, epochs: int = 5, lr: float = 1e-2, weight_decay: float = 1e-4, batch_size: int = 512,
-                 seed: int = 0) -> None:
-        self.epochs = check_positive_int("epochs", epochs)
-        self.lr = check_positive_float("lr", lr)
-        self.weight_decay = check_nonnegative_float("weight_decay", weight_decay)
-        self.batch_size = check_positive_int("batch_size", batch_size)
-        self.seed = int(seed)
-        self.scale: Tensor | None = None  # (V,) a
-        self.bias: Tensor | None = None  # (V,) b
+    Config = VectorConfig
+    fitted_keys = ("vocab_size",)
+    fitted_attributes = ("scale", "bias")
+    scale: Tensor | None = None  # (V,) a
+    bias: Tensor | None = None  # (V,) b
 
     def fit(self, chunks: LogitChunks) -> "VectorScaling":
         """Fit a (V,) and b (V,) from the identity; V comes from the first chunk.
@@ -81,10 +85,11 @@ class VectorScaling(Calibrator):
         self.bias = b.detach().cpu().clone()
         return self
 
-    def _check_fitted(self) -> tuple[Tensor, Tensor]:
-        if self.scale is None or self.bias is None:
-            raise ATSError("VectorScaling: not fitted; call fit() or from_pretrained() first")
-        return self.scale, self.bias
+    @property
+    def vocab_size(self) -> int:
+        """V, the size of the fitted vectors."""
+        self.check_fitted()
+        return self.scale.numel()
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:
@@ -93,24 +98,12 @@ class VectorScaling(Calibrator):
         Same arguments as `Calibrator.calibrate`; only `logits`, (B, K, V) or (N, V), is read. Raises `ATSError`
         if not fitted or V differs from the fitted vocabulary size.
         """
-        a, b = self._check_fitted()
+        self.check_fitted()
+        a, b = self.scale, self.bias
         if logits.shape[-1] != a.numel():
             raise ATSError(f"logits: vocabulary size {logits.shape[-1]} does not match the fitted {a.numel()}")
         a, b = a.to(logits.device), b.to(logits.device)
         return (logits.float() * a + b).to(logits.dtype)
-
-    def config(self) -> dict:
-        """The options and the vocabulary size.
-
-        Returns:
-            {"epochs", "lr", "weight_decay", "batch_size", "seed", "vocab_size"}.
-
-        Raises:
-            ATSError: if not fitted.
-        """
-        a, _ = self._check_fitted()
-        return {"epochs": self.epochs, "lr": self.lr, "weight_decay": self.weight_decay,
-                "batch_size": self.batch_size, "seed": self.seed, "vocab_size": a.numel()}
 
     def state_tensors(self) -> dict[str, Tensor]:
         """The fitted vectors.
@@ -121,25 +114,16 @@ class VectorScaling(Calibrator):
         Raises:
             ATSError: if not fitted.
         """
-        a, b = self._check_fitted()
-        return {"scale": a, "bias": b}
+        self.check_fitted()
+        return {"scale": self.scale, "bias": self.bias}
 
-    def load_state(self, config: dict, tensors: dict[str, Tensor]) -> None:
-        """Restore the options and the fitted vectors (as float32).
-
-        Args:
-            config: the saved config (without "type").
-            tensors: {"scale": (V,), "bias": (V,)}.
+    def restore(self, fitted: dict, tensors: dict[str, Tensor]) -> None:
+        """Set the saved vectors (as float32).
 
         Raises:
-            ATSError: if an option is invalid, or a tensor is missing or not of shape (vocab_size,).
+            ATSError: if vocab_size is invalid, or a tensor is missing or not of shape (vocab_size,).
         """
-        self.epochs = check_positive_int("epochs", config.get("epochs", 5))
-        self.lr = check_positive_float("lr", config.get("lr", 1e-2))
-        self.weight_decay = check_nonnegative_float("weight_decay", config.get("weight_decay", 1e-4))
-        self.batch_size = check_positive_int("batch_size", config.get("batch_size", 512))
-        self.seed = int(config.get("seed", 0))
-        vocab = check_positive_int("vocab_size", config.get("vocab_size"))
+        vocab = check_positive_int("vocab_size", fitted.get("vocab_size"))
         for key in ("scale", "bias"):
             if key not in tensors:
                 raise ATSError(f"model.safetensors: tensor {key!r} missing")

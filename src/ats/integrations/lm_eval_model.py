@@ -40,8 +40,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from torch import Tensor
 
-from ..calibrators import REGISTRY, SAVED_TYPES, calibrator_class, load_calibrator
-from ..calibrators.base import CONFIG_NAME, Calibrator, Uncalibrated, read_config
+from ..calibrators import REGISTRY, load_calibrator, saved_class
+from ..calibrators.base import Calibrator, Uncalibrated
 from ..errors import ATSError
 from ..generation import Decoder, Row, SamplingParams
 from ..hub import is_repo_id, resolve_folder
@@ -78,22 +78,8 @@ def check_calibrator(spec) -> Path | Calibrator | None:
         if not is_repo_id(str(spec)):
             raise ATSError(f"calibrator={spec}: no such calibrator folder (or 'none' for the uncalibrated model)")
         path = resolve_folder(str(spec))
-    _check_supported(_saved_class(path), f"{path}")
+    _check_supported(saved_class(path), f"{path}")
     return path
-
-
-def _saved_class(path: Path) -> type[Calibrator]:
-    """The class of the calibrator saved in `path` (the paper's layout reads as an ATS-family head)."""
-    from ..calibrators.official import OfficialATSCalibrator, is_official_folder
-
-    if not (path / CONFIG_NAME).exists() and is_official_folder(path):
-        return OfficialATSCalibrator
-    kind = read_config(path).get("type")
-    if kind in SAVED_TYPES:
-        return SAVED_TYPES[kind].load()
-    if kind not in REGISTRY:
-        raise ATSError(f"{path}: field 'type' is {kind!r}; known: {', '.join([*REGISTRY, *SAVED_TYPES])}")
-    return calibrator_class(kind)
 
 
 def _check_supported(cls: type[Calibrator], what: str) -> None:

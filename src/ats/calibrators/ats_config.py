@@ -1,0 +1,64 @@
+"""ATSConfig: everything needed to rebuild an ATS head and to check it against a backbone, saved as the head's
+calibrator_config.json; heads saved before 0.2 (loss settings beside the head) still read."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .. import __version__
+from ..config import ConfigMixin, option
+from ..errors import ATSError
+from ..model.heads import HeadConfig
+
+LEGACY_TRAINING_KEYS = ("loss_type", "alpha", "weighting")  # lived here before 0.2; now in the training record
+
+
+@dataclass
+class ATSConfig(ConfigMixin):
+    """Everything needed to rebuild an ATS calibrator and to check it against a backbone."""
+
+    head: HeadConfig = option(HeadConfig, "the head's type and sizes", cli=False)
+    max_scale: float = option(10.0, "clamp on exp(tau), the factor applied to the logits (the reference code's 10)",
+                              low=0, low_open=True)
+    base_model: str = option("unknown", "backbone name", cli=False)
+    revision: str = option("unknown", "backbone revision", cli=False)
+    hidden_size: int = option(0, "backbone hidden size", cli=False, low=0)
+    vocab_size: int = option(0, "backbone vocabulary size", cli=False, low=0)
+    library_version: str = option(__version__, "ats version that made it", cli=False)
+    method: str = option("ats", "method name in tables (ats, selective-temperature, selective-linear)", cli=False)
+    training: dict = option(dict, "the training settings, for the record", cli=False)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of every field, the head config nested as a dict.
+
+        Returns:
+            {field name: value}.
+        """
+        return {**dataclasses.asdict(self), "head": self.head.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "config", **_) -> "ATSConfig":
+        """Also reads heads saved before 0.2, whose loss settings sat beside the head (moved into `training`).
+
+        Args:
+            data: the saved config (without "type"), as `to_dict` writes it.
+            where: what the data came from, quoted in errors.
+            **_: ignored (the `ConfigMixin.from_dict` signature).
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ATSError: if `data` is not a dict, lacks "head", has an unknown key or an invalid value.
+        """
+        if not isinstance(data, dict):
+            raise ATSError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        if "head" not in data:
+            raise ATSError(f"{where}: missing field 'head'")
+        data = dict(data)
+        legacy = {k: data.pop(k) for k in LEGACY_TRAINING_KEYS if k in data}
+        if legacy:
+            data["training"] = {**legacy, **dict(data.get("training") or {})}
+        data["head"] = HeadConfig.from_dict(data["head"], where=f"{where}: head")
+        return super().from_dict(data, where)
