@@ -71,3 +71,49 @@ def test_failure_leaves_nothing(tmp_path, monkeypatch):
 def test_empty_results():
     with pytest.raises(ATSError, match="results"):
         make_reliability_figure({})
+
+
+def _capture(monkeypatch) -> list:
+    """Figures handed to save_figure, kept instead of written."""
+    import ats.evaluation.plots as plots
+
+    figures = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, stem: figures.append(fig) or [])
+    return figures
+
+
+def test_tradeoff_points_are_token_ece_against_task_ece(monkeypatch):
+    from ats.evaluation.plots import tradeoff_figure
+
+    figures = _capture(monkeypatch)
+    token = {"uncalibrated": {"ece": 0.2}, "ats": {"ece": 0.05}, "nll": {"ece": 0.1}}
+    tasks = {"mmlu": {"uncalibrated": {"ece": 0.3}, "ats": {"ece": 0.12}, "nll": {"ece": 0.2}},
+             "triviaqa": {"uncalibrated": {"ece": 0.25}, "ats": {"ece": 0.07}}}  # nll missing there: skipped
+    tradeoff_figure(token, tasks, ["ats", "nll", "absent"], "unused")
+    axes = figures[0].axes
+    assert [ax.get_title() for ax in axes] == ["MMLU", "TriviaQA"]
+    for ax, task in zip(axes, tasks):
+        names = [t.get_text() for t in ax.texts]
+        assert names == [n for n in ("uncalibrated", "ats", "nll") if n in tasks[task]]
+        points = [tuple(c.get_offsets()[0]) for c in ax.collections]
+        assert points == pytest.approx([(token[n]["ece"], tasks[task][n]["ece"]) for n in names])
+
+
+def test_alpha_lines_are_the_ece_per_alpha_with_the_reference_dashed(monkeypatch):
+    from ats.evaluation.plots import alpha_figure
+
+    figures = _capture(monkeypatch)
+    rows = [("0.1", "a1"), ("0.5", "a5"), ("0.9", "a9")]
+    results = {"mmlu": {"uncalibrated": {"ece": 0.3}, "a1": {"ece": 0.2}, "a5": {"ece": 0.1}},  # a9 missing
+               "val_tokens": {"uncalibrated": {"ece": float("nan")}, "a1": {"ece": 0.05}, "a5": {"ece": 0.04},
+                              "a9": {"ece": 0.03}}}
+    alpha_figure(rows, results, "unused", tasks=["mmlu", "val_tokens"])
+    ax = figures[0].axes[0]
+    solid = [line for line in ax.lines if line.get_linestyle() == "-"]
+    dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
+    assert [list(line.get_xdata()) for line in solid] == [[0.1, 0.5, 0.9]] * 2
+    assert list(solid[0].get_ydata())[:2] == [0.2, 0.1] and np.isnan(solid[0].get_ydata()[2])
+    assert list(solid[1].get_ydata()) == [0.05, 0.04, 0.03]
+    assert [list(line.get_ydata()) for line in dashed] == [[0.3, 0.3]]  # a NaN reference draws no line
+    assert dashed[0].get_color() == solid[0].get_color()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["MMLU", "val (token)"]
