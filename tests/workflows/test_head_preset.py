@@ -41,3 +41,25 @@ def test_a_rerun_is_checked_against_what_training_built(tiny_backbone, tmp_path)
         check_before_loading(tmp_path / "features", tmp_path / "head", data, head_type="linear",
                              method="selective-temperature", training=TrainingConfig(epochs=2, batch_size=2,
                                                                                      micro_batch_size=2, lr=1e-3))
+
+
+def test_the_check_before_loading_is_fit_heads_fingerprint(tiny_backbone, tmp_path):
+    from ats.fingerprint import stored_fingerprint
+
+    data = DataConfig(limit=8, max_length=48, val_fraction=0.25)
+    train, _ = prepare_features(tiny_backbone, tmp_path / "features", data, progress=False)
+    training = TrainingConfig(epochs=1, batch_size=2, micro_batch_size=2, lr=1e-3)
+    train_head(tiny_backbone, train, None, tmp_path / "head", head_type="mlp", max_scale=5.0, training=training,
+               progress=False)
+    # options that never change a result (save_every, batch_tokens) are accepted, as fit_head reuses the head
+    check_before_loading(tmp_path / "features", tmp_path / "head", data.replace(batch_tokens=99), head_type="mlp",
+                         max_scale=5.0, training=training.replace(save_every=3))
+    # the refusal names what differs in the head's own fingerprint, as fit_head's does
+    with pytest.raises(ATSError, match=r"head: head made with other options: head.head_type 'mlp' -> 'linear', "
+                                       r"max_scale 5.0 -> 10.0; rerun with --overwrite"):
+        check_before_loading(tmp_path / "features", tmp_path / "head", data, head_type="linear", training=training)
+    head = stored_fingerprint(tmp_path / "head")
+    (tmp_path / "head" / "fingerprint.json").write_text(json.dumps({**head, "library_version": "0.0.1"}))
+    with pytest.raises(ATSError, match=r"library_version '0.0.1' -> "):  # refused before loading, as fit_head would
+        check_before_loading(tmp_path / "features", tmp_path / "head", data, head_type="mlp", max_scale=5.0,
+                             training=training)
