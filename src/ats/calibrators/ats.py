@@ -28,6 +28,7 @@ from ..model.backbone import Backbone
 from ..model.heads import HeadConfig, build_head
 from .ats_config import LEGACY_TRAINING_KEYS, ATSConfig
 from .base import CONFIG_NAME, Calibrator, FitSource, read_config
+from .calibrated_model import CalibratedModel
 from .saving import load_module
 
 __all__ = ["LEGACY_TRAINING_KEYS", "ATSCalibrator", "ATSConfig", "CalibratedModel"]
@@ -236,34 +237,3 @@ class ATSCalibrator(Calibrator):
             if read_config(directory).get("type") == OfficialATSCalibrator.name:
                 return OfficialATSCalibrator.from_pretrained(directory, backbone=backbone)
         return super().from_pretrained(directory, backbone=backbone)
-
-
-class CalibratedModel(nn.Module):
-    """A backbone + ATS head returning calibrated logits from a forward pass: `model(input_ids) -> q (B, T, V)`.
-
-    Args:
-        backbone: the frozen backbone.
-        calibrator: an ATS calibrator trained for it.
-
-    Raises:
-        ATSError: if the calibrator was trained for another backbone.
-    """
-
-    def __init__(self, backbone: Backbone, calibrator: ATSCalibrator) -> None:
-        super().__init__()
-        calibrator.check_backbone(backbone)
-        self.backbone, self.calibrator = backbone, calibrator
-
-    @torch.no_grad()
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Calibrated logits for a batch, without gradients.
-
-        Args:
-            input_ids: (B, T) token ids.
-            attention_mask: (B, T), 1 on real tokens.
-
-        Returns:
-            q, (B, T, V).
-        """
-        hidden, _ = self.backbone.forward(input_ids, attention_mask)  # (B, T, H)
-        return self.calibrator.calibrate(self.backbone.logits(hidden), hidden, attention_mask=attention_mask)
