@@ -8,7 +8,6 @@ the same command already finished.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from ..model.backbone import Backbone
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig
 from .plans import CONTROLS, QUICK_SUBJECTS, SIZES, ExperimentSize
-from .runner import HeadJob, Runner
+from .runner import HeadJob, Laps, Runner
 from .variants import Variant
 
 logger = logging.getLogger(__name__)
@@ -66,12 +65,12 @@ def run_experiment(backbone: Backbone, out_dir: str | Path, size: ExperimentSize
                      laps=result.seconds)
     result.token_level = arm.token_level
     logger.info("token-level calibration on the held-out split:\n%s", token_table(result.token_level))
-    start = time.time()
+    lap = Laps(result.seconds)
     tasks = [build_task("mmlu", limit=size.mmlu_per_subject, subjects=size.mmlu_subjects),
              build_task("triviaqa", limit=size.triviaqa), build_task("truthfulqa_mc1", limit=size.truthfulqa)]
     result.tasks = runner.tasks(arm.calibrators, tasks, bootstrap=bootstrap)
     logger.info("task-level calibration:\n%s", format_table(result.tasks))
-    result.seconds["tasks"] = round(time.time() - start, 1)
+    lap.done("tasks")
     return result
 
 

@@ -60,6 +60,20 @@ class Arm:
     token_level: dict = field(default_factory=dict)
 
 
+class Laps:
+    """Seconds per step, rounded to 0.1, into `record` (nothing is kept when it is None)."""
+
+    def __init__(self, record: dict | None) -> None:
+        self.record = record
+        self.start = time.time()
+
+    def done(self, step: str) -> None:
+        """Record the seconds since the last step ended as `step`'s."""
+        if self.record is not None:
+            self.record[step] = round(time.time() - self.start, 1)
+        self.start = time.time()
+
+
 class Runner:
     """The steps of an experiment on one backbone and one run folder.
 
@@ -144,23 +158,17 @@ class Runner:
         Returns:
             The `Arm`; its calibrators are the uncalibrated model, the baselines, then the heads.
         """
-        clock = [time.time()]
-
-        def lap(name: str) -> None:
-            if laps is not None:
-                laps[name] = round(time.time() - clock[0], 1)
-            clock[0] = time.time()
-
+        lap = Laps(laps)
         train, val = self.features(data, Path(folder) / "features")
-        lap("features")
+        lap.done("features")
         heads, reused = self.heads(jobs, train, val)
-        lap("train")
+        lap.done("train")
         fitted = self.baselines(baselines, train, val, folder=Path(folder) / "baselines",
                                 **(baseline_options or {})) if baselines else {}
         if baselines:
-            lap("baselines")
+            lap.done("baselines")
         arm = Arm(train, val, {REFERENCE: Uncalibrated(), **fitted, **heads}, reused)
         if token_level:
             arm.token_level = self.token_level(val, arm.calibrators, n_bins=n_bins)
-            lap("token_eval")
+            lap.done("token_eval")
         return arm
