@@ -221,9 +221,9 @@ class ConfigMixin:
             if f.name in exclude:
                 continue
             meta = f.metadata
-            checks[f.name] = {"kind": types[f.name].__name__, "choices": list(meta["choices"] or []),
-                              "checks": dict(meta.get("checks", {})), "none_ok": f.default is None}
             default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else None)
+            checks[f.name] = {"kind": types[f.name].__name__, "choices": list(meta["choices"] or []),
+                              "checks": dict(meta.get("checks", {})), "none_ok": default is None}
             flag = meta.get("flag") or "--" + f.name.replace("_", "-")
             kind = types[f.name]
             help_text = meta["help"]

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -96,9 +97,24 @@ def test_the_record_key_changes_with_any_source_file(tmp_path, monkeypatch):
     (package / "cli").mkdir(parents=True)
     (package / "cli" / "a.py").write_text("x = 1\n")
     monkeypatch.setattr(parser_cache, "PACKAGE", package)
+    monkeypatch.setattr(parser_cache, "STARTED", time.time() + 60)  # as if the process started after the edits
     first = parser_cache.source_key()
     (package / "cli" / "a.py").write_text("x = 2\n")
     assert parser_cache.source_key() != first
+
+
+def test_no_record_is_read_or_written_when_a_source_file_changed_after_the_process_started(tmp_path, monkeypatch):
+    """Its loaded modules may be older than the files: a record built from them would be stored under the new
+    files' key (seen: a test session running while the CLI's defaults were edited)."""
+    package = tmp_path / "ats"
+    package.mkdir()
+    (package / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(parser_cache, "PACKAGE", package)
+    monkeypatch.setenv("ATS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(parser_cache, "STARTED", time.time() - 60)
+    assert parser_cache.source_key() is None
+    parser = parser_cache.cached_parser(argparse.ArgumentParser, lambda p: p.add_argument("--n", type=int, default=4))
+    assert parser.parse_args([]).n == 4 and not (tmp_path / "cache").exists()
 
 
 @pytest.mark.parametrize("argv", [["bogus"], ["train", "--head", "bogus", "--out", "x"], ["serve", "--port", "x"]])

@@ -1,7 +1,7 @@
 """`ats train --data answers` beyond the ATS heads, on the tiny model folder and the tiny QA pool (conftest):
-Thermometer trained on the answers, a head with the top-label term on instruction tokens, and the refusals (unknown
-spec, '+tokens' without features, the answer options with instruction data), each in one line before anything
-loads."""
+Thermometer trained on the answers (the default of `ats train`), a head with the top-label term on instruction
+tokens, and the refusals (unknown spec, '+tokens' without features, --head with --method, --online with answers, the
+answer options with instruction data), each in one line before anything loads."""
 
 from __future__ import annotations
 
@@ -40,15 +40,20 @@ def test_refusals_come_before_anything_loads(model_dir, tmp_path, capsys):
     assert "unknown spec 'thermometer+tokens'" in one_error(capsys)
     assert main([*base, "--method", "bayes", "--out", str(tmp_path / "a")]) == 2
     assert "--method: unknown spec 'bayes'" in one_error(capsys)
-    assert main(["train", "--model", str(model_dir), "--method", "thermometer", "--out", str(tmp_path / "a")]) == 2
+    assert main(["train", "--model", str(model_dir), "--data", "alpaca_gpt4", "--method", "thermometer", "--out",
+                 str(tmp_path / "a")]) == 2
     assert "only with --data answers" in one_error(capsys)
+    assert main([*base, "--head", "linear", "--method", "thermometer", "--out", str(tmp_path / "a")]) == 2
+    assert "give one" in one_error(capsys)
+    assert main([*base, "--online", "--out", str(tmp_path / "a")]) == 2
+    assert "--online: instruction data only" in one_error(capsys)
     assert not (tmp_path / "a").exists()
 
 
 def test_thermometer_and_the_token_term_train_on_answers(model_dir, tmp_path, capsys):
-    base = ["-q", "train", "--model", str(model_dir), *POOL]
+    base = ["-q", "train", "--model", str(model_dir), *POOL[2:]]  # no --data: answers are the default
     out = tmp_path / "thermo"
-    assert main([*base, "--method", "thermometer", "--out", str(out)]) == 0
+    assert main([*base, "--out", str(out)]) == 0  # no --method: Thermometer, the default
     config = json.loads((out / "head" / "calibrator_config.json").read_text())
     assert config["type"] == "thermometer"
     record = config["history"][0]
@@ -58,8 +63,9 @@ def test_thermometer_and_the_token_term_train_on_answers(model_dir, tmp_path, ca
     assert f"head reused from {out / 'head'}" in capsys.readouterr().out
     # instruction features from `ats train`, then a linear head with the token term read from them
     instr = tmp_path / "instr"
-    assert main(["-q", "train", "--model", str(model_dir), "--limit", "8", "--max-length", "48", "--epochs", "1",
-                 "--batch-size", "2", "--micro-batch-size", "2", "--head", "linear", "--out", str(instr)]) == 0
+    assert main(["-q", "train", "--model", str(model_dir), "--data", "alpaca_gpt4", "--limit", "8", "--max-length",
+                 "48", "--epochs", "1", "--batch-size", "2", "--micro-batch-size", "2", "--head", "linear", "--out",
+                 str(instr)]) == 0
     out = tmp_path / "tokens"
     args = [*base, "--method", "linear+tokens", "--token-features", str(instr / "features"), "--out", str(out)]
     assert main([*args, "--token-weight", "0.5"]) == 0

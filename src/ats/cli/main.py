@@ -1,6 +1,7 @@
 """`ats` command line: thin argument parsing over the library, one module per command.
 
-    ats train    --model M --data alpaca_gpt4 --head transformer --loss selective --alpha 0.5 --out DIR
+    ats train    --model M --out DIR        (Thermometer on the model's own answers to a labelled QA pool)
+    ats train    --model M --data alpaca_gpt4 --head transformer --loss selective --alpha 0.5 --out DIR   (the paper)
     ats eval     --model M --calibrator DIR|temperature|... --tasks mmlu,triviaqa,truthfulqa_mc1 --out DIR
     ats generate --model M --calibrator DIR "prompt"
     ats serve    --model M --calibrator DIR --port 8000      (OpenAI-compatible, calibrated logprobs)

@@ -33,23 +33,24 @@ def add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the Hub")
 
 
-def add_data(p: argparse.ArgumentParser) -> None:
-    """Add `DataConfig`'s options and --features to parser `p`."""
+def add_data(p: argparse.ArgumentParser, *, defaults: dict | None = None) -> None:
+    """Add `DataConfig`'s options and --features to parser `p`; `defaults` overrides fields' defaults."""
     from ..training.data import DataConfig
 
     g = p.add_argument_group("instruction data (features)")
-    DataConfig.add_arguments(g)
+    DataConfig.add_arguments(g, defaults=defaults)
     g.add_argument("--features", default=None, help="feature cache folder (default: OUT/features)")
 
 
-def add_training(p: argparse.ArgumentParser, *, exclude=()) -> None:
-    """Add the head, ATS and training options to parser `p`; `exclude`: `TrainingConfig` fields left out."""
+def add_training(p: argparse.ArgumentParser, *, exclude=(), head_defaults: dict | None = None) -> None:
+    """Add the head, ATS and training options to parser `p`; `exclude`: `TrainingConfig` fields left out;
+    `head_defaults`: `HeadConfig` defaults replaced."""
     from ..calibrators.ats import ATSConfig
     from ..model.heads import HeadConfig
     from ..training.config import TrainingConfig
 
     g = p.add_argument_group("head and training")
-    HeadConfig.add_arguments(g)
+    HeadConfig.add_arguments(g, defaults=head_defaults)
     ATSConfig.add_arguments(g)
     TrainingConfig.add_arguments(g, exclude=exclude)
 

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from importlib import import_module
 from pathlib import Path
@@ -129,10 +130,17 @@ def replay(root: argparse.ArgumentParser, log: list[dict]) -> argparse.ArgumentP
     return root
 
 
-def source_key() -> str:
-    """A hash of every source file of the package, the ats version and the Python version (the record's key)."""
+STARTED = time.time()  # when this process first imported the CLI: modules it loaded are at most this old
+
+
+def source_key() -> str | None:
+    """A hash of every source file of the package, the ats version and the Python version (the record's key); None
+    when a source file changed after this process started, so its loaded modules may not be what the files say (a
+    long test session while the code is edited): it then neither reads nor writes a record."""
     digest = hashlib.sha256(f"{__version__} {sys.version}".encode())
     for path in sorted(PACKAGE.rglob("*.py")):
+        if path.stat().st_mtime > STARTED:
+            return None
         digest.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:32]
 
@@ -176,7 +184,15 @@ def cached_parser(new_parser: Callable[[], argparse.ArgumentParser],
     Returns:
         The complete parser.
     """
-    path = cache_file(source_key())
+    def built() -> argparse.ArgumentParser:
+        parser = new_parser()
+        define(parser)
+        return parser
+
+    key = source_key()
+    if key is None:
+        return built()
+    path = cache_file(key)
     log = _read(path)
     if log is not None:
         try:
@@ -188,8 +204,6 @@ def cached_parser(new_parser: Callable[[], argparse.ArgumentParser],
         define(Recorder(parser, log))
     except NotCacheable as err:
         logger.debug("parser not recorded (%s)", err)
-        parser = new_parser()
-        define(parser)
-        return parser
+        return built()
     _write(path, log)
     return parser

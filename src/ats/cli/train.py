@@ -13,12 +13,17 @@ logger = logging.getLogger(__name__)
 
 def add_parser(sub) -> None:
     """Add `ats train` to `sub`, the sub-command parsers of `ats`."""
-    p = sub.add_parser("train", help="extract features and train an ATS head",
-                       description="Extract the backbone's hidden states on instruction data and train a calibration "
-                                   "head. The head is saved in OUT/head (config + safetensors + fingerprint).")
+    p = sub.add_parser("train", help="train a calibrator (default: on the model's own answers)",
+                       description="Train a calibrator, saved in OUT/head (config + safetensors + fingerprint). By "
+                                   "default (--data answers) the backbone answers a labelled QA pool once and "
+                                   "--method learns from its own right and wrong answers (default: thermometer, what "
+                                   "benchmarks/results/answers/ found best on both embedded models); --data "
+                                   "alpaca_gpt4 (or another instruction set) is the paper's recipe: hidden states of "
+                                   "instruction data and a --head (default: transformer) trained with the selective "
+                                   "loss.")
     options.add_model(p)
-    options.add_data(p)
-    options.add_training(p)
+    options.add_data(p, defaults={"source": "answers"})
+    options.add_training(p, head_defaults={"head_type": None})
     p.add_argument("--resume", action="store_true", help="continue the interrupted training in OUT (same options)")
     p.add_argument("--online", action="store_true",
                    help="no feature cache: run the backbone inside the training loop (large models)")
@@ -27,9 +32,10 @@ def add_parser(sub) -> None:
     g.add_argument("--mmlu-pool", type=int, default=2,
                    help="MMLU validation questions per subject, 0 for none (default: 2)")
     g.add_argument("--method", default=None, metavar="SPEC",
-                   help="what learns from the answers: an ATS head type (default: --head), 'thermometer' (one "
-                        "temperature per question from the prompt), or a head with '+tokens' (plus the top-label "
-                        "loss on instruction tokens, so token calibration does not collapse; needs --token-features)")
+                   help="what learns from the answers: 'thermometer' (one temperature per question, read from the "
+                        "prompt; the default), an ATS head type (transformer, linear, mlp, constant; --head X is "
+                        "the same as --method X), or a head with '+tokens' (plus the top-label loss on instruction "
+                        "tokens, so token calibration does not collapse; needs --token-features)")
     g.add_argument("--token-features", default=None, metavar="DIR",
                    help="an `ats train` features folder of the same model (its train/ split feeds the '+tokens' term)")
     g.add_argument("--token-weight", type=float, default=1.0, help="weight of the '+tokens' term (default: 1.0)")
@@ -44,10 +50,10 @@ def run_answers(args) -> int:
     from ..errors import ATSError
     from ..evaluation.metrics import summarize
     from ..evaluation.report import markdown_table
-    from ..model.heads import HeadConfig
     from ..training.losses import ANSWER_LOSSES
     from ..workflows.answer_training import score_answers
     from ..workflows.answers import (
+        DEFAULT_ANSWER_METHOD,
         AnswerPlan,
         answer_head_record,
         parse_spec,
@@ -65,8 +71,13 @@ def run_answers(args) -> int:
                              ("--token-weight", args.token_weight, 0)):
         if value < low:
             raise ATSError(f"{flag} must be >= {low}, got {value}")
+    if args.method and args.head_type:
+        raise ATSError(f"--head {args.head_type} and --method {args.method}: with --data answers give one (--method)")
+    for flag, value in (("--online", args.online), ("--resume", args.resume)):
+        if value:
+            raise ATSError(f"{flag}: instruction data only (answers are cached once and train in minutes)")
     training = options.training_config(args, loss_type=loss)
-    spec = args.method or HeadConfig.from_args(args).head_type
+    spec = args.method or args.head_type or DEFAULT_ANSWER_METHOD
     kind, tokens = parse_spec(spec, field="--method")
     if tokens and not (args.token_features and (Path(args.token_features) / "train").is_dir()):
         raise ATSError(f"--method {spec}: --token-features must name an `ats train` features folder (with train/), "
@@ -102,13 +113,15 @@ def run(args) -> int:
     for flag, value in (("--method", args.method), ("--token-features", args.token_features)):
         if value is not None:
             raise ATSError(f"{flag} {value}: only with --data answers (instruction data trains the --head type)")
+    from ..model.heads import HeadConfig
+
+    args.head_type = args.head_type or HeadConfig.head_type  # the paper's transformer head
     from ..calibrators.ats import ATSConfig
     from ..calibrators.base import Uncalibrated
     from ..evaluation.metrics import summarize
     from ..evaluation.report import token_table
     from ..evaluation.token_eval import gathered_token_confidences
     from ..model.backbone import load_backbone
-    from ..model.heads import HeadConfig
     from ..training.distributed import init_distributed
     from ..workflows.pipeline import check_before_loading, fit_head, online_features, prepare_features
 

@@ -164,6 +164,7 @@ def mean_log_loss(confidence: np.ndarray, correct: np.ndarray) -> float:
 
 
 HEAD_KINDS = ("transformer", "linear", "mlp", "constant", "thermometer")
+DEFAULT_ANSWER_METHOD = "thermometer"  # `ats train`'s default: best on both embedded models (results/answers)
 BASELINES = ("isotonic-answers", "histogram-answers", "scaling-binning-answers")  # fitted on the pool's confidences
 
 
