@@ -2,7 +2,9 @@
 
 Each step writes into a run folder with a fingerprint of everything that determines it (`ats.fingerprint`). A rerun
 with the same options reuses the finished step and says so; a rerun with other options is refused, naming what
-differs, unless `overwrite=True`; an interrupted step continues (`resume`) only with the same fingerprint.
+differs, unless `overwrite=True`; an interrupted step continues (`resume`) only with the same fingerprint. A step
+that makes one result returns `(result, reused)` (`fit_head`, `fit_calibrator`). The fingerprints are built in
+`fingerprints.py`; the experiments chain these steps through `runner.Runner`.
 """
 
 from __future__ import annotations
