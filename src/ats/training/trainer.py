@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from ..calibrators.ats import ATSCalibrator
+from ..calibrators.fit_loop import decay_groups
 from ..errors import ATSError
 from ..model.backbone import IGNORE_INDEX, Backbone
 from .checkpoint import checkpoint_and_prune, latest_checkpoint, load_checkpoint
@@ -157,10 +158,7 @@ class Trainer:
             logger.info("learning rate %.3g, automatic for %d optimizer steps (set --lr to choose)", self.lr, total)
         self.calibrator.config_.training = {**config.to_dict(), "lr": self.lr, "lr_automatic": config.lr is None,
                                             "optimizer_steps": total}
-        decay = [p for p in head.parameters() if p.dim() >= 2]
-        no_decay = [p for p in head.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}], lr=self.lr)
+        self.optimizer = torch.optim.AdamW(decay_groups(head, config.weight_decay), lr=self.lr)
         self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, round(config.warmup_ratio * total), total)
         self.start = self._resume() if resume else (0, 0)  # (epoch, step in epoch)
         self.forward = self.calibrator.log_scale

@@ -31,6 +31,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from ..calibrators.fit_loop import decay_groups
 from ..errors import ATSError
 from ..evaluation.answers import AnswerSet, answer_confidence
 from ..model.heads import tau_at
@@ -73,9 +74,7 @@ def _span(sorted_ids: Tensor, first: int, last: int) -> tuple[int, int]:
 
 def scale_module(calibrator) -> torch.nn.Module:
     """The trainable module of an answer-trained calibrator: Thermometer's network or the ATS-family head."""
-    from ..calibrators.thermometer import Thermometer
-
-    return calibrator.net if isinstance(calibrator, Thermometer) else calibrator.head
+    return calibrator.net if calibrator.prompt_hidden else calibrator.head
 
 
 def position_scales(calibrator, t: dict, rows: tuple[int, int], positions: tuple[int, int]) -> tuple[Tensor, Tensor]:
@@ -85,8 +84,6 @@ def position_scales(calibrator, t: dict, rows: tuple[int, int], positions: tuple
     the row's first scored position (the prompt's last token: the choices of a question share it), and the penalty
     `prior_weight` x the mean Gamma prior of the rows' T (zero for the other calibrators).
     """
-    from ..calibrators.thermometer import Thermometer
-
     (r0, r1), (p0, p1) = rows, positions
     if calibrator is None:
         return torch.ones(p1 - p0), torch.zeros(())
@@ -95,7 +92,7 @@ def position_scales(calibrator, t: dict, rows: tuple[int, int], positions: tuple
     pos_in_row = t["pos_in_row"][p0:p1]
     counts = torch.bincount(local, minlength=r1 - r0)  # (R_b,)
     first = counts.cumsum(0) - counts  # (R_b,) index of each row's first scored position within the batch
-    if isinstance(calibrator, Thermometer):
+    if calibrator.prompt_hidden:  # Thermometer: one scale per question, from the prompt's last state
         at = pos_in_row[first.clamp(max=max(p1 - p0 - 1, 0))] if p1 > p0 else torch.zeros_like(first)
         h = t["hidden"][offsets[r0:r1] + at].float()  # (R_b, H) the prompts' last tokens (unused for empty rows)
         s_row = calibrator.inverse_temperature(h).float().cpu()  # (R_b,)
@@ -269,13 +266,11 @@ def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: Tr
         ATSError: if the loss type is unknown, no set holds a question, the token term is asked without a store or
             for a Thermometer, or a loss is not finite.
     """
-    from ..calibrators.thermometer import Thermometer
-
     if loss_type not in ANSWER_LOSSES:
         raise ATSError(f"answer loss must be one of {', '.join(ANSWER_LOSSES)}, got {loss_type!r}")
     if not sets or not any(len(s) for s in sets):
         raise ATSError("train_on_answers: no answers to train on")
-    thermometer = isinstance(calibrator, Thermometer)
+    thermometer = calibrator.prompt_hidden
     if token_weight > 0 and (token_store is None or thermometer):
         raise ATSError("train_on_answers: token_weight > 0 needs an instruction feature store and an ATS-family head")
     tokens = _cycled_batches(token_store, config.seed) if token_weight > 0 else None
@@ -283,10 +278,7 @@ def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: Tr
     module = scale_module(calibrator).train()
     steps = sum(len(answer_batches(sets, config.batch_size, seed=config.seed, epoch=e)) for e in range(config.epochs))
     lr = config.lr if config.lr is not None else 1e-3
-    decay = [p for p in module.parameters() if p.dim() >= 2]
-    no_decay = [p for p in module.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+    optimizer = torch.optim.AdamW(decay_groups(module, config.weight_decay), lr=lr)
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(config.warmup_ratio * steps), steps)
     record = {**config.to_dict(), "loss_type": loss_type, "lr": lr, "optimizer_steps": steps, "data": "answers",
               "tasks": [s.name for s in sets], "token_weight": token_weight,
