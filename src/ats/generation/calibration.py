@@ -64,9 +64,9 @@ def calibration_mode(calibrator: Calibrator | None) -> str:
     """
     if calibrator is None or calibrator.name == "none":
         return "none"
-    if getattr(calibrator, "token_head", False):
+    if calibrator.token_head:
         return "head"
-    if getattr(calibrator, "prompt_hidden", False):
+    if calibrator.prompt_hidden:
         return "prompt"
     if calibrator.needs_hidden:
         raise ATSError(f"calibrator {calibrator.name!r} reads hidden states in a way decoding cannot provide "
