@@ -44,12 +44,6 @@ def make_fingerprint(kind: str, **parts) -> dict:
                                  default=str))
 
 
-# Options that change how work is done, never its result, declared in files outside the workflows' change
-# (`DataConfig.batch_tokens`, `TrainingConfig.save_every`): to be marked there with `option(..., result=False)`,
-# after which this set goes.
-UNMARKED_NOT_RESULT = frozenset({"batch_tokens", "save_every"})
-
-
 def result_options(config, *, leave_out: tuple[str, ...] = ()) -> dict:
     """A config's options that can change a result: `to_dict()` less the fields marked `option(..., result=False)`.
 
@@ -62,7 +56,7 @@ def result_options(config, *, leave_out: tuple[str, ...] = ()) -> dict:
     Returns:
         {field name: value}, JSON-ready, in declaration order.
     """
-    dropped = set(leave_out) | UNMARKED_NOT_RESULT
+    dropped = set(leave_out)
     kept = {f.name for f in dataclasses.fields(config) if f.metadata.get("result", True) and f.name not in dropped}
     return {k: v for k, v in config.to_dict().items() if k in kept}
 

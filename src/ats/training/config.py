@@ -39,7 +39,7 @@ class TrainingConfig(ConfigMixin):
     chunk_size: int = option(1024, "tokens per logits chunk in the loss", low=1)
     exact_loss: bool = option(False, "compute the loss from the full-vocabulary logits even when the features carry "
                               "a scale summary (the reference route; slower by about the vocabulary size)")
-    save_every: int = option(0, "checkpoint every N optimizer steps (0: once per epoch)", low=0)
+    save_every: int = option(0, "checkpoint every N optimizer steps (0: once per epoch)", low=0, result=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()

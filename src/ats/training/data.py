@@ -51,7 +51,7 @@ class DataConfig(ConfigMixin):
     val_fraction: float = option(0.1, "held-out fraction (token-level validation)", low=0.0, high=1.0,
                                  low_open=True, high_open=True)
     seed: int = option(0, "seed of the subset and the split", cli=False)
-    batch_tokens: int = option(8192, "tokens per extraction forward pass", low=1)
+    batch_tokens: int = option(8192, "tokens per extraction forward pass", low=1, result=False)
     feature_dtype: str = option("float16", "dtype of cached hidden states", cli=False,
                                 choices=("float16", "bfloat16", "float32"))
     shard_sequences: int = option(256, "sequences per feature shard", cli=False, low=1)
