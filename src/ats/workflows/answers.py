@@ -359,38 +359,11 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
         token_store.check_backbone(backbone)
 
     if "select" in stages and set(results.get("selection", {})) != set(plan.methods):
-        splits = {n: split_holdout(s, plan.holdout_fraction) for n, s in pool.items()}
-        train_sets = [a for a, _ in splits.values()]
-        selection_tasks = [n for n in plan.selection_tasks if n in splits]
-        if not selection_tasks:
-            raise ATSError(f"no selection task {list(plan.selection_tasks)} in the pool {list(splits)}")
-        selection = results.setdefault("selection", {})  # saved per method: a rerun resumes with the next one
-        for method in [m for m in plan.methods if m not in selection]:
-            rows = []
-            for lr in plan.lr_grid:
-                head = train_method(backbone, train_sets, plan, method, lr=lr, seed=0, token_store=token_store,
-                                    progress=progress)
-                conf, ok = _pool_scores([splits[n][1] for n in selection_tasks], head, logits_fn)
-                rows.append({"lr": lr, "heldout_log_loss": mean_log_loss(conf, ok)})
-            best = min(rows, key=lambda r: r["heldout_log_loss"])
-            selection[method] = {"grid": rows, "lr": best["lr"]}
-            logger.info("%s: lr %.3g chosen", method, best["lr"])
-            write_json(results_path, results)
+        choose_learning_rates(backbone, pool, plan, results, results_path, token_store=token_store, progress=progress)
     lrs = {m: results["selection"][m]["lr"] for m in plan.methods}
-
     if "loo" in stages:
-        loo = results.setdefault("leave_one_out", {})
-        for left_out, train_names in leave_one_out_splits(list(pool), plan.leave_one_out):
-            if set(plan.methods) <= set(loo.get(left_out, {}).get("methods", {})):
-                continue  # a block missing a method is redone (its saved heads are reused)
-            sets = [pool[n] for n in train_names]
-            heads = {m: [trained_head(backbone, sets, plan, m, lr=lrs[m], seed=0, token_store=token_store,
-                                      folder=out / "loo" / left_out / m / "seed0", progress=progress)]
-                     for m in plan.methods}  # saved: a rerun resumes with the next method
-            maps = baselines_on_answers(sets, logits_fn, heads.get("control-answers", [None])[0])
-            loo[left_out] = {"train": train_names, **evaluate_methods(heads, maps, pool[left_out], logits_fn, plan)}
-            write_json(results_path, results)
-
+        leave_one_out(backbone, out, pool, plan, lrs, results, results_path, token_store=token_store,
+                      progress=progress)
     if "reported" in stages:
         heads = {m: [trained_head(backbone, list(pool.values()), plan, m, lr=lrs[m], seed=s,
                                   folder=out / "heads" / m / f"seed{s}", token_store=token_store, progress=progress)
@@ -407,6 +380,52 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
                                              progress=progress)
         write_json(results_path, results)
     return results
+
+
+def choose_learning_rates(backbone, pool: dict, plan: AnswerPlan, results: dict, results_path: Path, *,
+                          token_store=None, progress: bool = True) -> None:
+    """Stage 2: each method's learning rate, the grid point with the lowest mean answer log loss on the held-out
+    part of the selection tasks after training on the rest of every pool task; saved per method in
+    `results["selection"]` as it is chosen (a rerun resumes with the next method).
+
+    Raises:
+        ATSError: if no selection task of the plan is in the pool.
+    """
+    splits = {n: split_holdout(s, plan.holdout_fraction) for n, s in pool.items()}
+    train_sets = [a for a, _ in splits.values()]
+    selection_tasks = [n for n in plan.selection_tasks if n in splits]
+    if not selection_tasks:
+        raise ATSError(f"no selection task {list(plan.selection_tasks)} in the pool {list(splits)}")
+    selection = results.setdefault("selection", {})
+    for method in [m for m in plan.methods if m not in selection]:
+        rows = []
+        for lr in plan.lr_grid:
+            head = train_method(backbone, train_sets, plan, method, lr=lr, seed=0, token_store=token_store,
+                                progress=progress)
+            conf, ok = _pool_scores([splits[n][1] for n in selection_tasks], head, backbone.logits)
+            rows.append({"lr": lr, "heldout_log_loss": mean_log_loss(conf, ok)})
+        best = min(rows, key=lambda r: r["heldout_log_loss"])
+        selection[method] = {"grid": rows, "lr": best["lr"]}
+        logger.info("%s: lr %.3g chosen", method, best["lr"])
+        write_json(results_path, results)
+
+
+def leave_one_out(backbone, out: Path, pool: dict, plan: AnswerPlan, lrs: dict, results: dict, results_path: Path, *,
+                  token_store=None, progress: bool = True) -> None:
+    """Stage 3: per left-out pool task, every method trained (seed 0) on the other pool tasks and scored on it, with
+    the baselines fitted on the same answers; saved per task in `results["leave_one_out"]` (the heads under
+    OUT/loo/<task>/<method>/seed0, so a rerun resumes; a block missing one of the plan's methods is redone)."""
+    loo = results.setdefault("leave_one_out", {})
+    for left_out, train_names in leave_one_out_splits(list(pool), plan.leave_one_out):
+        if set(plan.methods) <= set(loo.get(left_out, {}).get("methods", {})):
+            continue
+        sets = [pool[n] for n in train_names]
+        heads = {m: [trained_head(backbone, sets, plan, m, lr=lrs[m], seed=0, token_store=token_store,
+                                  folder=out / "loo" / left_out / m / "seed0", progress=progress)]
+                 for m in plan.methods}
+        maps = baselines_on_answers(sets, backbone.logits, heads.get("control-answers", [None])[0])
+        loo[left_out] = {"train": train_names, **evaluate_methods(heads, maps, pool[left_out], backbone.logits, plan)}
+        write_json(results_path, results)
 
 
 def token_level(backbone, out: Path, plan: AnswerPlan, features: str | Path, instruction_heads: dict, *,
