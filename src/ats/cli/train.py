@@ -51,15 +51,15 @@ def run_answers(args) -> int:
     from ..evaluation.metrics import summarize
     from ..evaluation.report import markdown_table
     from ..training.losses import ANSWER_LOSSES
-    from ..workflows.answer_training import score_answers
-    from ..workflows.answers import (
+    from ..workflows.answer_methods import (
         DEFAULT_ANSWER_METHOD,
-        AnswerPlan,
         answer_head_record,
         parse_spec,
         reusable_answer_head,
         train_answer_head,
     )
+    from ..workflows.answer_pool import AnswerPlan
+    from ..workflows.answer_training import score_answers
 
     options.check_model(args.model)
     loss = args.loss_type

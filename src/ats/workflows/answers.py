@@ -16,237 +16,75 @@ Protocol (`run_answers`):
 4. every method trained on the whole pool with several seeds, scored on the reported tasks; paired bootstrap
    intervals against the global control and against the uncalibrated model.
 """
-
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ATSError
-from ..evaluation.answers import AnswerSet, build_answer_set
+from ..evaluation.answers import AnswerSet
 from ..evaluation.metrics import paired_differences, summarize
-from ..evaluation.tasks import (
-    MMLUTask,
-    MultipleChoiceTask,
-    NQOpenTask,
-    TriviaQATask,
-    TruthfulQAGenTask,
-    TruthfulQAMC1Task,
-)
 from ..io import read_json, write_json
-from ..training.config import TrainingConfig
-from .answer_training import score_answers, train_on_answers
+from .answer_methods import (
+    DEFAULT_ANSWER_METHOD,
+    HEAD_KINDS,
+    RECORD_DEFAULTS,
+    answer_head_record,
+    fresh_head,
+    method_spec,
+    parse_spec,
+    reusable_answer_head,
+    token_record,
+    train_answer_head,
+    train_method,
+    trained_head,
+)
+from .answer_pool import (
+    POOL_MC,
+    TRIVIAQA_POOL_OFFSET,
+    AnswerPlan,
+    cached_answers,
+    leave_one_out_splits,
+    mean_log_loss,
+    pool_names,
+    pool_tasks,
+    reported_tasks,
+    split_holdout,
+)
+from .answer_training import score_answers
 
 logger = logging.getLogger(__name__)
 
-POOL_MC = ("sciq", "social_iqa", "boolq", "winogrande")
-TRIVIAQA_POOL_OFFSET = 1000  # reported TriviaQA subsets use the first <= 1000 questions after the few-shot ones
+__all__ = [  # the protocol, and the pool and methods it is built from
+    "BASELINES", "baselines_on_answers", "choose_learning_rates", "evaluate_methods", "leave_one_out",
+    "run_answers", "token_level",
+    "POOL_MC",
+    "TRIVIAQA_POOL_OFFSET",
+    "AnswerPlan",
+    "cached_answers",
+    "leave_one_out_splits",
+    "mean_log_loss",
+    "pool_names",
+    "pool_tasks",
+    "reported_tasks",
+    "split_holdout",
+    "DEFAULT_ANSWER_METHOD",
+    "HEAD_KINDS",
+    "RECORD_DEFAULTS",
+    "answer_head_record",
+    "fresh_head",
+    "method_spec",
+    "parse_spec",
+    "reusable_answer_head",
+    "token_record",
+    "train_answer_head",
+    "train_method",
+    "trained_head",
+]
 
-
-@dataclass
-class AnswerPlan:
-    """What `run_answers` does: sizes, methods, the selection grid and criterion, seeds (serialised beside the
-    results, so a reader sees what was fixed before any reported task ran)."""
-
-    pool_size: int = 300  # questions per pool task (MMLU validation: per subject, see mmlu_pool_per_subject)
-    mmlu_pool_per_subject: int = 3  # 0: no MMLU in the pool
-    reported: dict = field(default_factory=lambda: {"mmlu": 3, "triviaqa": 400, "truthfulqa_mc1": 300,
-                                                     "truthfulqa_gen": 300})
-    methods: dict = field(default_factory=lambda: {  # name -> what is trained (`method_spec`)
-        "ats-answers": "transformer", "linear-answers": "linear", "control-answers": "constant",
-        "thermometer-answers": "thermometer", "ats-answers-tokens": "transformer+tokens"})
-    token_weight: float = 1.0  # "+tokens" methods: fixed before any run, not tuned (nothing held out measures it)
-    token_window: int = 512  # the instruction sequence's first positions the token term reads (cost: the head's pass)
-    token_max: int = 64  # response tokens of that window per step (a seeded random subset)
-    loss_type: str = "answer-log"
-    lr_grid: tuple = (3e-4, 1e-3, 3e-3)
-    epochs: int = 2
-    batch_size: int = 16
-    seeds: tuple = (0, 1, 2)
-    holdout_fraction: float = 0.2
-    selection_tasks: tuple = ("triviaqa_pool", "mmlu_validation")  # never left out, so LOTO never selects on its task
-    criterion: str = ("mean answer log loss on the held-out 20% of the selection tasks' questions (pooled), after "
-                      "training on 80% of every pool task's questions; lowest wins")
-    bootstrap: int = 1000
-    leave_one_out: tuple = POOL_MC + ("nq_open",)
-
-
-def pool_tasks(plan: AnswerPlan) -> dict:
-    """name -> task of the training pool (local files under ATS_DATA_DIR, else the Hub: `qa_pool.pool_path`)."""
-    from ..evaluation.tasks.qa_pool import pool_path
-
-    tasks = {}
-    for name in POOL_MC:
-        tasks[name] = MultipleChoiceTask(pool_path(name), "likelihood", limit=plan.pool_size, seed=0)
-    tasks["nq_open"] = NQOpenTask(limit=plan.pool_size, seed=0)
-    trivia = TriviaQATask(limit=plan.pool_size, seed=0, offset=TRIVIAQA_POOL_OFFSET)
-    trivia.name = "triviaqa_pool"
-    tasks["triviaqa_pool"] = trivia
-    if plan.mmlu_pool_per_subject > 0:
-        mmlu = MMLUTask(limit=plan.mmlu_pool_per_subject, seed=0, split="validation")
-        mmlu.name = "mmlu_validation"
-        tasks["mmlu_validation"] = mmlu
-    return tasks
-
-
-def pool_names(plan: AnswerPlan) -> list[str]:
-    """The names of `pool_tasks(plan)`'s tasks (and answer sets), in order, without reading any data."""
-    names = [f"mc_{n}_likelihood" for n in POOL_MC] + ["nq_open", "triviaqa_pool"]
-    return names + (["mmlu_validation"] if plan.mmlu_pool_per_subject > 0 else [])
-
-
-def reported_tasks(plan: AnswerPlan) -> dict:
-    """name -> task reported and never trained or selected on."""
-    r = plan.reported
-    if r.get("triviaqa", 0) > TRIVIAQA_POOL_OFFSET:
-        raise ATSError(f"reported TriviaQA questions ({r['triviaqa']}) would overlap the pool (offset "
-                       f"{TRIVIAQA_POOL_OFFSET})")
-    return {"mmlu": MMLUTask(limit=r["mmlu"], seed=0), "triviaqa": TriviaQATask(limit=r["triviaqa"], seed=0),
-            "truthfulqa_mc1": TruthfulQAMC1Task(limit=r["truthfulqa_mc1"], seed=0),
-            "truthfulqa_gen": TruthfulQAGenTask(limit=r["truthfulqa_gen"], seed=0)}
-
-
-def cached_answers(backbone, task, folder: Path, *, progress: bool = True) -> AnswerSet:
-    """The task's answers from `folder` when they were made by this task and backbone with the default storage
-    (float16 hidden states); built and saved otherwise (with the default scale summary). A set saved before answer
-    sets carried a summary is reused as it is (scored by the exact route, which the summary matches to 1e-4), and so
-    is one with other summary settings (each summary row carries its own range and nodes), said in one line.
-
-    Raises:
-        ATSError: if the folder holds another task's or backbone's answers, or other storage settings.
-    """
-    from ..model.scale_summary import ScaleSummarySpec
-
-    want = {"task": task.describe(), "backbone": backbone.describe(), "dtype": "float16",
-            "summary": dataclasses.asdict(ScaleSummarySpec())}
-    if (folder / "answers.json").is_file():
-        meta = read_json(folder / "answers.json")
-        have = {key: meta.get(key) for key in want}
-        if "summary" not in meta:  # made before answer sets had a summary: the exact route scores it
-            have["summary"] = want["summary"]
-        elif have["summary"] != want["summary"]:  # each row carries its own nodes: read as made, to 1e-4 of exact
-            logger.info("%s: answers with scale summary %s (default now %s), reused as they are", folder,
-                        have["summary"], want["summary"])
-            have["summary"] = want["summary"]
-        if have != want:
-            raise ATSError(f"{folder}: answers of {have}, not of {want}; remove the folder or use another --out")
-        logger.info("reusing the answers in %s", folder)
-        return AnswerSet.load(folder)
-    start = time.perf_counter()
-    answers = build_answer_set(backbone, task, progress=progress)
-    answers.meta["seconds"] = round(time.perf_counter() - start, 1)
-    answers.save(folder)
-    logger.info("%s: %d answers in %.0f s", task.name, len(answers), answers.meta["seconds"])
-    return answers
-
-
-def split_holdout(answers: AnswerSet, fraction: float, seed: int = 0) -> tuple[AnswerSet, AnswerSet]:
-    """(train, held-out) subsets of a set's questions, a seeded `fraction` held out."""
-    order = np.random.default_rng(seed).permutation(len(answers))
-    n_out = max(1, round(fraction * len(answers)))
-    return answers.subset(sorted(order[n_out:].tolist())), answers.subset(sorted(order[:n_out].tolist()))
-
-
-def leave_one_out_splits(names: list[str], left_out: tuple) -> list[tuple[str, list[str]]]:
-    """[(left-out task, the training tasks)]: every training list lacks its left-out task."""
-    return [(out, [n for n in names if n != out]) for out in left_out if out in names]
-
-
-def mean_log_loss(confidence: np.ndarray, correct: np.ndarray) -> float:
-    """The mean binary log loss of answer confidences."""
-    p = np.clip(confidence, 1e-7, 1 - 1e-7)
-    return float(-np.mean(np.where(correct, np.log(p), np.log1p(-p))))
-
-
-HEAD_KINDS = ("transformer", "linear", "mlp", "constant", "thermometer")
-DEFAULT_ANSWER_METHOD = "thermometer"  # `ats train`'s default: best on both embedded models (results/answers)
 BASELINES = ("isotonic-answers", "histogram-answers", "scaling-binning-answers")  # fitted on the pool's confidences
-
-
-def parse_spec(spec: str, *, field: str) -> tuple[str, bool]:
-    """(kind, with the token term) of a method spec: "transformer", ..., "thermometer", optionally "+tokens".
-
-    Raises:
-        ATSError: naming `field`, if the spec names an unknown kind or suffix (Thermometer has no token term).
-    """
-    kind, plus, extra = spec.partition("+")
-    if kind not in HEAD_KINDS or (plus and extra != "tokens") or (extra and kind == "thermometer"):
-        raise ATSError(f"{field}: unknown spec {spec!r} (one of {', '.join(HEAD_KINDS)}, an ATS head optionally "
-                       "with '+tokens')")
-    return kind, bool(extra)
-
-
-def method_spec(plan: AnswerPlan, method: str) -> tuple[str, float]:
-    """(kind, token weight) of a plan method: `parse_spec`'s kind, and `plan.token_weight` for "+tokens" (the answer
-    loss plus that weight x the top-label loss on instruction tokens), else 0.
-
-    Raises:
-        ATSError: if the spec names an unknown kind or suffix.
-    """
-    kind, tokens = parse_spec(plan.methods[method], field=f"answer plan method {method!r}")
-    return kind, plan.token_weight if tokens else 0.0
-
-
-def token_record(plan: AnswerPlan, token_weight: float) -> dict:
-    """The token-term fields of a head's training record (the window and subset only when the term is on)."""
-    return {"token_weight": token_weight,
-            **({"token_max": plan.token_max, "token_window": plan.token_window} if token_weight > 0 else {})}
-
-
-def fresh_head(backbone, kind: str, seed: int, method: str, *, max_scale: float = 10.0, **thermometer_options):
-    """An untrained calibrator for `backbone` (identity at start): an ATS-family head of type `kind` (scales clamped
-    at `max_scale`), or a Thermometer sized for the backbone (its schedule options recorded in its config)."""
-    from ..calibrators.ats import ATSCalibrator
-    from ..calibrators.thermometer import Thermometer
-
-    if kind == "thermometer":
-        return Thermometer(hidden_size=backbone.hidden_size, seed=seed, **thermometer_options)
-    return ATSCalibrator.for_backbone(backbone, head_type=kind, seed=seed, method=method, max_scale=max_scale)
-
-
-def train_method(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
-                 token_store=None, progress: bool = False):
-    """A calibrator of `method`'s spec trained on `sets` with the plan's objective and schedule.
-
-    Raises:
-        ATSError: if the method needs instruction tokens and `token_store` is None.
-    """
-    kind, token_weight = method_spec(plan, method)
-    if token_weight > 0 and token_store is None:
-        raise ATSError(f"method {method!r} adds a token-level term: pass the instruction features "
-                       "(--token-features)")
-    calibrator = fresh_head(backbone, kind, seed, method, lr=lr, epochs=plan.epochs, batch_size=plan.batch_size)
-    config = TrainingConfig(lr=lr, epochs=plan.epochs, batch_size=plan.batch_size, micro_batch_size=plan.batch_size,
-                            seed=seed)
-    train_on_answers(calibrator, sets, backbone.logits, config=config, loss_type=plan.loss_type,
-                     token_store=token_store if token_weight > 0 else None, token_weight=token_weight,
-                     token_max=plan.token_max, token_window=plan.token_window, progress=progress)
-    return calibrator
-
-
-def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
-                 folder: Path, token_store=None, progress: bool = False):
-    """`train_method`'s calibrator, saved in `folder`; reused from there when its training record matches.
-
-    Raises:
-        ATSError: if the folder holds a calibrator trained with other settings.
-    """
-    from ..calibrators import load_calibrator
-
-    kind, token_weight = method_spec(plan, method)
-    record = {"lr": lr, "seed": seed, "epochs": plan.epochs, "loss_type": plan.loss_type,
-              "batch_size": plan.batch_size, "tasks": [s.name for s in sets], **token_record(plan, token_weight)}
-    if reusable_answer_head(folder, record, head_type=kind, max_scale=10.0, overwrite=False):
-        return load_calibrator(folder, backbone)
-    calibrator = train_method(backbone, sets, plan, method, lr=lr, seed=seed, token_store=token_store,
-                              progress=progress)
-    calibrator.save_pretrained(folder)
-    return calibrator
 
 
 def _pool_scores(sets: list[AnswerSet], calibrator, logits_fn) -> tuple[np.ndarray, np.ndarray]:
@@ -448,97 +286,3 @@ def token_level(backbone, out: Path, plan: AnswerPlan, features: str | Path, ins
             **{m: summarize(c, k) for m, (c, k) in scored.items()}}
 
 
-def answer_head_record(training: TrainingConfig, loss_type: str, plan: AnswerPlan, token_weight: float = 0.0) -> dict:
-    """The training record a head trained by `train_answer_head` carries (compared on reuse)."""
-    return {**training.to_dict(), "loss_type": loss_type, "data": "answers", "tasks": pool_names(plan),
-            "lr": training.lr if training.lr is not None else 1e-3, **token_record(plan, token_weight)}
-
-
-RECORD_DEFAULTS = {"token_weight": 0.0}  # record fields of heads saved before the field existed
-
-
-def reusable_answer_head(head_dir: Path, record: dict, *, head_type: str, max_scale: float,
-                         overwrite: bool) -> bool:
-    """Whether `head_dir` holds a head trained with `record`, `head_type` and `max_scale` (read from its JSON
-    config, before any model loads); False when there is none or `overwrite` replaces it.
-
-    Raises:
-        ATSError: if it holds a head trained otherwise and `overwrite` is False, naming what differs.
-    """
-    path = head_dir / "calibrator_config.json"
-    if not path.is_file():
-        return False
-    config = read_json(path)
-    thermometer = config.get("type") == "thermometer"  # its training record is its history's first entry
-    training = ((config.get("history") or [{}])[0] if thermometer else config.get("training")) or {}
-    have = {k: training.get(k, RECORD_DEFAULTS.get(k)) for k in record}
-    differ = [k for k in record if have[k] != record[k]]
-    if ("thermometer" if thermometer else (config.get("head") or {}).get("head_type")) != head_type:
-        differ.append("head")
-    if not thermometer and config.get("max_scale") != max_scale:
-        differ.append("max_scale")
-    if not differ:
-        return True
-    if overwrite:
-        return False
-    raise ATSError(f"{head_dir}: a head trained with other settings ({', '.join(differ)}); use --overwrite or "
-                   "another --out")
-
-
-def train_answer_head(backbone, out: str | Path, *, spec: str, training: TrainingConfig, loss_type: str,
-                      max_scale: float = 10.0, plan: AnswerPlan | None = None, token_features: str | Path | None = None,
-                      overwrite: bool = False, progress: bool = True):
-    """`ats train --data answers`: the pool's answers (cached in OUT/answers), a calibrator trained on all of them with
-    `training` and `loss_type`, saved in OUT/head (reused when it was trained with the same settings).
-
-    Args:
-        backbone: the frozen backbone.
-        out: the run folder.
-        spec: what is trained (`parse_spec`): an ATS head type ("transformer", "linear", "mlp", "constant": the
-            global control), "thermometer", or an ATS head with "+tokens" (plus `plan.token_weight` x the top-label
-            loss on the instruction tokens of `token_features`).
-        training: lr (None: 1e-3), epochs, batch_size (questions per step), seed, ...
-        loss_type: "answer-log" or "answer-brier".
-        max_scale: the clamp on exp(tau) (ATS heads).
-        plan: the pool's sizes and the token term's settings; default `AnswerPlan()`.
-        token_features: an instruction feature folder of the same backbone (its train/ split), for "+tokens".
-        overwrite: replace a head trained with other settings instead of refusing.
-        progress: show progress bars.
-
-    Returns:
-        (the calibrator, name -> the pool's answer sets, whether the head was reused).
-
-    Raises:
-        ATSError: if the spec is unknown, "+tokens" comes without token features, or OUT/head holds a head trained
-            otherwise (without `overwrite`).
-    """
-    from ..calibrators import load_calibrator
-    from ..training.features import FeatureStore
-
-    plan = plan or AnswerPlan()
-    kind, tokens = parse_spec(spec, field="--method")
-    if tokens and token_features is None:
-        raise ATSError(f"--method {spec}: the token term reads instruction features; pass --token-features DIR "
-                       "(an `ats train` features folder of this model)")
-    out = Path(out)
-    head_dir = out / "head"
-    token_weight = plan.token_weight if tokens else 0.0
-    reuse = reusable_answer_head(head_dir, answer_head_record(training, loss_type, plan, token_weight),
-                                 head_type=kind, max_scale=max_scale, overwrite=overwrite)
-    pool = {name: cached_answers(backbone, task, out / "answers" / name, progress=progress)
-            for name, task in pool_tasks(plan).items()}
-    if reuse:
-        logger.info("reusing the head in %s (same settings)", head_dir)
-        return load_calibrator(head_dir, backbone), pool, True
-    token_store = None
-    if tokens:
-        token_store = FeatureStore(Path(token_features) / "train")
-        token_store.check_backbone(backbone)
-    lr = training.lr if training.lr is not None else 1e-3
-    calibrator = fresh_head(backbone, kind, training.seed, f"{kind}-answers", max_scale=max_scale, lr=lr,
-                            epochs=training.epochs, batch_size=training.batch_size)
-    train_on_answers(calibrator, list(pool.values()), backbone.logits, config=training, loss_type=loss_type,
-                     token_store=token_store, token_weight=token_weight, token_max=plan.token_max,
-                     token_window=plan.token_window, progress=progress)
-    calibrator.save_pretrained(head_dir)
-    return calibrator, pool, False
