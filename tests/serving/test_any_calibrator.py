@@ -18,6 +18,8 @@ from ats.generation import eos_ids, generate_calibrated
 from server_process import MODEL_NAME
 from serving_reference import chat_ids
 
+pytestmark = pytest.mark.slow  # ten `ats serve` processes, one per calibrator type (~30 s of start-up on 2 cores)
+
 TYPES = ["temperature", "vector", "scaling-binning", "histogram", "isotonic", "thermometer", "selective-temperature",
          "ats", "ats-official", "none"]
 MAPPED = {"scaling-binning", "histogram", "isotonic"}
