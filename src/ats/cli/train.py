@@ -4,6 +4,7 @@ with `accelerate launch` / `torchrun` (docs/scaling.md)."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 from . import options
@@ -96,7 +97,9 @@ def run_answers(args) -> int:
         after = summarize(*score_answers(calibrator, answers, backbone.logits))
         rows.append([name, str(before["n"]), f"{before['accuracy']:.3f}",
                      f"{before['mean_confidence']:.3f} -> {after['mean_confidence']:.3f}",
-                     f"{before['ece']:.3f} -> {after['ece']:.3f}", f"{before['auroc']:.3f} -> {after['auroc']:.3f}"])
+                     f"{before['ece']:.3f} -> {after['ece']:.3f}",
+                     "-" if not math.isfinite(before["auroc"]) else  # all right or all wrong: no ranking to judge
+                     f"{before['auroc']:.3f} -> {after['auroc']:.3f}"])
     print(f"Answer calibration on the training pool (in sample: judge the head on tasks it was not trained on, "
           f"e.g. ats eval; {loss} loss, {spec}):")
     print(markdown_table(["task", "questions", "accuracy", "confidence", "ECE", "AUROC"], rows))
