@@ -10,7 +10,7 @@ from ..evaluation.answers import AnswerSet
 from ..io import read_json
 from ..training.config import TrainingConfig
 from .answer_pool import AnswerPlan, cached_answers, pool_names, pool_tasks
-from .answer_training import train_on_answers
+from .answer_training import token_record, train_on_answers
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +42,6 @@ def method_spec(plan: AnswerPlan, method: str) -> tuple[str, float]:
     return kind, plan.token_weight if tokens else 0.0
 
 
-def token_record(plan: AnswerPlan, token_weight: float) -> dict:
-    """The token-term fields of a head's training record (the window and subset only when the term is on)."""
-    return {"token_weight": token_weight,
-            **({"token_max": plan.token_max, "token_window": plan.token_window} if token_weight > 0 else {})}
-
-
 def fresh_head(backbone, kind: str, seed: int, method: str, *, max_scale: float = 10.0, **thermometer_options):
     """An untrained calibrator for `backbone` (identity at start): an ATS-family head of type `kind` (scales clamped
     at `max_scale`), or a Thermometer sized for the backbone (its schedule options recorded in its config)."""
@@ -57,6 +51,27 @@ def fresh_head(backbone, kind: str, seed: int, method: str, *, max_scale: float 
     if kind == "thermometer":
         return Thermometer(hidden_size=backbone.hidden_size, seed=seed, **thermometer_options)
     return ATSCalibrator.for_backbone(backbone, head_type=kind, seed=seed, method=method, max_scale=max_scale)
+
+
+def train_spec(backbone, sets: list[AnswerSet], plan: AnswerPlan, *, kind: str, token_weight: float,
+               training: TrainingConfig, loss_type: str, method: str, max_scale: float = 10.0, token_store=None,
+               progress: bool = False):
+    """A fresh calibrator of `kind` trained on `sets` with `training` and `loss_type` (plus `token_weight` x the
+    top-label term on `token_store`'s instruction tokens, with the plan's window and subset): the one training call of
+    the protocol and of `ats train --data answers`."""
+    lr = training.lr if training.lr is not None else 1e-3
+    calibrator = fresh_head(backbone, kind, training.seed, method, max_scale=max_scale, lr=lr, epochs=training.epochs,
+                            batch_size=training.batch_size)
+    train_on_answers(calibrator, sets, backbone.logits, config=training, loss_type=loss_type,
+                     token_store=token_store if token_weight > 0 else None, token_weight=token_weight,
+                     token_max=plan.token_max, token_window=plan.token_window, progress=progress)
+    return calibrator
+
+
+def plan_training(plan: AnswerPlan, *, lr: float, seed: int) -> TrainingConfig:
+    """The protocol's schedule: the plan's epochs and batch (one micro-batch a step), at `lr` and `seed`."""
+    return TrainingConfig(lr=lr, epochs=plan.epochs, batch_size=plan.batch_size, micro_batch_size=plan.batch_size,
+                          seed=seed)
 
 
 def train_method(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
@@ -70,13 +85,9 @@ def train_method(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str,
     if token_weight > 0 and token_store is None:
         raise ATSError(f"method {method!r} adds a token-level term: pass the instruction features "
                        "(--token-features)")
-    calibrator = fresh_head(backbone, kind, seed, method, lr=lr, epochs=plan.epochs, batch_size=plan.batch_size)
-    config = TrainingConfig(lr=lr, epochs=plan.epochs, batch_size=plan.batch_size, micro_batch_size=plan.batch_size,
-                            seed=seed)
-    train_on_answers(calibrator, sets, backbone.logits, config=config, loss_type=plan.loss_type,
-                     token_store=token_store if token_weight > 0 else None, token_weight=token_weight,
-                     token_max=plan.token_max, token_window=plan.token_window, progress=progress)
-    return calibrator
+    return train_spec(backbone, sets, plan, kind=kind, token_weight=token_weight,
+                      training=plan_training(plan, lr=lr, seed=seed), loss_type=plan.loss_type, method=method,
+                      token_store=token_store, progress=progress)
 
 
 def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
@@ -89,8 +100,8 @@ def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str,
     from ..calibrators import load_calibrator
 
     kind, token_weight = method_spec(plan, method)
-    record = {"lr": lr, "seed": seed, "epochs": plan.epochs, "loss_type": plan.loss_type,
-              "batch_size": plan.batch_size, "tasks": [s.name for s in sets], **token_record(plan, token_weight)}
+    record = answer_head_record(plan_training(plan, lr=lr, seed=seed), plan.loss_type, plan, token_weight,
+                                tasks=[s.name for s in sets])
     if reusable_answer_head(folder, record, head_type=kind, max_scale=10.0, overwrite=False):
         return load_calibrator(folder, backbone)
     calibrator = train_method(backbone, sets, plan, method, lr=lr, seed=seed, token_store=token_store,
@@ -99,10 +110,14 @@ def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str,
     return calibrator
 
 
-def answer_head_record(training: TrainingConfig, loss_type: str, plan: AnswerPlan, token_weight: float = 0.0) -> dict:
-    """The training record a head trained by `train_answer_head` carries (compared on reuse)."""
-    return {**training.to_dict(), "loss_type": loss_type, "data": "answers", "tasks": pool_names(plan),
-            "lr": training.lr if training.lr is not None else 1e-3, **token_record(plan, token_weight)}
+def answer_head_record(training: TrainingConfig, loss_type: str, plan: AnswerPlan, token_weight: float = 0.0, *,
+                       tasks: list[str] | None = None) -> dict:
+    """The training record a calibrator trained on answers carries (`train_on_answers` writes it; compared on
+    reuse): the training options, the loss, the tasks (default: the plan's whole pool) and the token term."""
+    return {**training.to_dict(), "loss_type": loss_type, "data": "answers",
+            "tasks": pool_names(plan) if tasks is None else list(tasks),
+            "lr": training.lr if training.lr is not None else 1e-3,
+            **token_record(token_weight, plan.token_max, plan.token_window)}
 
 
 RECORD_DEFAULTS = {"token_weight": 0.0}  # record fields of heads saved before the field existed
@@ -185,11 +200,8 @@ def train_answer_head(backbone, out: str | Path, *, spec: str, training: Trainin
     if tokens:
         token_store = FeatureStore(Path(token_features) / "train")
         token_store.check_backbone(backbone)
-    lr = training.lr if training.lr is not None else 1e-3
-    calibrator = fresh_head(backbone, kind, training.seed, f"{kind}-answers", max_scale=max_scale, lr=lr,
-                            epochs=training.epochs, batch_size=training.batch_size)
-    train_on_answers(calibrator, list(pool.values()), backbone.logits, config=training, loss_type=loss_type,
-                     token_store=token_store, token_weight=token_weight, token_max=plan.token_max,
-                     token_window=plan.token_window, progress=progress)
+    calibrator = train_spec(backbone, list(pool.values()), plan, kind=kind, token_weight=token_weight,
+                            training=training, loss_type=loss_type, method=f"{kind}-answers", max_scale=max_scale,
+                            token_store=token_store, progress=progress)
     calibrator.save_pretrained(head_dir)
     return calibrator, pool, False

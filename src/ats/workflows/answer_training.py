@@ -239,6 +239,12 @@ def _cycled_batches(store, seed: int):
         npass += 1
 
 
+def token_record(token_weight: float, token_max: int | None, token_window: int | None) -> dict:
+    """The token-term fields of a training record (the subset and window only when the term is on)."""
+    return {"token_weight": token_weight,
+            **({"token_max": token_max, "token_window": token_window} if token_weight > 0 else {})}
+
+
 def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: TrainingConfig, loss_type: str,
                      token_store=None, token_weight: float = 0.0, token_max: int | None = 256,
                      token_window: int | None = 512, progress: bool = True) -> AnswerTrainResult:
@@ -281,8 +287,7 @@ def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: Tr
     optimizer = torch.optim.AdamW(decay_groups(module, config.weight_decay), lr=lr)
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(config.warmup_ratio * steps), steps)
     record = {**config.to_dict(), "loss_type": loss_type, "lr": lr, "optimizer_steps": steps, "data": "answers",
-              "tasks": [s.name for s in sets], "token_weight": token_weight,
-              **({"token_max": token_max, "token_window": token_window} if token_weight > 0 else {})}
+              "tasks": [s.name for s in sets], **token_record(token_weight, token_max, token_window)}
     if not thermometer:
         calibrator.config_.training = record
     result = AnswerTrainResult()
