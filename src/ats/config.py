@@ -207,15 +207,18 @@ class ConfigMixin:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
-                      exclude: Iterable[str] = (), defaults: dict | None = None) -> None:
+                      exclude: Iterable[str] = (), defaults: dict | None = None,
+                      shown: dict[str, str] | None = None) -> None:
         """Add one `--option` per CLI field, with the field's help, choices and default (`defaults` overrides).
 
         Args:
             parser: the parser or argument group to add to.
             exclude: names of fields to leave out.
             defaults: {field name: default} replacing the fields' own defaults.
+            shown: {field name: the default as --help states it}, for a default the command chooses after parsing
+                (one that depends on other options), which the field's own metadata cannot know.
         """
-        types, exclude, defaults = cls._types(), set(exclude), defaults or {}
+        types, exclude, defaults, shown_as = cls._types(), set(exclude), defaults or {}, shown or {}
         checks = {}
         for f in cls.cli_fields():
             if f.name in exclude:
@@ -230,7 +233,7 @@ class ConfigMixin:
             if kind is bool:
                 parser.add_argument(flag, dest=f.name, action="store_true", default=default, help=help_text)
                 continue
-            shown = meta.get("unset", "automatic") if default is None else default
+            shown = shown_as.get(f.name, meta.get("unset", "automatic") if default is None else default)
             parser.add_argument(flag, dest=f.name, type=kind, default=default, choices=meta.get("choices"),
                                 help=f"{help_text} (default: {shown})")
         parser.set_defaults(**{CHECKS_PREFIX + cls.__name__: checks})  # for check_parsed

@@ -63,6 +63,23 @@ def test_replayed_parser_equals_the_built_one(tmp_path, monkeypatch):
     assert a == b and b["calibrator"] == ["temperature", "vector"] and b["lr"] == 0.01 and b["bf16"] is True
 
 
+def test_train_help_states_the_head_default_the_command_resolves(tmp_path, monkeypatch):
+    """--head parses to None and `ats train` picks the head from --data: --help names those defaults, not
+    'automatic', in the built parser and in the replayed record alike."""
+    from ats.model.heads import HeadConfig
+    from ats.workflows.answer_methods import DEFAULT_ANSWER_METHOD
+
+    monkeypatch.setenv("ATS_CACHE", str(tmp_path))
+    build_parser(cached=True)  # builds and saves the record
+    for parser in (build_parser(), build_parser(cached=True)):
+        train = _subparsers(parser)["train"]
+        assert train.parse_args(["--out", "x"]).head_type is None
+        text = " ".join(train.format_help().split())
+        assert (f"the paper's) (default: {HeadConfig.head_type} with instruction data; with --data answers none: "
+                f"--method decides ({DEFAULT_ANSWER_METHOD} by default))") in text
+        assert "(default: automatic)" not in text.split("--head {")[-1].split("--max-scale")[0]
+
+
 def test_a_damaged_or_foreign_record_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("ATS_CACHE", str(tmp_path))
     calls = []

@@ -42,15 +42,17 @@ def add_data(p: argparse.ArgumentParser, *, defaults: dict | None = None) -> Non
     g.add_argument("--features", default=None, help="feature cache folder (default: OUT/features)")
 
 
-def add_training(p: argparse.ArgumentParser, *, exclude=(), head_defaults: dict | None = None) -> None:
+def add_training(p: argparse.ArgumentParser, *, exclude=(), head_defaults: dict | None = None,
+                 head_shown: dict[str, str] | None = None) -> None:
     """Add the head, ATS and training options to parser `p`; `exclude`: `TrainingConfig` fields left out;
-    `head_defaults`: `HeadConfig` defaults replaced."""
+    `head_defaults`: `HeadConfig` defaults replaced; `head_shown`: the defaults --help states for them, where the
+    command resolves them after parsing (`ConfigMixin.add_arguments`'s `shown`)."""
     from ..calibrators.ats import ATSConfig
     from ..model.heads import HeadConfig
     from ..training.config import TrainingConfig
 
     g = p.add_argument_group("head and training")
-    HeadConfig.add_arguments(g, defaults=head_defaults)
+    HeadConfig.add_arguments(g, defaults=head_defaults, shown=head_shown)
     ATSConfig.add_arguments(g)
     TrainingConfig.add_arguments(g, exclude=exclude)
 

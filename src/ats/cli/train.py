@@ -12,6 +12,16 @@ from . import options
 logger = logging.getLogger(__name__)
 
 
+def head_default() -> str:
+    """What --help states as --head's default: the parser's is None because `run` and `run_answers` choose it from
+    --data (the paper's transformer head for instruction data; for answers, --method's default)."""
+    from ..model.heads import HeadConfig
+    from ..workflows.answer_methods import DEFAULT_ANSWER_METHOD
+
+    return (f"{HeadConfig.head_type} with instruction data; with --data answers none: --method decides "
+            f"({DEFAULT_ANSWER_METHOD} by default)")
+
+
 def add_parser(sub) -> None:
     """Add `ats train` to `sub`, the sub-command parsers of `ats`."""
     p = sub.add_parser("train", help="train a calibrator (default: on the model's own answers)",
@@ -24,7 +34,7 @@ def add_parser(sub) -> None:
                                    "loss.")
     options.add_model(p)
     options.add_data(p, defaults={"source": "answers"})
-    options.add_training(p, head_defaults={"head_type": None})
+    options.add_training(p, head_defaults={"head_type": None}, head_shown={"head_type": head_default()})
     p.add_argument("--resume", action="store_true", help="continue the interrupted training in OUT (same options)")
     p.add_argument("--online", action="store_true",
                    help="no feature cache: run the backbone inside the training loop (large models)")
