@@ -40,7 +40,7 @@ from ..errors import ATSError
 from ..io import atomic_file, read_json, write_json
 from ..model.scale_summary import ScaleSummarySpec, summarize_logits
 from .tasks.base import chunks
-from .tasks.generative import GenerativeTask, cut_answer, stop_token_ids
+from .tasks.generative import GenerativeTask
 from .tasks.scoring import ChoiceItem, LetterItem, PrefixCache
 
 FORMAT_VERSION = 1
@@ -247,19 +247,17 @@ def _add_choices(prefix: PrefixCache, items: list[ChoiceItem], builder: _Builder
 
 
 def _add_free(backbone, task: GenerativeTask, builder: _Builder, batch_size: int, progress: bool) -> list[str]:
+    """Add one row per question (prompt + the scored tokens of the task's own greedy answer) to `builder`, and the
+    task judge's verdicts as the answers; returns the answers' text."""
     prefix_ids, prompts = task.prompts(backbone.tokenizer)
     prefix = PrefixCache(backbone, prefix_ids)
-    stop_ids = stop_token_ids(backbone)
     texts = []
-    for batch in tqdm(chunks(prompts, batch_size), desc=f"answers {task.name}", disable=not progress, leave=False):
-        generated = task.generate(backbone, list(batch))
-        cuts = [cut_answer(backbone.tokenizer, g, stop_ids) for g in generated]
-        answers = [g[:k] for g, (_, k) in zip(generated, cuts)]
-        hidden, _ = prefix.forward([p + a for p, a in zip(batch, answers)])  # (B, T, H)
-        for b, (p, a) in enumerate(zip(batch, answers)):
+    for batch in task.greedy_batches(backbone, prompts, batch_size, progress=progress, desc=f"answers {task.name}"):
+        hidden, _ = prefix.forward([p + a for p, a in zip(batch.prompts, batch.tokens)])  # (B, T, H)
+        for b, (p, a) in enumerate(zip(batch.prompts, batch.tokens)):
             builder.add_row(hidden[b, :len(p) + len(a)], len(texts) + b, [len(p) - 1 + j for j in range(len(a))], a)
             builder.n_choices.append(0)
-        texts.extend(text for text, _ in cuts)
+        texts.extend(batch.texts)
     correct, _ = task.judge_answers(texts)
     builder.answer.extend(int(bool(c)) for c in correct)
     return texts

@@ -16,7 +16,7 @@ can move the argmax; its own greedy answer could differ).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -68,6 +68,14 @@ def cut_answer(tokenizer, generated: list[int], stop_ids: set[int]) -> tuple[str
             break
         n = k
     return answer, max(n, 1)
+
+
+class GreedyBatch(NamedTuple):
+    """One batch of greedy answers: the prompts, and per prompt the answer's text and its scored tokens."""
+
+    prompts: list[list[int]]
+    texts: list[str]
+    tokens: list[list[int]]  # the first k generated ids, k from `cut_answer` (>= 1)
 
 
 @dataclass
@@ -176,15 +184,33 @@ class GenerativeTask(Task):
         Returns:
             The answers and, per method, their mean and product token probabilities.
         """
-        stop_ids = stop_token_ids(backbone)
         out = Answers(mean={m: [] for m in calibrators}, product={m: [] for m in calibrators})
-        for batch in progress_bar(chunks(prompts, self.batch_size), enabled=progress, desc=self.name):
+        for batch in self.greedy_batches(backbone, prompts, self.batch_size, progress=progress, desc=self.name):
+            out.text.extend(batch.texts)
+            out.n_tokens.extend(len(a) for a in batch.tokens)
+            self._score(backbone, calibrators, prefix, batch.prompts, batch.tokens, out)
+        return out
+
+    def greedy_batches(self, backbone, prompts: list[list[int]], batch_size: int, *, progress: bool,
+                       desc: str) -> Iterator[GreedyBatch]:
+        """The greedy answers of `prompts`, `batch_size` at a time, cut by `cut_answer`: the one generation loop
+        that scoring (`answer`) and the answer cache (`ats.evaluation.answers`) share, so both judge the same answers.
+
+        Args:
+            backbone: the frozen backbone.
+            prompts: the prompts as token ids.
+            batch_size: prompts per generation batch.
+            progress: show a progress bar labelled `desc`.
+            desc: the progress bar's label.
+
+        Yields:
+            One `GreedyBatch` per batch, in order.
+        """
+        stop_ids = stop_token_ids(backbone)
+        for batch in progress_bar(chunks(prompts, batch_size), enabled=progress, desc=desc):
             generated = self.generate(backbone, list(batch))
             cuts = [cut_answer(backbone.tokenizer, g, stop_ids) for g in generated]
-            out.text.extend(text for text, _ in cuts)
-            out.n_tokens.extend(k for _, k in cuts)
-            self._score(backbone, calibrators, prefix, batch, [g[:k] for g, (_, k) in zip(generated, cuts)], out)
-        return out
+            yield GreedyBatch(list(batch), [text for text, _ in cuts], [g[:k] for g, (_, k) in zip(generated, cuts)])
 
     @torch.no_grad()
     def _score(self, backbone, calibrators: dict[str, Calibrator], prefix: PrefixCache, prompts: Sequence[list[int]],
