@@ -160,21 +160,73 @@ def _data(obj) -> dict:
     return {"data": json.dumps(obj)}
 
 
-def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app serving `engine` as model `model_name`; with `api_key`, every route but /health needs it.
+def _error_data(err: APIError) -> dict:
+    """A stream's last event for `err`: OpenAI's error body (the status line went out with the first chunk)."""
+    return _data({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+
+
+class Service:
+    """What the routes share: the engine, the served model's name, the response renderer and the start time, with the
+    request checks that several routes make.
 
     Args:
-        engine: the engine; started and stopped with the app.
+        engine: the engine serving the requests.
         model_name: the model name the API reports and accepts.
-        api_key: the key clients must send as `Authorization: Bearer KEY`; None: no key.
-
-    Returns:
-        The FastAPI app.
     """
-    tok = engine.tokenizer
-    renderer = Renderer(tok, model_name, {"calibrator": engine.calibration.label,
-                                               "confidence_kind": engine.calibration.confidence_kind})
-    started = int(time.time())
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine, self.model_name, self.tok = engine, model_name, engine.tokenizer
+        self.renderer = Renderer(self.tok, model_name, {"calibrator": engine.calibration.label,
+                                                        "confidence_kind": engine.calibration.confidence_kind})
+        self.started = int(time.time())
+
+    def check_model(self, name: str) -> None:
+        """Refuse a request for another model than the served one.
+
+        Raises:
+            APIError: 404 naming `name` and the served model.
+        """
+        if name != self.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of `messages` through the model's chat template.
+
+        Raises:
+            APIError: 400 if the model has no chat template or the template refuses the messages.
+        """
+        tok = self.tok
+        if not getattr(tok, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        try:
+            text = tok.apply_chat_template([{"role": m.role, "content": m.text} for m in messages],
+                                           add_generation_prompt=add_generation_prompt, tokenize=False)
+        except TemplateError as err:
+            raise APIError(400, f"messages: the chat template refused them ({err})", param="messages") from None
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def completion_prompts(self, body: CompletionRequest) -> list[tuple[str, list[int]]]:
+        """(text, token ids) of each prompt of a completion request (text prompts tokenized, id prompts decoded).
+
+        Raises:
+            APIError: 400 if a prompt's token id is outside the vocabulary.
+        """
+        vocab_size = self.engine.backbone.vocab_size
+        prompts = []
+        for prompt in body.prompts:
+            if isinstance(prompt, str):
+                prompts.append((prompt, self.tok(prompt)["input_ids"]))
+            else:
+                if any(not 0 <= t < vocab_size for t in prompt):
+                    raise APIError(400, "prompt: a token id is outside the vocabulary "
+                                        f"(0..{vocab_size - 1})", param="prompt")
+                prompts.append((self.tok.decode(prompt), list(prompt)))
+        return prompts
+
+
+def _lifespan(engine: Engine):
+    """The app's lifespan: the engine starts with the app and stops (off the event loop) when it shuts down."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -184,9 +236,12 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
         finally:
             await asyncio.to_thread(engine.stop)
 
-    app = FastAPI(title="ats: calibrated OpenAI-compatible server", lifespan=lifespan)
-    if api_key:
-        app.add_middleware(BearerAuth, key=api_key)
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Answer every error in OpenAI's format: API errors, invalid bodies (400), unknown routes and methods (404,
+    405), and any other exception as a logged 500 that names only its type."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -206,39 +261,35 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
         logger.exception("internal error on %s", request.url.path)
         return APIError(500, f"internal server error: {type(err).__name__}").response()
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
-                           param="model", code="model_not_found")
 
-    def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(tok, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        try:
-            text = tok.apply_chat_template([{"role": m.role, "content": m.text} for m in messages],
-                                           add_generation_prompt=add_generation_prompt, tokenize=False)
-        except TemplateError as err:
-            raise APIError(400, f"messages: the chat template refused them ({err})", param="messages") from None
-        return tok(text, add_special_tokens=False)["input_ids"]
+# The route handlers below carry no docstrings: FastAPI would publish them as the OpenAPI descriptions.
+def _add_info_routes(app: FastAPI, service: Service) -> None:
+    """GET /health (open without the API key) and GET /v1/models: the model, its calibration and the engine's
+    counters."""
+    engine, renderer = service.engine, service.renderer
 
-    # --- routes -----------------------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "calibrated": engine.calibrated, **renderer.info,
+        return {"status": "ok", "model": service.model_name, "calibrated": engine.calibrated, **renderer.info,
                 "calibration": engine.calibration.describe(), **engine.stats()}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started, "owned_by": "ats",
-                                            "max_model_len": engine.max_model_len, "calibrated": engine.calibrated,
-                                            **renderer.info}]}
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.started,
+                                            "owned_by": "ats", "max_model_len": engine.max_model_len,
+                                            "calibrated": engine.calibrated, **renderer.info}]}
+
+
+def _add_tokenizer_routes(app: FastAPI, service: Service) -> None:
+    """POST /tokenize, POST /detokenize and GET /tokenizer_info, as vLLM's (clients count tokens before sending)."""
+    engine, tok = service.engine, service.tok
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         if body.model is not None:
-            check_model(body.model)
+            service.check_model(body.model)
         if body.messages is not None:
-            ids = chat_ids(body.messages, body.add_generation_prompt)
+            ids = service.chat_ids(body.messages, body.add_generation_prompt)
         else:
             ids = tok(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
@@ -246,7 +297,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         if body.model is not None:
-            check_model(body.model)
+            service.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < engine.backbone.vocab_size]
         if bad:
             raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary", param="tokens")
@@ -258,61 +309,66 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
                 "pad_token": tok.pad_token, "chat_template": getattr(tok, "chat_template", None),
                 "model_max_length": engine.max_model_len}
 
+
+def _add_chat_route(app: FastAPI, service: Service) -> None:
+    """POST /v1/chat/completions: the messages through the chat template, answered whole or streamed."""
+    engine = service.engine
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
-        ids = chat_ids(body.messages)
+        service.check_model(body.model)
+        ids = service.chat_ids(body.messages)
         max_tokens = body.new_tokens if body.new_tokens is not None else max(1, engine.max_model_len - len(ids))
         job = Job([ids], n=body.n, max_tokens=max_tokens, sampling=_sampling(body), stop=body.stops,
                   top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0, ignore_eos=body.ignore_eos)
         run = Run(engine, job, "messages")
         if body.stream:
-            return EventSourceResponse(_chat_stream(run, body, len(ids)))
+            return EventSourceResponse(_chat_stream(service.renderer, run, body, len(ids)))
         collected = await run.collect(request, Collector(1, body.n))
-        return renderer.chat(collected, logprobs=body.logprobs, prompt_tokens=len(ids))
+        return service.renderer.chat(collected, logprobs=body.logprobs, prompt_tokens=len(ids))
 
-    async def _chat_stream(run: Run, body: ChatCompletionRequest, prompt_tokens: int):
-        envelope = renderer.envelope("chatcmpl", "chat.completion.chunk")
-        collected = Collector(1, body.n)
-        try:
-            for i in range(body.n):
-                yield _data(renderer.chat_chunk(envelope, i, delta={"role": "assistant", "content": ""}))
-            async for event in run.events():
-                collected.add(event)
-                if isinstance(event, Generated):
-                    done = event.finish_reason is not None
-                    yield _data(renderer.chat_chunk(
-                        envelope, event.choice, delta={"content": event.text} if event.text else {},
-                        tokens=event.tokens, logprobs=body.logprobs, finish_reason=event.finish_reason,
-                        all_tokens=collected.choices[event.choice].tokens if done else None))
-            if body.include_usage:
-                yield _data({**envelope, "choices": [],
-                             "usage": renderer.usage(prompt_tokens, collected.completion_tokens)})
-            yield {"data": "[DONE]"}
-        except APIError as err:
-            yield _data({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
-        finally:
-            run.cancel()
+
+async def _chat_stream(renderer: Renderer, run: Run, body: ChatCompletionRequest, prompt_tokens: int):
+    """The server-sent events of a streamed chat completion: a role chunk per choice, then a chunk per generated
+    piece, the usage if asked, and [DONE] (or an error event); the job is cancelled when the stream ends or closes."""
+    envelope = renderer.envelope("chatcmpl", "chat.completion.chunk")
+    collected = Collector(1, body.n)
+    try:
+        for i in range(body.n):
+            yield _data(renderer.chat_chunk(envelope, i, delta={"role": "assistant", "content": ""}))
+        async for event in run.events():
+            collected.add(event)
+            if isinstance(event, Generated):
+                done = event.finish_reason is not None
+                yield _data(renderer.chat_chunk(
+                    envelope, event.choice, delta={"content": event.text} if event.text else {},
+                    tokens=event.tokens, logprobs=body.logprobs, finish_reason=event.finish_reason,
+                    all_tokens=collected.choices[event.choice].tokens if done else None))
+        if body.include_usage:
+            yield _data({**envelope, "choices": [],
+                         "usage": renderer.usage(prompt_tokens, collected.completion_tokens)})
+        yield {"data": "[DONE]"}
+    except APIError as err:
+        yield _error_data(err)
+    finally:
+        run.cancel()
+
+
+def _add_completion_route(app: FastAPI, service: Service) -> None:
+    """POST /v1/completions: text or token-id prompts, optionally echoed with their scores, whole or streamed."""
+    engine, renderer = service.engine, service.renderer
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
-        prompts = []  # (text, ids)
-        for prompt in body.prompts:
-            if isinstance(prompt, str):
-                prompts.append((prompt, tok(prompt)["input_ids"]))
-            else:
-                if any(not 0 <= t < engine.backbone.vocab_size for t in prompt):
-                    raise APIError(400, "prompt: a token id is outside the vocabulary "
-                                        f"(0..{engine.backbone.vocab_size - 1})", param="prompt")
-                prompts.append((tok.decode(prompt), list(prompt)))
+        service.check_model(body.model)
+        prompts = service.completion_prompts(body)  # (text, ids)
         logprobs = body.logprobs is not None
         job = Job([ids for _, ids in prompts], n=body.n, max_tokens=16 if body.max_tokens is None else body.max_tokens,
                   sampling=_sampling(body), stop=body.stops, top_logprobs=body.logprobs or 0,
                   prompt_logprobs=body.echo and logprobs, ignore_eos=body.ignore_eos)
         run = Run(engine, job, "prompt")
         if body.stream:
-            return EventSourceResponse(_completion_stream(run, body, prompts))
+            return EventSourceResponse(_completion_stream(renderer, run, body, prompts))
         collected = await run.collect(request, Collector(len(prompts), body.n))
         offsets = None
         if body.echo and logprobs:
@@ -320,43 +376,69 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
         return renderer.completion(collected, prompts=prompts, echo=body.echo, logprobs=logprobs,
                                    prompt_offsets=offsets)
 
-    async def _completion_stream(run: Run, body: CompletionRequest, prompts: list[tuple[str, list[int]]]):
-        envelope = renderer.envelope("cmpl", "text_completion")
-        logprobs = body.logprobs is not None
-        collected = Collector(len(prompts), body.n)
-        bases = [len(text) if body.echo else 0 for text, _ in prompts]
 
-        def chunk(index: int, text: str, tokens, offsets, finish_reason=None, ats=None) -> dict:
-            choice = renderer.completion_choice(index, text, tokens, offsets, logprobs=logprobs,
-                                                finish_reason=finish_reason, ats=ats or extension(tokens, final=False))
-            return {**envelope, "choices": [choice]}
+async def _completion_stream(renderer: Renderer, run: Run, body: CompletionRequest,
+                             prompts: list[tuple[str, list[int]]]):
+    """The server-sent events of a streamed completion: the echoed prompts (with their scores when logprobs are
+    asked), a chunk per generated piece, the usage if asked, and [DONE] (or an error event); the job is cancelled
+    when the stream ends or closes."""
+    envelope = renderer.envelope("cmpl", "text_completion")
+    logprobs = body.logprobs is not None
+    collected = Collector(len(prompts), body.n)
+    bases = [len(text) if body.echo else 0 for text, _ in prompts]
 
-        try:
-            if body.echo and not logprobs:  # the prompt text first (with logprobs it comes with its scores)
-                for i in range(len(collected.choices)):
-                    yield _data(chunk(i, prompts[i // body.n][0], [], []))
-            async for event in run.events():
-                collected.add(event)
-                if isinstance(event, PromptScored):
-                    text, ids = prompts[event.prompt]
-                    offsets = await asyncio.to_thread(renderer.prompt_offsets, ids)
-                    for j in range(body.n):
-                        yield _data(chunk(event.prompt * body.n + j, text, event.tokens, offsets,
-                                          ats=extension([], final=False, prompt=event.tokens)))
-                elif isinstance(event, Generated):
-                    base = bases[event.choice // body.n]
-                    ats = extension(event.tokens, final=False)
-                    if event.finish_reason is not None:
-                        ats.update(summary(collected.choices[event.choice].tokens, renderer.info))
-                    yield _data(chunk(event.choice, event.text, event.tokens, [t.offset + base for t in event.tokens],
-                                      event.finish_reason, ats))
-            if body.include_usage:
-                usage = renderer.usage(sum(len(ids) for _, ids in prompts), collected.completion_tokens)
-                yield _data({**envelope, "choices": [], "usage": usage})
-            yield {"data": "[DONE]"}
-        except APIError as err:
-            yield _data({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
-        finally:
-            run.cancel()
+    def chunk(index: int, text: str, tokens, offsets, finish_reason=None, ats=None) -> dict:
+        choice = renderer.completion_choice(index, text, tokens, offsets, logprobs=logprobs,
+                                            finish_reason=finish_reason, ats=ats or extension(tokens, final=False))
+        return {**envelope, "choices": [choice]}
 
+    try:
+        if body.echo and not logprobs:  # the prompt text first (with logprobs it comes with its scores)
+            for i in range(len(collected.choices)):
+                yield _data(chunk(i, prompts[i // body.n][0], [], []))
+        async for event in run.events():
+            collected.add(event)
+            if isinstance(event, PromptScored):
+                text, ids = prompts[event.prompt]
+                offsets = await asyncio.to_thread(renderer.prompt_offsets, ids)
+                for j in range(body.n):
+                    yield _data(chunk(event.prompt * body.n + j, text, event.tokens, offsets,
+                                      ats=extension([], final=False, prompt=event.tokens)))
+            elif isinstance(event, Generated):
+                base = bases[event.choice // body.n]
+                ats = extension(event.tokens, final=False)
+                if event.finish_reason is not None:
+                    ats.update(summary(collected.choices[event.choice].tokens, renderer.info))
+                yield _data(chunk(event.choice, event.text, event.tokens, [t.offset + base for t in event.tokens],
+                                  event.finish_reason, ats))
+        if body.include_usage:
+            usage = renderer.usage(sum(len(ids) for _, ids in prompts), collected.completion_tokens)
+            yield _data({**envelope, "choices": [], "usage": usage})
+        yield {"data": "[DONE]"}
+    except APIError as err:
+        yield _error_data(err)
+    finally:
+        run.cancel()
+
+
+def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app serving `engine` as model `model_name`; with `api_key`, every route but /health needs it.
+
+    Args:
+        engine: the engine; started and stopped with the app.
+        model_name: the model name the API reports and accepts.
+        api_key: the key clients must send as `Authorization: Bearer KEY`; None: no key.
+
+    Returns:
+        The FastAPI app.
+    """
+    service = Service(engine, model_name)
+    app = FastAPI(title="ats: calibrated OpenAI-compatible server", lifespan=_lifespan(engine))
+    if api_key:
+        app.add_middleware(BearerAuth, key=api_key)
+    _add_error_handlers(app)
+    _add_info_routes(app, service)  # in the order of the OpenAPI listing: info, tokenizer, chat, completions
+    _add_tokenizer_routes(app, service)
+    _add_chat_route(app, service)
+    _add_completion_route(app, service)
     return app
