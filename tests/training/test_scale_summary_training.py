@@ -39,6 +39,28 @@ def test_batches_carry_one_summary_row_per_response_token(stores):
         assert batch.summary.shape == (int((batch.labels != IGNORE_INDEX).sum()), SPEC.width)
 
 
+def test_summary_packed_across_sequences_equals_each_sequence_summarised_alone(tiny_backbone, tokenizer, tmp_path,
+                                                                                 monkeypatch):
+    from ats.model.scale_summary import summarize_logits
+    from ats.training import features
+
+    monkeypatch.setattr(features, "SUMMARY_CHUNK", 5)  # chunks straddle the sequences of a shard
+    examples = tokenize_instructions(tokenizer, load_instructions("alpaca_gpt4", limit=6, seed=2), max_length=32)[0]
+    store = extract_features(tiny_backbone, examples, tmp_path / "f", shard_sequences=3, progress=False, summary=SPEC)
+    assert len(store.meta["shards"]) == 2
+    for k in range(len(store.meta["shards"])):
+        shard = store.load_shard(k)
+        bounds = shard["offsets"].tolist()
+        alone = []
+        for a, b in zip(bounds[:-1], bounds[1:]):  # one sequence at a time, the way a reader would
+            y = shard["labels"][a:b]
+            h = shard["hidden"][a:b][y != IGNORE_INDEX]
+            alone.append(summarize_logits(tiny_backbone.logits(h).float(), y[y != IGNORE_INDEX],
+                                          max_scale=SPEC.max_scale, intervals=SPEC.intervals, knee=SPEC.knee))
+        # the same rows up to float32 rounding: a matmul of other rows may round the logits differently
+        torch.testing.assert_close(shard["summary"], torch.cat(alone), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("loss_type,weighting", [("selective", "token"), ("selective", "reference"), ("none", "token"),
                                                  ("full", "token"), ("top-label", "token")])
 def test_every_loss_from_the_summary_equals_the_exact_route(tiny_backbone, stores, loss_type, weighting):

@@ -169,16 +169,12 @@ def extract_features(
             bar.update(n_tok)
             continue
         pieces: dict[int, Tensor] = {}
-        rows: dict[int, Tensor] = {}
         for batch in _token_batches([len(examples[i].input_ids) for i in indices], batch_tokens):
             ids = [examples[indices[j]].input_ids for j in batch]
             input_ids, mask = pad_batch(ids, pad_id)
             hidden, _ = backbone.forward(input_ids.to(backbone.device), mask.to(backbone.device))  # (B, T, H)
             for row, j in enumerate(batch):
-                pieces[j] = hidden[row, : len(ids[row])].to(store_dtype)
-                if summary is not None:
-                    rows[j] = _summary_rows(backbone, pieces[j], examples[indices[j]].labels, summary)
-                pieces[j] = pieces[j].cpu()
+                pieces[j] = hidden[row, : len(ids[row])].to(store_dtype).cpu()
             bar.update(int(mask.sum()))
         lengths = torch.tensor([len(examples[i].input_ids) for i in indices])
         tensors = {
@@ -189,7 +185,7 @@ def extract_features(
             "example_index": torch.tensor(indices, dtype=torch.long),
         }
         if summary is not None:
-            tensors["summary"] = torch.cat([rows[j] for j in range(len(indices))]).contiguous()
+            tensors["summary"] = _summary_rows(backbone, tensors["hidden"], tensors["labels"], summary)
         with atomic_file(shard_path, "wb") as f:
             f.write(_serialize(tensors))
         write_json(marker, {"sha256": _sha256(shard_path), "sequences": len(indices), "tokens": n_tok,
@@ -224,16 +220,23 @@ def summary_meta(summary: ScaleSummarySpec | None) -> dict:
     return {"scale_summary": summary.describe()} if summary is not None else {}
 
 
-def _summary_rows(backbone: Backbone, hidden: Tensor, labels: list[int], summary: ScaleSummarySpec) -> Tensor:
-    """The summary rows (n_resp, D) of one sequence's response tokens, from its stored hidden states (T, H).
+def _summary_rows(backbone: Backbone, hidden: Tensor, labels: Tensor, summary: ScaleSummarySpec) -> Tensor:
+    """The summary rows (N_resp, D) of a shard's response tokens, in order, from its stored hidden states (T, H).
 
     The logits come from the hidden states as stored (rounded to the feature dtype), so that the summary and the
-    exact route, which recomputes z from the stored h, describe the same logits.
+    exact route, which recomputes z from the stored h, describe the same logits. The response tokens of all the
+    shard's sequences are packed into chunks of SUMMARY_CHUNK: a sequence's own few tokens would make the logits'
+    matmul read the whole output layer for a handful of rows.
+
+    Args:
+        hidden: (T, H) the shard's hidden states as stored (CPU).
+        labels: (T,) next-token ids, IGNORE_INDEX off the response.
+        summary: the summary's settings.
     """
-    y = torch.tensor(labels, dtype=torch.long)  # (T,)
-    keep = y != IGNORE_INDEX
-    h = hidden[keep.to(hidden.device)]  # (n_resp, H)
-    out = [summarize_logits(backbone.logits(h[a:a + SUMMARY_CHUNK]), y[keep][a:a + SUMMARY_CHUNK].to(h.device),
+    keep = labels != IGNORE_INDEX  # (T,)
+    h, y = hidden[keep], labels[keep]  # (N_resp, H), (N_resp,)
+    device = backbone.device
+    out = [summarize_logits(backbone.logits(h[a:a + SUMMARY_CHUNK].to(device)), y[a:a + SUMMARY_CHUNK].to(device),
                             max_scale=summary.max_scale, intervals=summary.intervals, knee=summary.knee).cpu()
            for a in range(0, h.shape[0], SUMMARY_CHUNK)]
     return torch.cat(out) if out else torch.empty(0, summary.width)
