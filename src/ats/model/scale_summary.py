@@ -55,7 +55,7 @@ DEFAULT_INTERVALS = 48
 DEFAULT_KNEE = 0.25
 BIN_WIDTH = 1 / 64  # the width of the gap bins; a power of 2, so that d / w is as exact as d
 MOMENTS = 4  # power sums per bin: t^0 .. t^3 (truncation (s w / 2)^4 / 4!, 1.6e-6 at s = 10)
-ROW_ELEMENTS = 1 << 17  # logits binned together (2 rows of SmolLM2, 1 of Qwen): their buffers stay in cache
+ROW_ELEMENTS = 1 << 17  # logits binned together on a CPU (2 rows of SmolLM2): their buffers stay in cache
 
 
 @dataclass(frozen=True)
@@ -175,34 +175,33 @@ def _check_logits(z: Tensor, labels: Tensor) -> None:
                        "(pass response tokens only)")
 
 
-def _gap_bins(z: Tensor, z_top: Tensor, bins: int, width: float, moments: int) -> Tensor:
-    """Power sums, per bin of the gaps d_j = z_top - z_j (every j, the top token included), of the offsets from the
-    bin's left edge.
+def _gap_bins(z: Tensor, z_top: Tensor, out: Tensor, width: float, work: tuple[Tensor, Tensor, Tensor]) -> None:
+    """Add, per bin of the gaps d_j = z_top - z_j (every j, the top token included), the power sums of the offsets
+    from the bin's left edge into `out`.
 
     One pass over the vocabulary, no sort and no second largest: bin b holds b w <= d < (b + 1) w.
 
     Args:
         z: (n, V) float32 or float64 logits.
         z_top: (n,) each row's largest logit.
-        bins: B, more than the largest gap / `width`.
+        out: (M, n, B) zeros in z's dtype, B more than the largest gap / `width`; receives, per bin b, the sum over
+            its tokens of (delta / w)^k, delta = d - b w in [0, w), k = 0 .. M - 1.
         width: w, the bins' width (a power of 2, so that d / w is as exact as d).
-        moments: M, the power sums per bin (delta^0 .. delta^(M - 1)).
-
-    Returns:
-        (M, n, B) in z's dtype: per bin b, the sum over its tokens of (delta / w)^k, delta = d - b w in [0, w).
+        work: buffers of at least n * V elements: (z's dtype, long, z's dtype). Reused across calls: a fresh
+            multi-megabyte buffer per call costs more in page faults than the pass that fills it.
     """
+    n, V = z.shape
+    x, index, power = (buffer[:n * V].view(n, V) for buffer in work)
     inv = 1.0 / width
-    x = torch.add(z_top[:, None] * inv, z, alpha=-inv)  # (n, V) d / w >= 0 (0 at the top)
-    index = x.long()  # (n, V) the bin of each gap (x >= 0: truncation is floor)
+    torch.add(z_top[:, None] * inv, z, alpha=-inv, out=x)  # (n, V) d / w >= 0 (0 at the top)
+    index.copy_(x)  # (n, V) the bin of each gap (x >= 0: truncation is floor)
     u = x.frac_()  # (n, V) delta / w in [0, 1)
-    sums = torch.zeros(moments, z.shape[0], bins, dtype=z.dtype, device=z.device)
-    sums[0].scatter_add_(1, index, torch.ones(1, dtype=z.dtype, device=z.device).expand_as(u))
-    power = u
-    for k in range(1, moments):
-        sums[k].scatter_add_(1, index, power)
-        if k < moments - 1:
-            power = power * u
-    return sums
+    out[0].scatter_add_(1, index, torch.ones(1, dtype=z.dtype, device=z.device).expand_as(u))
+    out[1].scatter_add_(1, index, u)
+    power.copy_(u)
+    for k in range(2, out.shape[0]):
+        power.mul_(u)
+        out[k].scatter_add_(1, index, power)
 
 
 def _node_moments(raw: Tensor, centres: Tensor, nodes: Tensor, width: float) -> Tensor:
@@ -271,9 +270,14 @@ def summarize_logits(z: Tensor, labels: Tensor, *, max_scale: float, intervals: 
     labels = labels.to(z.device)
     z_top = z.amax(-1)  # (n,)
     bins = int(float((z_top - z.amin(-1)).amax()) / BIN_WIDTH) + 2  # B, for every row
-    step = max(1, ROW_ELEMENTS // V)  # rows binned together
-    raw = torch.cat([_gap_bins(z[a:a + step], z_top[a:a + step], bins, BIN_WIDTH, MOMENTS)
-                     for a in range(0, n, step)], dim=1)  # (M, n, B)
+    # rows binned together: on a CPU few enough for the buffers to stay in cache, but one per thread at least
+    # (scatter_add splits its rows among the threads: one row of Qwen's 151,936 logits at a time used one core)
+    step = min(n, max(torch.get_num_threads(), ROW_ELEMENTS // V)) if z.device.type == "cpu" else n
+    raw = torch.zeros(MOMENTS, n, bins, dtype=z.dtype, device=z.device)  # (M, n, B)
+    work = (torch.empty(step * V, dtype=z.dtype, device=z.device), torch.empty(step * V, dtype=torch.long,
+            device=z.device), torch.empty(step * V, dtype=z.dtype, device=z.device))
+    for a in range(0, n, step):
+        _gap_bins(z[a:a + step], z_top[a:a + step], raw[:, a:a + step], BIN_WIDTH, work)
     raw[0, :, 0] -= 1  # the top token: d = 0, offset 0 (adds nothing to the higher sums)
     first = (raw[0] > 0.5).to(torch.int8).argmax(-1)  # (n,) the first occupied bin of the others: g2 = first * w
     shift = torch.arange(bins, device=z.device)[None, :] + first[:, None]  # (n, B)
