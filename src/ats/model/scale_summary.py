@@ -269,7 +269,8 @@ def summarize_logits(z: Tensor, labels: Tensor, *, max_scale: float, intervals: 
     z = z if z.dtype == torch.float64 else z.float()
     labels = labels.to(z.device)
     z_top = z.amax(-1)  # (n,)
-    bins = int(float((z_top - z.amin(-1)).amax()) / BIN_WIDTH) + 2  # B, for every row
+    # B, for every row: every gap's bin is at most B - 2, so bin B - 1 stays empty (the shift below reads it)
+    bins = int(float((z_top - z.amin(-1)).amax()) / BIN_WIDTH) + 2
     # rows binned together: on a CPU few enough for the buffers to stay in cache, but one per thread at least
     # (scatter_add splits its rows among the threads: one row of Qwen's 151,936 logits at a time used one core)
     step = min(n, max(torch.get_num_threads(), ROW_ELEMENTS // V)) if z.device.type == "cpu" else n
@@ -281,7 +282,7 @@ def summarize_logits(z: Tensor, labels: Tensor, *, max_scale: float, intervals: 
     raw[0, :, 0] -= 1  # the top token: d = 0, offset 0 (adds nothing to the higher sums)
     first = (raw[0] > 0.5).to(torch.int8).argmax(-1)  # (n,) the first occupied bin of the others: g2 = first * w
     shift = torch.arange(bins, device=z.device)[None, :] + first[:, None]  # (n, B)
-    raw = raw.gather(2, shift.clamp(max=bins - 1).expand(MOMENTS, n, bins)) * (shift < bins)  # bin `first` -> 0
+    raw = raw.gather(2, shift.clamp(max=bins - 1).expand(MOMENTS, n, bins))  # bin `first` -> 0; zeros past the end
     centres = (torch.arange(bins, dtype=torch.float64, device=z.device) + 0.5) * BIN_WIDTH  # (B,) e = d - g2
     moments = _node_moments(raw, centres, spec.nodes(device=z.device), BIN_WIDTH)  # (3, n, K + 1)
     g2 = first.double() * BIN_WIDTH  # (n,)
