@@ -86,6 +86,26 @@ def test_summary_matches_the_exact_values_and_gradients_on_random_logits():
     assert torch.allclose(view.z_mean, z.mean(-1), atol=1e-5) and view.spec == ScaleSummarySpec()
 
 
+def test_rows_do_not_depend_on_how_the_logits_are_split_among_chunks_and_threads(monkeypatch):
+    from ats.model import scale_summary
+
+    z, y = random_logits()
+    threads = torch.get_num_threads()
+    runs = {}
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for row_elements in (1, 1 << 17, 1 << 30):  # 1: one chunk per thread; 1 << 30: all rows at once
+                monkeypatch.setattr(scale_summary, "ROW_ELEMENTS", row_elements)
+                runs[n_threads, row_elements] = summarize_logits(z, y, max_scale=10.0)
+    finally:
+        torch.set_num_threads(threads)
+    for (n_threads, _), rows in runs.items():  # each row is binned alone, in vocabulary order: the same bits
+        assert torch.equal(rows, runs[n_threads, 1 << 30])
+    # across thread counts only the matrix product over the bins may round differently
+    torch.testing.assert_close(runs[2, 1], runs[1, 1], rtol=1e-6, atol=1e-7)
+
+
 def test_summary_matches_the_exact_route_on_a_tiny_model(tiny_backbone):
     torch.manual_seed(0)
     hidden = torch.randn(40, tiny_backbone.hidden_size)
