@@ -169,12 +169,15 @@ def extract_features(
             bar.update(n_tok)
             continue
         pieces: dict[int, Tensor] = {}
-        for batch in _token_batches([len(examples[i].input_ids) for i in indices], batch_tokens):
+        packer = _SummaryPacker(backbone, summary) if summary is not None else None
+        for batch in _token_batches([len(examples[i].input_ids) for i in indices], batch_tokens):  # in order
             ids = [examples[indices[j]].input_ids for j in batch]
             input_ids, mask = pad_batch(ids, pad_id)
             hidden, _ = backbone.forward(input_ids.to(backbone.device), mask.to(backbone.device))  # (B, T, H)
             for row, j in enumerate(batch):
                 pieces[j] = hidden[row, : len(ids[row])].to(store_dtype).cpu()
+                if packer is not None:
+                    packer.add(pieces[j], torch.tensor(examples[indices[j]].labels, dtype=torch.long))
             bar.update(int(mask.sum()))
         lengths = torch.tensor([len(examples[i].input_ids) for i in indices])
         tensors = {
@@ -185,7 +188,7 @@ def extract_features(
             "example_index": torch.tensor(indices, dtype=torch.long),
         }
         if summary is not None:
-            tensors["summary"] = _summary_rows(backbone, tensors["hidden"], tensors["labels"], summary)
+            tensors["summary"] = packer.finish()
         with atomic_file(shard_path, "wb") as f:
             f.write(_serialize(tensors))
         write_json(marker, {"sha256": _sha256(shard_path), "sequences": len(indices), "tokens": n_tok,
@@ -220,26 +223,46 @@ def summary_meta(summary: ScaleSummarySpec | None) -> dict:
     return {"scale_summary": summary.describe()} if summary is not None else {}
 
 
-def _summary_rows(backbone: Backbone, hidden: Tensor, labels: Tensor, summary: ScaleSummarySpec) -> Tensor:
-    """The summary rows (N_resp, D) of a shard's response tokens, in order, from its stored hidden states (T, H).
+class _SummaryPacker:
+    """The summary rows of a shard's response tokens, in order, packed across its sequences.
 
     The logits come from the hidden states as stored (rounded to the feature dtype), so that the summary and the
-    exact route, which recomputes z from the stored h, describe the same logits. The response tokens of all the
-    shard's sequences are packed into chunks of SUMMARY_CHUNK: a sequence's own few tokens would make the logits'
-    matmul read the whole output layer for a handful of rows.
-
-    Args:
-        hidden: (T, H) the shard's hidden states as stored (CPU).
-        labels: (T,) next-token ids, IGNORE_INDEX off the response.
-        summary: the summary's settings.
+    exact route, which recomputes z from the stored h, describe the same logits. Response tokens are summarised
+    SUMMARY_CHUNK at a time as soon as that many are waiting (so the progress bar moves with the work), the rest by
+    `finish`: one sequence's own few tokens would make the logits' matmul read the whole output layer for a handful
+    of rows.
     """
-    keep = labels != IGNORE_INDEX  # (T,)
-    h, y = hidden[keep], labels[keep]  # (N_resp, H), (N_resp,)
-    device = backbone.device
-    out = [summarize_logits(backbone.logits(h[a:a + SUMMARY_CHUNK].to(device)), y[a:a + SUMMARY_CHUNK].to(device),
-                            max_scale=summary.max_scale, intervals=summary.intervals, knee=summary.knee).cpu()
-           for a in range(0, h.shape[0], SUMMARY_CHUNK)]
-    return torch.cat(out) if out else torch.empty(0, summary.width)
+
+    def __init__(self, backbone: Backbone, spec: ScaleSummarySpec) -> None:
+        self.backbone, self.spec = backbone, spec
+        self.hidden: list[Tensor] = []  # waiting response tokens' hidden states, each (n_i, H)
+        self.labels: list[Tensor] = []  # and their next-token ids, each (n_i,)
+        self.waiting = 0
+        self.rows: list[Tensor] = []  # finished summary rows, each (n, D)
+
+    def add(self, hidden: Tensor, labels: Tensor) -> None:
+        """Queue one sequence's response tokens: hidden (T, H) as stored, labels (T,) with IGNORE_INDEX elsewhere."""
+        keep = labels != IGNORE_INDEX
+        self.hidden.append(hidden[keep])
+        self.labels.append(labels[keep])
+        self.waiting += int(keep.sum())
+        if self.waiting >= SUMMARY_CHUNK:
+            self._summarise(whole_chunks_only=True)
+
+    def finish(self) -> Tensor:
+        """(N_resp, D) the rows of every queued token, in order."""
+        self._summarise(whole_chunks_only=False)
+        return torch.cat(self.rows) if self.rows else torch.empty(0, self.spec.width)
+
+    def _summarise(self, *, whole_chunks_only: bool) -> None:
+        h, y = torch.cat(self.hidden), torch.cat(self.labels)  # (n, H), (n,)
+        n = h.shape[0] - h.shape[0] % SUMMARY_CHUNK if whole_chunks_only else h.shape[0]
+        device, spec = self.backbone.device, self.spec
+        for a in range(0, n, SUMMARY_CHUNK):
+            z = self.backbone.logits(h[a:a + SUMMARY_CHUNK].to(device))  # (chunk, V)
+            self.rows.append(summarize_logits(z, y[a:a + SUMMARY_CHUNK].to(device), max_scale=spec.max_scale,
+                                              intervals=spec.intervals, knee=spec.knee).cpu())
+        self.hidden, self.labels, self.waiting = [h[n:]], [y[n:]], h.shape[0] - n
 
 
 def _serialize(tensors: dict[str, Tensor]) -> bytes:
