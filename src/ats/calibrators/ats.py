@@ -75,15 +75,21 @@ class ATSCalibrator(Calibrator):
         Raises:
             ATSError: if an option is invalid.
         """
-        head_fields = {f.name for f in dataclasses.fields(HeadConfig)}
-        head_options = {k: v for k, v in options.items() if k in head_fields}
-        config_options = {k: v for k, v in options.items() if k not in head_fields}
-        head = HeadConfig(head_type=head_type, hidden_size=backbone.hidden_size, **head_options)
+        head, config_options = cls.head_config(backbone.hidden_size, head_type=head_type, **options)
         config = ATSConfig(head=head, hidden_size=backbone.hidden_size, vocab_size=backbone.vocab_size,
                            base_model=backbone.name, revision=backbone.revision, **config_options)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return cls(config)
+
+    @staticmethod
+    def head_config(hidden_size: int, *, head_type: str = "transformer", **options) -> tuple[HeadConfig, dict]:
+        """The `HeadConfig` that `for_backbone(head_type=..., **options)` builds for a backbone of `hidden_size`, and
+        the options left for `ATSConfig` (read before any model loads, to check a saved head against a request)."""
+        head_fields = {f.name for f in dataclasses.fields(HeadConfig)}
+        head = HeadConfig(head_type=head_type, hidden_size=hidden_size,
+                          **{k: v for k, v in options.items() if k in head_fields})
+        return head, {k: v for k, v in options.items() if k not in head_fields}
 
     @classmethod
     def for_source(cls, source: FitSource, **options) -> "ATSCalibrator":

@@ -9,7 +9,6 @@ that makes one result returns `(result, reused)` (`fit_head`, `fit_calibrator`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 import time
@@ -177,14 +176,6 @@ def head_preset(method: str, head_type: str | None = None, label: str | None = N
     return preset
 
 
-def preset_head(preset: dict, hidden_size: int) -> HeadConfig:
-    """The `HeadConfig` that `ATSCalibrator.for_backbone(**preset)` builds for a backbone of `hidden_size` (the
-    head type defaults to the transformer head, as there)."""
-    head_fields = {f.name for f in dataclasses.fields(HeadConfig)} - {"head_type", "hidden_size"}
-    return HeadConfig(head_type=preset.get("head_type", "transformer"), hidden_size=hidden_size,
-                      **{k: v for k, v in preset.items() if k in head_fields})
-
-
 def fit_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, *, method: str = "ats",
              head_type: str | None = None, max_scale: float = 10.0, training: TrainingConfig | None = None,
              label: str | None = None, overwrite: bool = False, resume: bool = False, progress: bool = True,
@@ -291,7 +282,7 @@ def check_before_loading(features_dir: str | Path, head_dir: str | Path | None, 
     features = stored["train"]
     summary = features.get("scale_summary") if features is not None else DEFAULT_SUMMARY.describe()
     preset = head_preset(method, head_type)
-    head = preset_head(preset, old.get("head", {}).get("hidden_size", HeadConfig().hidden_size))
+    head = ATSCalibrator.head_config(old.get("head", {}).get("hidden_size", HeadConfig().hidden_size), **preset)[0]
     now = head_fingerprint(features if features is not None else old.get("features"),
                            ScaleSummarySpec(**summary) if summary is not None else None, head, max_scale,
                            preset["method"], training)
