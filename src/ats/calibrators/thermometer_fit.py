@@ -84,26 +84,11 @@ class ThermometerFit:
         return loss, {"nll": float(per_seq.detach().mean()), "temperature": float(temperature.detach().mean())}, \
             len(counts)
 
-    def sequence_loss(self, hidden: Tensor, labels: Tensor, logits_fn: Callable[[Tensor], Tensor]
-                      ) -> tuple[Tensor, float, float, int]:
-        """(loss, mean NLL, mean T, sequences) for a padded batch hidden (B, T, H), labels (B, T); differentiable.
-
-        Rows without a response label are dropped.
-
-        Args:
-            hidden: (B, T, H) hidden states.
-            labels: (B, T) next-token ids on response positions, -100 elsewhere.
-            logits_fn: the output layer, h (n, H) -> z (n, V).
-
-        Returns:
-            (loss: scalar tensor, the module docstring's loss; mean NLL per sequence: float; mean T: float;
-            number of sequences kept: int). With no sequence kept: (a zero that keeps the graph, 0.0, 0.0, 0).
-        """
-        loss, stats, n = self._sequence_step(hidden, labels, logits_fn)
-        return loss, stats.get("nll", 0.0), stats.get("temperature", 0.0), n
-
-    def _sequence_step(self, hidden: Tensor, labels: Tensor, logits_fn) -> tuple[Tensor, dict, int]:
-        """`sequence_loss` in the form of a `fit_loop` step."""
+    def _sequence_step(self, hidden: Tensor, labels: Tensor, logits_fn: Callable[[Tensor], Tensor]
+                       ) -> tuple[Tensor, dict, int]:
+        """One `fit_loop` step on a padded batch hidden (B, T, H), labels (B, T) (-100 off the response): (the
+        module docstring's loss, differentiable; {"nll": mean NLL per sequence, "temperature": mean T}; sequences
+        kept). Rows without a response label are dropped; with none kept, a zero that keeps the graph, {}, 0."""
         pos = prompt_positions(labels)  # (B,)
         keep = pos >= 0
         if not bool(keep.any()):
