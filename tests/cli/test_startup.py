@@ -78,6 +78,8 @@ def test_train_help_states_the_head_default_the_command_resolves(tmp_path, monke
         assert (f"the paper's) (default: {HeadConfig.head_type} with instruction data; with --data answers none: "
                 f"--method decides ({DEFAULT_ANSWER_METHOD} by default))") in text
         assert "(default: automatic)" not in text.split("--head {")[-1].split("--max-scale")[0]
+        # --loss parses to the instruction loss, which --data answers replaces by the first answer loss
+        assert "(default: selective with instruction data, answer-log with --data answers)" in text
 
 
 def test_a_damaged_or_foreign_record_is_rebuilt(tmp_path, monkeypatch):

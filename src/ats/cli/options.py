@@ -43,18 +43,18 @@ def add_data(p: argparse.ArgumentParser, *, defaults: dict | None = None) -> Non
 
 
 def add_training(p: argparse.ArgumentParser, *, exclude=(), head_defaults: dict | None = None,
-                 head_shown: dict[str, str] | None = None) -> None:
+                 shown: dict[str, str] | None = None) -> None:
     """Add the head, ATS and training options to parser `p`; `exclude`: `TrainingConfig` fields left out;
-    `head_defaults`: `HeadConfig` defaults replaced; `head_shown`: the defaults --help states for them, where the
-    command resolves them after parsing (`ConfigMixin.add_arguments`'s `shown`)."""
+    `head_defaults`: `HeadConfig` defaults replaced; `shown`: {field: the default --help states}, for head or
+    training options the command resolves after parsing (`ConfigMixin.add_arguments`'s `shown`)."""
     from ..calibrators.ats import ATSConfig
     from ..model.heads import HeadConfig
     from ..training.config import TrainingConfig
 
     g = p.add_argument_group("head and training")
-    HeadConfig.add_arguments(g, defaults=head_defaults, shown=head_shown)
+    HeadConfig.add_arguments(g, defaults=head_defaults, shown=shown)
     ATSConfig.add_arguments(g)
-    TrainingConfig.add_arguments(g, exclude=exclude)
+    TrainingConfig.add_arguments(g, exclude=exclude, shown=shown)
 
 
 def add_overwrite(p: argparse.ArgumentParser) -> None:

@@ -12,14 +12,17 @@ from . import options
 logger = logging.getLogger(__name__)
 
 
-def head_default() -> str:
-    """What --help states as --head's default: the parser's is None because `run` and `run_answers` choose it from
-    --data (the paper's transformer head for instruction data; for answers, --method's default)."""
+def shown_defaults() -> dict[str, str]:
+    """What --help states as the defaults of --head and --loss, which `run` and `run_answers` choose from --data
+    (instruction data: the paper's transformer head and loss; answers: --method's default and the answer loss)."""
     from ..model.heads import HeadConfig
+    from ..training.config import TrainingConfig
+    from ..training.losses import ANSWER_LOSSES
     from ..workflows.answer_methods import DEFAULT_ANSWER_METHOD
 
-    return (f"{HeadConfig.head_type} with instruction data; with --data answers none: --method decides "
-            f"({DEFAULT_ANSWER_METHOD} by default)")
+    return {"head_type": f"{HeadConfig.head_type} with instruction data; with --data answers none: --method decides "
+                         f"({DEFAULT_ANSWER_METHOD} by default)",
+            "loss_type": f"{TrainingConfig.loss_type} with instruction data, {ANSWER_LOSSES[0]} with --data answers"}
 
 
 def add_parser(sub) -> None:
@@ -34,7 +37,7 @@ def add_parser(sub) -> None:
                                    "loss.")
     options.add_model(p)
     options.add_data(p, defaults={"source": "answers"})
-    options.add_training(p, head_defaults={"head_type": None}, head_shown={"head_type": head_default()})
+    options.add_training(p, head_defaults={"head_type": None}, shown=shown_defaults())
     p.add_argument("--resume", action="store_true", help="continue the interrupted training in OUT (same options)")
     p.add_argument("--online", action="store_true",
                    help="no feature cache: run the backbone inside the training loop (large models)")
@@ -62,13 +65,7 @@ def run_answers(args) -> int:
     from ..evaluation.metrics import summarize
     from ..evaluation.report import markdown_table
     from ..training.losses import ANSWER_LOSSES
-    from ..workflows.answer_methods import (
-        DEFAULT_ANSWER_METHOD,
-        answer_head_record,
-        parse_spec,
-        reusable_answer_head,
-        train_answer_head,
-    )
+    from ..workflows.answer_methods import DEFAULT_ANSWER_METHOD, check_answer_head, train_answer_head
     from ..workflows.answer_pool import AnswerPlan
     from ..workflows.answer_training import score_answers
 
@@ -77,7 +74,7 @@ def run_answers(args) -> int:
     if loss not in ANSWER_LOSSES:
         if loss != "selective":  # the default of instruction data; an explicit token loss is a mistake here
             raise ATSError(f"--loss {loss} is a token loss; with --data answers use {' or '.join(ANSWER_LOSSES)}")
-        loss = "answer-log"
+        loss = ANSWER_LOSSES[0]
     for flag, value, low in (("--pool-size", args.pool_size, 1), ("--mmlu-pool", args.mmlu_pool, 0),
                              ("--token-weight", args.token_weight, 0)):
         if value < low:
@@ -89,14 +86,9 @@ def run_answers(args) -> int:
             raise ATSError(f"{flag}: instruction data only (answers are cached once and train in minutes)")
     training = options.training_config(args, loss_type=loss)
     spec = args.method or args.head_type or DEFAULT_ANSWER_METHOD
-    kind, tokens = parse_spec(spec, field="--method")
-    if tokens and not (args.token_features and (Path(args.token_features) / "train").is_dir()):
-        raise ATSError(f"--method {spec}: --token-features must name an `ats train` features folder (with train/), "
-                       f"got {args.token_features!r}")
     plan = AnswerPlan(pool_size=args.pool_size, mmlu_pool_per_subject=args.mmlu_pool, token_weight=args.token_weight)
-    reusable_answer_head(Path(args.out) / "head", answer_head_record(training, loss, plan,
-                                                                     plan.token_weight if tokens else 0.0),
-                         head_type=kind, max_scale=args.max_scale, overwrite=args.overwrite)  # before the model loads
+    check_answer_head(args.out, spec=spec, training=training, loss_type=loss, max_scale=args.max_scale, plan=plan,
+                      token_features=args.token_features, overwrite=args.overwrite)  # before the model loads
     backbone = options.backbone_from_args(args)
     calibrator, pool, reused = train_answer_head(
         backbone, Path(args.out), spec=spec, training=training, loss_type=loss, max_scale=args.max_scale, plan=plan,

@@ -10,7 +10,7 @@ from ..evaluation.answers import AnswerSet
 from ..io import read_json
 from ..training.config import TrainingConfig
 from .answer_pool import AnswerPlan, cached_answers, pool_names, pool_tasks
-from .answer_training import token_record, train_on_answers
+from .answer_training import answer_lr, answer_record, train_on_answers
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +59,8 @@ def train_spec(backbone, sets: list[AnswerSet], plan: AnswerPlan, *, kind: str, 
     """A fresh calibrator of `kind` trained on `sets` with `training` and `loss_type` (plus `token_weight` x the
     top-label term on `token_store`'s instruction tokens, with the plan's window and subset): the one training call of
     the protocol and of `ats train --data answers`."""
-    lr = training.lr if training.lr is not None else 1e-3
-    calibrator = fresh_head(backbone, kind, training.seed, method, max_scale=max_scale, lr=lr, epochs=training.epochs,
-                            batch_size=training.batch_size)
+    calibrator = fresh_head(backbone, kind, training.seed, method, max_scale=max_scale, lr=answer_lr(training),
+                            epochs=training.epochs, batch_size=training.batch_size)
     train_on_answers(calibrator, sets, backbone.logits, config=training, loss_type=loss_type,
                      token_store=token_store if token_weight > 0 else None, token_weight=token_weight,
                      token_max=plan.token_max, token_window=plan.token_window, progress=progress)
@@ -114,10 +113,8 @@ def answer_head_record(training: TrainingConfig, loss_type: str, plan: AnswerPla
                        tasks: list[str] | None = None) -> dict:
     """The training record a calibrator trained on answers carries (`train_on_answers` writes it; compared on
     reuse): the training options, the loss, the tasks (default: the plan's whole pool) and the token term."""
-    return {**training.to_dict(), "loss_type": loss_type, "data": "answers",
-            "tasks": pool_names(plan) if tasks is None else list(tasks),
-            "lr": training.lr if training.lr is not None else 1e-3,
-            **token_record(token_weight, plan.token_max, plan.token_window)}
+    return answer_record(training, loss_type, tasks=pool_names(plan) if tasks is None else tasks,
+                         token_weight=token_weight, token_max=plan.token_max, token_window=plan.token_window)
 
 
 RECORD_DEFAULTS = {"token_weight": 0.0}  # record fields of heads saved before the field existed
@@ -151,6 +148,26 @@ def reusable_answer_head(head_dir: Path, record: dict, *, head_type: str, max_sc
                    "another --out")
 
 
+def check_answer_head(out: str | Path, *, spec: str, training: TrainingConfig, loss_type: str, max_scale: float,
+                      plan: AnswerPlan, token_features: str | Path | None, overwrite: bool) -> bool:
+    """Check a `train_answer_head` request before any model loads: whether OUT/head holds a head trained with these
+    settings (reused), False when there is none or `overwrite` replaces it.
+
+    Raises:
+        ATSError: if the spec is unknown, "+tokens" comes without a features folder holding train/, or OUT/head holds
+            a head trained otherwise (without `overwrite`).
+    """
+    kind, tokens = parse_spec(spec, field="--method")
+    if tokens and token_features is None:
+        raise ATSError(f"--method {spec}: the token term reads instruction features; pass --token-features DIR "
+                       "(an `ats train` features folder of this model)")
+    if tokens and not (Path(token_features) / "train").is_dir():
+        raise ATSError(f"--method {spec}: --token-features must name an `ats train` features folder (with train/), "
+                       f"got {str(token_features)!r}")
+    record = answer_head_record(training, loss_type, plan, plan.token_weight if tokens else 0.0)
+    return reusable_answer_head(Path(out) / "head", record, head_type=kind, max_scale=max_scale, overwrite=overwrite)
+
+
 def train_answer_head(backbone, out: str | Path, *, spec: str, training: TrainingConfig, loss_type: str,
                       max_scale: float = 10.0, plan: AnswerPlan | None = None, token_features: str | Path | None = None,
                       overwrite: bool = False, progress: bool = True):
@@ -163,7 +180,7 @@ def train_answer_head(backbone, out: str | Path, *, spec: str, training: Trainin
         spec: what is trained (`parse_spec`): an ATS head type ("transformer", "linear", "mlp", "constant": the
             global control), "thermometer", or an ATS head with "+tokens" (plus `plan.token_weight` x the top-label
             loss on the instruction tokens of `token_features`).
-        training: lr (None: 1e-3), epochs, batch_size (questions per step), seed, ...
+        training: lr (None: DEFAULT_ANSWER_LR), epochs, batch_size (questions per step), seed, ...
         loss_type: "answer-log" or "answer-brier".
         max_scale: the clamp on exp(tau) (ATS heads).
         plan: the pool's sizes and the token term's settings; default `AnswerPlan()`.
@@ -175,22 +192,18 @@ def train_answer_head(backbone, out: str | Path, *, spec: str, training: Trainin
         (the calibrator, name -> the pool's answer sets, whether the head was reused).
 
     Raises:
-        ATSError: if the spec is unknown, "+tokens" comes without token features, or OUT/head holds a head trained
-            otherwise (without `overwrite`).
+        ATSError: as `check_answer_head`.
     """
     from ..calibrators import load_calibrator
     from ..training.features import FeatureStore
 
     plan = plan or AnswerPlan()
+    reuse = check_answer_head(out, spec=spec, training=training, loss_type=loss_type, max_scale=max_scale, plan=plan,
+                              token_features=token_features, overwrite=overwrite)
     kind, tokens = parse_spec(spec, field="--method")
-    if tokens and token_features is None:
-        raise ATSError(f"--method {spec}: the token term reads instruction features; pass --token-features DIR "
-                       "(an `ats train` features folder of this model)")
     out = Path(out)
     head_dir = out / "head"
     token_weight = plan.token_weight if tokens else 0.0
-    reuse = reusable_answer_head(head_dir, answer_head_record(training, loss_type, plan, token_weight),
-                                 head_type=kind, max_scale=max_scale, overwrite=overwrite)
     pool = {name: cached_answers(backbone, task, out / "answers" / name, progress=progress)
             for name, task in pool_tasks(plan).items()}
     if reuse:

@@ -239,10 +239,27 @@ def _cycled_batches(store, seed: int):
         npass += 1
 
 
+DEFAULT_ANSWER_LR = 1e-3  # the learning rate of answer training when the config leaves it unset
+
+
+def answer_lr(config: TrainingConfig) -> float:
+    """The learning rate answer training uses: `config.lr`, or DEFAULT_ANSWER_LR when unset."""
+    return config.lr if config.lr is not None else DEFAULT_ANSWER_LR
+
+
 def token_record(token_weight: float, token_max: int | None, token_window: int | None) -> dict:
     """The token-term fields of a training record (the subset and window only when the term is on)."""
     return {"token_weight": token_weight,
             **({"token_max": token_max, "token_window": token_window} if token_weight > 0 else {})}
+
+
+def answer_record(config: TrainingConfig, loss_type: str, *, tasks: list[str], token_weight: float,
+                  token_max: int | None, token_window: int | None, optimizer_steps: int | None = None) -> dict:
+    """The training record of a calibrator trained on answers: what `train_on_answers` writes with it (with the
+    optimizer steps) and what a rerun compares before reusing it (without)."""
+    steps = {} if optimizer_steps is None else {"optimizer_steps": optimizer_steps}
+    return {**config.to_dict(), "loss_type": loss_type, "lr": answer_lr(config), **steps, "data": "answers",
+            "tasks": list(tasks), **token_record(token_weight, token_max, token_window)}
 
 
 def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: TrainingConfig, loss_type: str,
@@ -256,7 +273,8 @@ def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: Tr
             joins the loss; it is marked fitted at the end).
         sets: the training tasks' answers.
         logits_fn: the backbone's output layer.
-        config: lr (None: 1e-3), epochs, batch_size (questions per step), warmup, weight decay, clipping, seed.
+        config: lr (None: DEFAULT_ANSWER_LR), epochs, batch_size (questions per step), warmup, weight decay,
+            clipping, seed.
         loss_type: one of `ANSWER_LOSSES`.
         token_store: an instruction `FeatureStore` of the same backbone; with `token_weight` > 0 every step adds
             `token_weight` x the top-label loss of one of its sequences (ATS-family heads only).
@@ -283,11 +301,10 @@ def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: Tr
     generator = torch.Generator().manual_seed(config.seed)
     module = scale_module(calibrator).train()
     steps = sum(len(answer_batches(sets, config.batch_size, seed=config.seed, epoch=e)) for e in range(config.epochs))
-    lr = config.lr if config.lr is not None else 1e-3
-    optimizer = torch.optim.AdamW(decay_groups(module, config.weight_decay), lr=lr)
+    optimizer = torch.optim.AdamW(decay_groups(module, config.weight_decay), lr=answer_lr(config))
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(config.warmup_ratio * steps), steps)
-    record = {**config.to_dict(), "loss_type": loss_type, "lr": lr, "optimizer_steps": steps, "data": "answers",
-              "tasks": [s.name for s in sets], **token_record(token_weight, token_max, token_window)}
+    record = answer_record(config, loss_type, tasks=[s.name for s in sets], token_weight=token_weight,
+                           token_max=token_max, token_window=token_window, optimizer_steps=steps)
     if not thermometer:
         calibrator.config_.training = record
     result = AnswerTrainResult()
