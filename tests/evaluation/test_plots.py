@@ -95,8 +95,9 @@ def test_tradeoff_points_are_token_ece_against_task_ece(monkeypatch):
     for ax, task in zip(axes, tasks):
         names = [t.get_text() for t in ax.texts]
         assert names == [n for n in ("uncalibrated", "ats", "nll") if n in tasks[task]]
-        points = [tuple(c.get_offsets()[0]) for c in ax.collections]
-        assert points == pytest.approx([(token[n]["ece"], tasks[task][n]["ece"]) for n in names])
+        points = np.array([c.get_offsets()[0] for c in ax.collections], dtype=float)  # (n, 2)
+        expected = np.array([(token[n]["ece"], tasks[task][n]["ece"]) for n in names])  # (n, 2)
+        np.testing.assert_allclose(points, expected, rtol=1e-12)
 
 
 def test_alpha_lines_are_the_ece_per_alpha_with_the_reference_dashed(monkeypatch):

@@ -71,10 +71,11 @@ def test_sequences_joining_a_running_batch_get_their_values_alone(backbone, cali
         assert choice["finish"] == "length"
         if max_tokens == 12:
             assert choice["text"] == ref.text
+            # batch composition changes float32 rounding (by 1.9e-5 seen on an AMD EPYC): equal to 1e-4
             torch.testing.assert_close(torch.tensor([t.logprob for t in choice["tokens"]]).exp(),
-                                       torch.tensor(ref.confidences), atol=1e-5, rtol=0)
+                                       torch.tensor(ref.confidences), atol=1e-4, rtol=0)
             torch.testing.assert_close(torch.tensor([t.tau for t in choice["tokens"]]), torch.tensor(ref.taus),
-                                       atol=1e-5, rtol=0)
+                                       atol=1e-4, rtol=0)
         assert_matches(backbone, calibrator, chat_ids(backbone, PROMPTS[i]), choice)
         # the top alternatives are the calibrated distribution's, best first, the greedy token among them first
         logq, _, _ = forward(backbone, calibrator, chat_ids(backbone, PROMPTS[i]) + ref.token_ids[:max_tokens])

@@ -98,8 +98,9 @@ def test_sharded_extraction_covers_every_example_once(two_process_run, examples,
     for k in range(single.n_shards):
         a, b = single.load_shard(k), train_store.load_shard(k)
         assert a.keys() == b.keys()
-        for key in a:
-            torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+        for key in a:  # indices and lengths exactly; floats to rounding (thread counts pick other matmul kernels)
+            exact = not a[key].is_floating_point()
+            torch.testing.assert_close(a[key], b[key], rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
 
 
 def _single_process(tiny_backbone, train, val):
