@@ -16,7 +16,8 @@ from pathlib import Path
 
 from .errors import ATSError
 
-DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.md"]
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.md"]  # a calibrator's files
+MODEL_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # a model's, no pickles
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -25,7 +26,8 @@ def is_repo_id(name: str) -> bool:
     return bool(REPO_ID.match(name)) and not name.startswith((".", "/", "~")) and ".." not in name
 
 
-def resolve_folder(name: str | Path, *, revision: str | None = None, token: str | bool | None = None) -> Path:
+def resolve_folder(name: str | Path, *, revision: str | None = None, token: str | bool | None = None,
+                   patterns: list[str] = DOWNLOAD_PATTERNS) -> Path:
     """The local folder of `name`: the path itself when it exists, else the snapshot of the Hub repo `name`.
 
     `huggingface_hub.snapshot_download` reads the local cache first ($HF_HUB_CACHE, with $HF_HUB_OFFLINE=1 the cache
@@ -35,6 +37,7 @@ def resolve_folder(name: str | Path, *, revision: str | None = None, token: str 
         name: a local folder, or a Hub repo id (owner/name).
         revision: the repo's branch, tag or commit (None: main).
         token: the Hub token (None: the logged-in one).
+        patterns: the files to download (a calibrator's by default; `MODEL_PATTERNS` for a model).
 
     Returns:
         The folder (a path that does not exist is returned as it is when `name` is not shaped like a repo id, so
@@ -60,7 +63,7 @@ def resolve_folder(name: str | Path, *, revision: str | None = None, token: str 
             from None
     try:
         return Path(snapshot_download(repo_id=str(name), revision=revision, token=token,
-                                      allow_patterns=DOWNLOAD_PATTERNS))
+                                      allow_patterns=patterns))
     except LocalEntryNotFoundError:
         raise ATSError(f"{name}: no such folder, and not in the Hugging Face cache ({_cache_dir()}) while offline "
                        f"(HF_HUB_OFFLINE=1 or no connection)") from None

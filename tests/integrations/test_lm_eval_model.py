@@ -152,7 +152,7 @@ def test_calibrators_that_give_no_log_likelihoods_are_refused(tmp_path, tiny_fol
         check_calibrator(str(tmp_path / "missing"))
     histogram = build_calibrator("histogram").fit(lambda: iter([(torch.randn(64, 8), torch.randint(0, 8, (64,)))]))
     histogram.save_pretrained(tmp_path / "histogram")
-    with pytest.raises(ATSError, match="maps top-1 confidences"):
+    with pytest.raises(ATSError, match="maps the top-1 confidence, not the logits"):
         ATSLM(pretrained=str(tiny_folder), calibrator=str(tmp_path / "histogram"), device="cpu")
     assert check_calibrator("none") is None and check_calibrator(None) is None
     other = ATSCalibrator.for_backbone(tiny_backbone)  # a head for another model (name "tiny-llama")

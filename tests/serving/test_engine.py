@@ -32,9 +32,9 @@ def run(engine: Engine) -> int:
 
 
 def close(actual, expected) -> None:
-    """Log-probabilities equal to 1e-5 (relative to 1 + |value|: batched and single forward passes differ by float32
-    rounding, which the tiny model's large logits amplify)."""
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32), expected, atol=1e-5, rtol=1e-5)
+    """Log-probabilities equal to 1e-4 (batched and single forward passes differ by float32 rounding, which the tiny
+    model's large logits amplify: by up to 2.1e-5 seen on Intel and AMD machines of this kind)."""
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32), expected, atol=1e-4, rtol=1e-5)
 
 
 def assert_matches(backbone, calibrator, prompt_ids, choice):

@@ -71,6 +71,21 @@ class Calibrator(FitRoutes, SavedCalibrator, HubCard, ABC):
             return getattr(self.config_, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    @classmethod
+    def position_refusal(cls) -> str | None:
+        """Why this method cannot run where logits are calibrated one position at a time from that position's
+        logits and the hidden states up to it (lm-eval's batched requests, an inference engine such as vLLM);
+        None when it can (the ATS family, temperature and vector scaling, none).
+
+        Returns:
+            The reason in a few words, to quote in an error, or None.
+        """
+        if cls.maps_confidence:
+            return "maps the top-1 confidence, not the logits"
+        if cls.needs_hidden and not cls.token_head:
+            return "reads one temperature per prompt from the prompt's last hidden state and holds it over the answer"
+        return None
+
     @property
     def is_fitted(self) -> bool:
         """Whether every attribute in `fitted_attributes` is set (always, for a class without any)."""

@@ -83,11 +83,10 @@ def check_calibrator(spec) -> Path | Calibrator | None:
 
 
 def _check_supported(cls: type[Calibrator], what: str) -> None:
-    if cls.maps_confidence:
-        raise ATSError(f"calibrator {what} maps top-1 confidences, not logits: lm-eval needs log-likelihoods")
-    if cls.needs_hidden and not cls.token_head:
-        raise ATSError(f"calibrator {what} reads one temperature per prompt at the prompt's end, which lm-eval's "
-                       f"batched requests do not mark; use an ATS head, temperature or vector scaling")
+    reason = cls.position_refusal()
+    if reason is not None:
+        raise ATSError(f"calibrator {what} {reason}: lm-eval scores batched requests position by position; use an "
+                       f"ATS head, temperature or vector scaling")
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..errors import ATSError
 from ..io import atomic_dir, atomic_file
@@ -197,18 +197,19 @@ def model_source(name_or_path: str) -> tuple[str, str, str | None]:
     return name_or_path, name_or_path, None
 
 
-def revision_of(model: PreTrainedModel, revision: str | None = None) -> str:
+def revision_of(model: PreTrainedModel | PretrainedConfig, revision: str | None = None) -> str:
     """The revision of a model loaded from a folder or the Hub: the one asked for, else the Hub commit, else
     "local" (a calibrator records it and refuses another).
 
     Args:
-        model: the loaded model (its config may carry the Hub commit).
+        model: the loaded model or its config (which may carry the Hub commit).
         revision: the revision asked for, or None.
 
     Returns:
         The revision string.
     """
-    return revision or getattr(model.config, "_commit_hash", None) or "local"
+    config = getattr(model, "config", model)
+    return revision or getattr(config, "_commit_hash", None) or "local"
 
 
 def _load_gguf(gguf: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:

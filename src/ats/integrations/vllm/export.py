@@ -1,0 +1,165 @@
+"""`export_for_vllm`: a model folder that vLLM loads as the calibrated model.
+
+    OUT/config.json         the base model's config, `architectures` = ["ATSCalibratedForCausalLM"], and
+                            "ats_calibration": {base_architecture, calibrator, method, base_model, revision, ...}
+    OUT/calibrator/         the calibrator as `save_pretrained` writes it (absent for `none`)
+    OUT/*.safetensors ...   every other file of the base model folder, linked (or copied with `copy=True`)
+    OUT/fingerprint.json    what made it: a rerun reuses the folder only for the same model and calibrator
+
+The calibrator is checked against the base model before anything is written (hidden size, vocabulary, name,
+revision: the checks `load_calibrator(..., backbone=...)` makes, read from the model's config.json so that a 70B
+model is not loaded to export it), and refused when it cannot run inside vLLM (`Calibrator.position_refusal`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ... import __version__
+from ...calibrators import Calibrator, load_calibrator
+from ...errors import ATSError
+from ...fingerprint import check_reuse, make_fingerprint, stored_fingerprint, write_fingerprint
+from ...hub import MODEL_PATTERNS, resolve_folder
+from ...io import atomic_dir, read_json, write_json
+from ...model.backbone import model_source, revision_of
+from . import ARCHITECTURE, CALIBRATOR_FOLDER, CONFIG_KEY
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a calibrator checks of its backbone (`Calibrator.check_backbone`), read from a config.json."""
+
+    name: str
+    revision: str
+    hidden_size: int
+    vocab_size: int
+
+
+def base_model(model: str, revision: str | None = None) -> tuple[Path, ModelFacts, dict]:
+    """The local folder of `model` (as `load_backbone` takes it: embedded name, .gguf, folder, Hub id), its facts
+    and its config.json.
+
+    Raises:
+        ATSError: if the folder has no config.json, is itself an export, or names no architecture.
+    """
+    source, name, known_revision = model_source(model)
+    folder = resolve_folder(source, revision=revision, patterns=MODEL_PATTERNS)
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ATSError(f"{folder}: not a model folder (no config.json)")
+    config = read_json(path)
+    if CONFIG_KEY in config:
+        raise ATSError(f"{path}: already a calibrated export (field {CONFIG_KEY!r}); export from its base model "
+                       f"{config[CONFIG_KEY].get('base_model')!r}")
+    if not config.get("architectures"):
+        raise ATSError(f"{path}: field 'architectures' is missing or empty; vLLM needs it to pick the model class")
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(str(folder))
+    text = loaded.get_text_config()
+    facts = ModelFacts(name=name, revision=known_revision or revision_of(loaded, revision),
+                       hidden_size=int(text.hidden_size), vocab_size=int(text.vocab_size))
+    return folder, facts, config
+
+
+def check_engine_calibrator(calibrator: Calibrator | type[Calibrator], what: str) -> None:
+    """Refuse, in one line, a calibrator that cannot run inside vLLM (it maps a confidence, or holds one
+    temperature per prompt), pointing at `ats serve`, which runs every calibrator."""
+    reason = calibrator.position_refusal()
+    if reason is not None:
+        raise ATSError(f"calibrator {what} {reason}, and vLLM computes calibrated logprobs from each position's "
+                       f"logits and hidden states alone; serve it with `ats serve` (ats's own engine) instead")
+
+
+def _check_base_architecture(architecture: str, where: Path) -> None:
+    """Refuse an architecture this vLLM has no class for (only when vLLM is installed; the export itself needs
+    no vLLM)."""
+    try:
+        from vllm import ModelRegistry
+    except ImportError:
+        return
+    if architecture not in ModelRegistry.get_supported_archs():
+        raise ATSError(f"{where}: architecture {architecture!r} is not one vLLM supports")
+
+
+def _place(source: Path, target: Path, copy: bool) -> None:
+    """Link `target` to `source` (absolute, through any link chain), or copy it."""
+    real = source.resolve()
+    if copy:
+        (shutil.copytree if real.is_dir() else shutil.copy2)(real, target)
+    else:
+        os.symlink(real, target)
+
+
+def export_for_vllm(model: str, calibrator: str | Path | Calibrator | None, out: str | Path, *,
+                    revision: str | None = None, copy: bool = False, overwrite: bool = False) -> Path:
+    """Write (or reuse) the folder vLLM loads as `model` calibrated by `calibrator`.
+
+    Args:
+        model: the base model as `load_backbone` takes it (embedded name, .gguf file, folder, Hub id).
+        calibrator: a saved calibrator (folder or Hub id, the paper's released heads too), a loaded one, or
+            None / "none" for the base model under the calibrated architecture (the reference).
+        out: the folder to write.
+        revision: the Hub revision of `model`.
+        copy: copy the base model's files instead of linking them (a folder that outlives the source).
+        overwrite: replace an export made from another model or calibrator instead of refusing.
+
+    Returns:
+        `out`.
+
+    Raises:
+        ATSError: a calibrator vLLM cannot run or made for another model, a model folder vLLM cannot load, an
+            existing `out` made otherwise (without `overwrite`).
+    """
+    out = Path(out)
+    if calibrator is None or str(calibrator) == "none":
+        calibrator = None
+    elif not isinstance(calibrator, Calibrator):
+        calibrator = load_calibrator(calibrator)
+    if calibrator is not None:
+        check_engine_calibrator(calibrator, f"{calibrator.label!r}")
+    folder, facts, config = base_model(model, revision)
+    if calibrator is not None:
+        calibrator.check_backbone(facts)
+    architecture = config["architectures"][0]
+    _check_base_architecture(architecture, folder / "config.json")
+    record = {"base_architecture": architecture, "base_model": facts.name, "revision": facts.revision,
+              "calibrator": None if calibrator is None else CALIBRATOR_FOLDER,
+              "method": "none" if calibrator is None else calibrator.label, "library_version": __version__}
+    fingerprint = make_fingerprint("vllm-export", base_model=facts.name, revision=facts.revision,
+                                   source=str(folder.resolve()), copy=copy,
+                                   calibrator=None if calibrator is None else calibrator.digest())
+    if out.exists() and check_reuse(out, "vLLM export", stored_fingerprint(out), fingerprint, overwrite=overwrite):
+        return out
+    with atomic_dir(out) as tmp:
+        for item in sorted(folder.iterdir()):
+            if item.name != "config.json" and not item.name.startswith("."):
+                _place(item, tmp / item.name, copy)
+        write_json(tmp / "config.json", {**config, "architectures": [ARCHITECTURE], CONFIG_KEY: record})
+        if calibrator is not None:
+            calibrator.save_pretrained(tmp / CALIBRATOR_FOLDER)
+        write_fingerprint(tmp, fingerprint)
+    logger.info("exported %s calibrated by %s for vLLM to %s", facts.name, record["method"], out)
+    return out
+
+
+def read_export(folder: str | Path) -> dict:
+    """The "ats_calibration" record of an exported folder's config.json.
+
+    Raises:
+        ATSError: if the folder is not an export of this kind.
+    """
+    path = Path(folder) / "config.json"
+    try:
+        record = json.loads(path.read_text())[CONFIG_KEY]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ATSError(f"{path}: not an ats export for vLLM (no {CONFIG_KEY!r} record); make one with "
+                       f"`ats export --engine vllm`") from None
+    return record

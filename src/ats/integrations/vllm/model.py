@@ -1,0 +1,131 @@
+"""`ATSCalibratedForCausalLM`: vLLM's own model class of the base architecture, composed with a calibrator.
+
+    forward(ids, positions)  -> h (N, H) from the base model; with a per-token head also tau (N,):
+                                returns [h, tau] (N, H + 1) in float32, so tau travels with h to the sampled rows
+    compute_logits(rows)     -> q = z * exp(tau).clamp(max_scale)   (the ATS family: `ATSCalibrator.scale`)
+                                q = calibrator.apply(z)            (temperature, vector scaling, none)
+
+Every row vLLM samples from or scores (sampled tokens, prompt logprobs) passes through `compute_logits`, so the
+logprobs of vLLM's OpenAI server and of lm-eval's `vllm` model are the calibrated ones (vLLM's default
+`logprobs_mode="raw_logprobs"`), and a user's sampling temperature applies on top. The head's tau is computed where
+hidden states are made, at every scheduled token, because the paper's transformer head attends over earlier
+positions (its keys and values are in vLLM's KV cache: `head.PagedTransformerHead`); the context-free heads
+(constant, linear, MLP) run as the calibrator's own modules. Scaling h instead of z (`W (h s)`) would need no extra
+column but is exact only in real numbers (lm_eval_model.py's docstring measured the difference), so tau is carried.
+
+The base class is whatever vLLM has for the `base_architecture` of the export (Llama, Qwen2, ...): one class for
+all, by composition. Pipeline parallelism, LoRA and quantized base weights are not supported by this class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from vllm.config import VllmConfig
+from vllm.model_executor.models import ModelRegistry
+
+from ...calibrators import Calibrator, load_calibrator
+from ...errors import ATSError
+from ...hub import resolve_folder
+from . import CONFIG_KEY
+from .export import check_engine_calibrator
+
+
+@contextmanager
+def _float32_on_cpu():
+    """Build tensors on the CPU in float32 (vLLM builds the model under the model's dtype and device)."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def _load_exported_calibrator(vllm_config: VllmConfig, record: dict) -> Calibrator | None:
+    """The export's calibrator, in float32 on the CPU, or None for `none`."""
+    if record.get("calibrator") is None:
+        return None
+    folder = resolve_folder(vllm_config.model_config.model, revision=vllm_config.model_config.revision)
+    with _float32_on_cpu():
+        calibrator = load_calibrator(Path(folder) / record["calibrator"])
+    check_engine_calibrator(calibrator, f"{record['calibrator']!r}")
+    return calibrator
+
+
+class ATSCalibratedForCausalLM(nn.Module):
+    """A base model of any architecture vLLM supports with a calibrator inside (see the module docstring).
+
+    Args:
+        vllm_config: the engine's config; `model_config.hf_config` is the exported config.json, whose
+            "ats_calibration" record names the base architecture and the calibrator folder.
+        prefix: the model's name prefix (vLLM's convention), passed to the base model.
+    """
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        hf_config = vllm_config.model_config.hf_config
+        record = getattr(hf_config, CONFIG_KEY, None)
+        if not isinstance(record, dict) or "base_architecture" not in record:
+            raise ATSError(f"{vllm_config.model_config.model}: config.json has no {CONFIG_KEY!r} record naming the "
+                           f"base architecture; make the folder with `ats export --engine vllm`")
+        base_class, _ = ModelRegistry.resolve_model_cls([record["base_architecture"]], vllm_config.model_config)
+        self.base = base_class(vllm_config=vllm_config, prefix=prefix)
+        self.calibrator = _load_exported_calibrator(vllm_config, record)
+        self.dtype = vllm_config.model_config.dtype
+        self.head: nn.Module | None = None
+        if self.calibrator is not None and self.calibrator.token_head:
+            device = torch.get_default_device()
+            if self.calibrator.config_.head.head_type == "transformer":
+                from .head import PagedTransformerHead
+
+                self.head = PagedTransformerHead(self.calibrator, vllm_config, hf_config.num_hidden_layers)
+                self.head.final_norm.to(device)
+                self.head.proj.to(device)
+            else:
+                self.head = self.calibrator.head.to(device)  # constant, linear, MLP: per token, float32
+        elif self.calibrator is not None:
+            self.calibrator.to(torch.get_default_device())
+
+    def embed_input_ids(self, input_ids: Tensor) -> Tensor:
+        """The base model's token embeddings."""
+        return self.base.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: Tensor | None, positions: Tensor, intermediate_tensors=None,
+                inputs_embeds: Tensor | None = None, **kwargs) -> Tensor:
+        """h (N, H) of the N scheduled tokens, with tau as one more column (N, H + 1) under a per-token head."""
+        hidden = self.base(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)  # (N, H)
+        if self.head is None:
+            return hidden
+        if hasattr(self.head, "layer"):  # the paged transformer head: attends over the KV cache
+            tau = self.head(positions, hidden)  # (N,)
+        else:
+            tau = self.calibrator.log_scale(hidden[None])[0]  # (N,)
+        return torch.cat([hidden.float(), tau[:, None]], dim=-1)  # (N, H + 1)
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor | None:
+        """Calibrated logits (n, V) of the n rows vLLM samples from or scores."""
+        if self.calibrator is None:
+            return self.base.compute_logits(hidden_states)
+        if self.head is None:  # temperature / vector scaling: a map of the logits
+            logits = self.base.compute_logits(hidden_states)
+            return None if logits is None else self.calibrator.apply(logits)
+        hidden, tau = hidden_states[:, :-1].to(self.dtype), hidden_states[:, -1]  # (n, H), (n,)
+        logits = self.base.compute_logits(hidden)  # (n, V)
+        if logits is None:
+            return None
+        return logits * self.calibrator.scale(tau).to(logits.dtype)[:, None]
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """The base model's weights from the folder (vLLM's loader), then the head's from the calibrator."""
+        loaded = {f"base.{name}" for name in self.base.load_weights(weights)}
+        if self.head is not None:
+            names = self.head.load_layer_weights() if hasattr(self.head, "load_layer_weights") else \
+                {n for n, _ in self.head.named_parameters()}
+            loaded |= {f"head.{name}" for name in names}
+        return loaded

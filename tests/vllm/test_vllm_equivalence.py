@@ -1,0 +1,141 @@
+"""vLLM runs every calibrator it can hold exactly as ats does: for each, the calibrated logprobs vLLM returns
+(the chosen token and the top 5 of every generated token, every prompt token's) equal those of ats's decoding core
+(`ats generate`, `ats serve`) on the same token ids in float32, and the greedy text is the same. On a tiny random
+Llama and Qwen2, prompts of mixed lengths in one batch, a prompt found in the prefix cache, prefix caching on and
+off, and a prompt longer than the chunked-prefill budget.
+
+The tolerance is the floor measured in the same run (plain vLLM against ats's uncalibrated core on the same fp32
+weights), twice, carried through the calibrator's largest factor on a logit (an engine's logit error e becomes s e
+after q = s z), never more than 1e-3.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+
+from ats.calibrators import load_calibrator
+from ats.integrations.vllm.export import export_for_vllm
+
+from conftest import calibrators, reference, run_vllm
+
+MAX_TOKENS, TOP = 10, 5
+CALIBRATORS = {"llama": ["transformer", "mlp", "linear", "selective-temperature", "selective-linear", "official",
+                         "temperature", "vector"],
+               "qwen2": ["transformer", "temperature"]}
+BUDGET = 64  # the chunked-prefill budget of the chunking engine: below the longest prompt
+
+
+class Arm(NamedTuple):
+    got: list  # vLLM's outputs, per round, per prompt
+    want: list  # ats's, the same
+    prompts: list  # the token ids, per round
+    backbone: object
+    calibrator: object
+
+
+def prompts_of(tokenizer) -> list[list[int]]:
+    """Three prompts of 5-150 tokens (mixed lengths in one batch); the longest is longer than BUDGET."""
+    texts = ["The capital of France is",
+             "Write a short poem about the sea and the wind, and say why the tide comes in twice a day. " * 2,
+             "Rome is the capital of Italy and Madrid is the capital of Spain. " * 9]
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+
+
+def max_difference(got: dict, want: dict, keys=("logprobs", "prompt_logprobs")) -> float:
+    """The largest |logprob difference| over generated and prompt tokens; the same tokens and the same top-k sets
+    are asserted on the way."""
+    assert got["tokens"] == want["tokens"], "greedy text differs"
+    worst = 0.0
+    for key in keys:
+        assert len(got[key]) == len(want[key])
+        for g, w in zip(got[key], want[key]):
+            if w is None:
+                assert g is None
+                continue
+            assert set(g) == set(w), f"{key}: other top-{TOP} tokens {sorted(g)} vs {sorted(w)}"
+            worst = max(worst, max(abs(g[t] - w[t]) for t in w))
+    return worst
+
+
+@pytest.fixture(scope="session")
+def runs(tiny_models, tmp_path_factory) -> dict[tuple[str, str], Arm]:
+    """Every engine of this module in one vLLM process, and ats's references."""
+    root = tmp_path_factory.mktemp("vllm-runs")
+    sampling = {"max_tokens": MAX_TOKENS, "logprobs": TOP, "prompt_logprobs": TOP, "ignore_eos": True}
+    jobs, arms = [], {}
+    for kind, (folder, backbone) in tiny_models.items():
+        prompts = prompts_of(backbone.tokenizer)
+        rounds = [prompts, [prompts[2] + prompts[0]]]  # the second starts with a prompt of the first: cached
+        saved = calibrators(backbone, root / kind, CALIBRATORS[kind])
+        plan = {"plain": (str(folder), None, {}), "none": (None, None, {})}
+        plan.update({name: (None, path, {}) for name, path in saved.items()})
+        if kind == "llama":
+            plan["transformer/no-prefix-cache"] = (None, saved["transformer"], {"enable_prefix_caching": False})
+            plan["transformer/chunked"] = (None, saved["transformer"], {"max_num_batched_tokens": BUDGET,
+                                                                          "enable_chunked_prefill": True})
+        for name, (model, path, engine) in plan.items():
+            if model is None:
+                model = str(export_for_vllm(str(folder), path, root / kind / f"export-{name.replace('/', '-')}"))
+            jobs.append({"model": model, "engine": {"max_model_len": 512, **engine}, "sampling": sampling,
+                         "rounds": rounds})
+            cal = None if path is None else load_calibrator(path, backbone=None if name == "official" else backbone)
+            want = [reference(backbone, cal, p, MAX_TOKENS, TOP) for p in rounds]
+            arms[(kind, name)] = Arm(None, want, rounds, backbone, cal)
+    results = run_vllm(jobs, root)
+    return {key: arm._replace(got=result["rounds"]) for (key, arm), result in zip(arms.items(), results)}
+
+
+def floor(runs, kind: str) -> float:
+    """How far plain vLLM is from ats's uncalibrated core on the same prompts: the rounding both engines differ by."""
+    arm = runs[(kind, "plain")]
+    return max(max_difference(g, w) for gr, wr in zip(arm.got, arm.want) for g, w in zip(gr, wr))
+
+
+def bound(runs, kind: str, want: dict) -> float:
+    """Twice the floor times the calibrator's largest factor on a logit there, at most 1e-3."""
+    return min(2 * floor(runs, kind) * max(1.0, want["scale"]), 1e-3)
+
+
+@pytest.mark.parametrize("kind,name", [(k, n) for k, names in CALIBRATORS.items() for n in names if n != "vector"]
+                         + [("llama", "transformer/no-prefix-cache"), ("llama", "transformer/chunked")])
+def test_calibrated_logprobs_equal_ats(runs, kind, name):
+    arm = runs[(kind, name)]
+    for got_round, want_round in zip(arm.got, arm.want):
+        for g, w in zip(got_round, want_round):
+            assert max_difference(g, w) <= bound(runs, kind, w)
+    # the calibrator moved the probabilities (the comparison is not of two uncalibrated models)
+    plain = runs[(kind, "plain")].got[0][2]["logprobs"]
+    moved = max(abs(g[t] - p[t]) for g, p in zip(arm.got[0][2]["logprobs"], plain) for t in g if t in p)
+    assert moved > 0.05
+
+
+def test_vector_scaling_decodes_greedily_from_the_calibrated_distribution(runs):
+    """Vector scaling can move the argmax. ats's greedy decoding keeps the model's own text; vLLM's sampler sees only
+    the calibrated logits, so its greedy text is the calibrated argmax. Its prompt logprobs equal ats's, and ats
+    scoring vLLM's text gives the logprobs vLLM reported for it, the chosen token the most likely."""
+    arm = runs[("llama", "vector")]
+    for got_round, want_round, prompts in zip(arm.got, arm.want, arm.prompts):
+        for g, w, ids in zip(got_round, want_round, prompts):
+            assert max_difference({**g, "tokens": []}, {**w, "tokens": []}, keys=("prompt_logprobs",)) \
+                <= bound(runs, "llama", w)
+            scored = reference(arm.backbone, arm.calibrator, [ids + g["tokens"]], 0, TOP)[0]
+            at = scored["prompt_logprobs"][len(ids):]  # the positions that chose the generated tokens
+            assert max_difference({"tokens": [], "logprobs": g["logprobs"]}, {"tokens": [], "logprobs": at},
+                                  keys=("logprobs",)) <= bound(runs, "llama", scored)
+            assert all(max(y, key=y.get) == token for y, token in zip(at, g["tokens"]))
+    assert any(g["tokens"] != w["tokens"] for g, w in zip(arm.got[0], arm.want[0]))  # it moved the argmax here
+
+
+@pytest.mark.parametrize("kind", CALIBRATORS)
+def test_uncalibrated_export_is_plain_vllm(runs, kind):
+    for got_round, plain_round in zip(runs[(kind, "none")].got, runs[(kind, "plain")].got):
+        for g, p in zip(got_round, plain_round):
+            assert max_difference(g, p) == 0.0
+
+
+def test_floor_is_rounding(runs):
+    """The floor itself is float32 rounding, not a disagreement (plain vLLM and ats on the same weights)."""
+    for kind in CALIBRATORS:
+        assert 0.0 < floor(runs, kind) < 1e-4, kind
