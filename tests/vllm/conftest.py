@@ -152,6 +152,22 @@ def reference(backbone: Backbone, calibrator, prompts: list[list[int]], max_toke
              "scale": scale(row.records + row.prompt_scores[1:])} for row in rows]
 
 
+def max_difference(got: dict, want: dict, keys=("logprobs", "prompt_logprobs")) -> float:
+    """The largest |logprob difference| over generated and prompt tokens; the same tokens and the same top-k sets
+    are asserted on the way."""
+    assert got["tokens"] == want["tokens"], "greedy text differs"
+    worst = 0.0
+    for key in keys:
+        assert len(got[key]) == len(want[key])
+        for g, w in zip(got[key], want[key]):
+            if w is None:
+                assert g is None
+                continue
+            assert set(g) == set(w), f"{key}: other top tokens {sorted(g)} vs {sorted(w)}"
+            worst = max(worst, max(abs(g[t] - w[t]) for t in w))
+    return worst
+
+
 def run_vllm(jobs: list[dict], work: Path, *, env: dict | None = None, timeout: int = 900) -> list[dict]:
     """Run the jobs (`vllm_runner.py`) in one fresh process; their outputs with token ids as ints."""
     jobs_path, out_path = work / "jobs.json", work / "out.json"

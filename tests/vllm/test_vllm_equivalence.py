@@ -18,16 +18,18 @@ import pytest
 from ats.calibrators import load_calibrator
 from ats.integrations.vllm.export import export_for_vllm
 
-from conftest import calibrators, reference, run_vllm
+from conftest import calibrators, max_difference, reference, run_vllm
 
 MAX_TOKENS, TOP = 10, 5
 CALIBRATORS = {"llama": ["transformer", "mlp", "linear", "selective-temperature", "selective-linear", "official",
                          "temperature", "vector"],
                "qwen2": ["transformer", "temperature"]}
 BUDGET = 64  # the chunked-prefill budget of the chunking engine: below the longest prompt
+SAMPLING = {"max_tokens": MAX_TOKENS, "logprobs": TOP, "prompt_logprobs": TOP, "ignore_eos": True}
 
 
 class Arm(NamedTuple):
+    model: str  # the folder vLLM loaded
     got: list  # vLLM's outputs, per round, per prompt
     want: list  # ats's, the same
     prompts: list  # the token ids, per round
@@ -43,27 +45,10 @@ def prompts_of(tokenizer) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
 
 
-def max_difference(got: dict, want: dict, keys=("logprobs", "prompt_logprobs")) -> float:
-    """The largest |logprob difference| over generated and prompt tokens; the same tokens and the same top-k sets
-    are asserted on the way."""
-    assert got["tokens"] == want["tokens"], "greedy text differs"
-    worst = 0.0
-    for key in keys:
-        assert len(got[key]) == len(want[key])
-        for g, w in zip(got[key], want[key]):
-            if w is None:
-                assert g is None
-                continue
-            assert set(g) == set(w), f"{key}: other top-{TOP} tokens {sorted(g)} vs {sorted(w)}"
-            worst = max(worst, max(abs(g[t] - w[t]) for t in w))
-    return worst
-
-
 @pytest.fixture(scope="session")
 def runs(tiny_models, tmp_path_factory) -> dict[tuple[str, str], Arm]:
     """Every engine of this module in one vLLM process, and ats's references."""
     root = tmp_path_factory.mktemp("vllm-runs")
-    sampling = {"max_tokens": MAX_TOKENS, "logprobs": TOP, "prompt_logprobs": TOP, "ignore_eos": True}
     jobs, arms = [], {}
     for kind, (folder, backbone) in tiny_models.items():
         prompts = prompts_of(backbone.tokenizer)
@@ -78,11 +63,11 @@ def runs(tiny_models, tmp_path_factory) -> dict[tuple[str, str], Arm]:
         for name, (model, path, engine) in plan.items():
             if model is None:
                 model = str(export_for_vllm(str(folder), path, root / kind / f"export-{name.replace('/', '-')}"))
-            jobs.append({"model": model, "engine": {"max_model_len": 512, **engine}, "sampling": sampling,
+            jobs.append({"model": model, "engine": {"max_model_len": 512, **engine}, "sampling": SAMPLING,
                          "rounds": rounds})
             cal = None if path is None else load_calibrator(path, backbone=None if name == "official" else backbone)
             want = [reference(backbone, cal, p, MAX_TOKENS, TOP) for p in rounds]
-            arms[(kind, name)] = Arm(None, want, rounds, backbone, cal)
+            arms[(kind, name)] = Arm(model, None, want, rounds, backbone, cal)
     results = run_vllm(jobs, root)
     return {key: arm._replace(got=result["rounds"]) for (key, arm), result in zip(arms.items(), results)}
 
@@ -139,3 +124,17 @@ def test_floor_is_rounding(runs):
     """The floor itself is float32 rounding, not a disagreement (plain vLLM and ats on the same weights)."""
     for kind in CALIBRATORS:
         assert 0.0 < floor(runs, kind) < 1e-4, kind
+
+
+def test_tensor_parallel_two_equals_one(runs, tmp_path):
+    """The calibrated model on two tensor-parallel ranks (vLLM's CPU backend, one core each; the head's layer
+    sharded like the base model's: two attention heads, one per rank) gives the logprobs of one rank."""
+    arm = runs[("llama", "transformer")]
+    job = {"model": arm.model, "engine": {"max_model_len": 512, "tensor_parallel_size": 2,
+                                          "distributed_executor_backend": "mp"},
+           "sampling": SAMPLING, "rounds": arm.prompts}
+    (got,) = run_vllm([job], tmp_path, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    for got_round, one_round, want_round in zip(got["rounds"], arm.got, arm.want):
+        for g, one, w in zip(got_round, one_round, want_round):
+            assert max_difference(g, one) <= bound(runs, "llama", w)
+            assert max_difference(g, w) <= bound(runs, "llama", w)
