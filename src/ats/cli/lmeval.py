@@ -106,6 +106,10 @@ def run(args) -> int:
     argv = list(args.lm_eval_args)
     known = _known(argv)
     check_ats_model(known)
+    if known.model == "vllm":  # calibrated models exported by `ats export --engine vllm` (docs/vllm.md)
+        from ..integrations.vllm import alias_vllm_distribution
+
+        alias_vllm_distribution()
     output_path = Path(known.output_path) if known.output_path else None
     start = time.time() - 1.0  # file times may be rounded down
     saved = sys.argv

