@@ -1,0 +1,215 @@
+"""Serving throughput of calibrated models inside vLLM: vLLM's OpenAI server on `ats export --engine vllm` folders
+(the ATS transformer head, temperature scaling, none) against each other and against `ats serve` with the same
+calibrators, on each model, at 1 / 4 / 16 concurrent clients; plus each server's start-up time.
+
+One server runs at a time (2 cores: servers side by side would share them), all on the same cores with the same
+thread count (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(threads-1); ats serve: --threads). Each client sends
+--requests-per-client chat requests back to back (greedy, --new-tokens new tokens, ignore_eos, logprobs: true;
+`bench_serve.load`); each arm is warmed up first. With --repeats > 1 the arms' order rotates. The ATS head is a
+transformer head away from identity (`bench_generation.randomised_calibrator`; timing does not depend on training),
+temperature scaling has T = 1.3. Start-up = launch to the first answer of /health.
+
+    python benchmarks/bench_vllm.py                                    # SmolLM2 and Qwen2.5-Coder-0.5B
+    python benchmarks/bench_vllm.py --models smollm2-135m-instruct --clients 1,4 --new-tokens 16   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from bench_generation import (
+    command_line,
+    load_average,
+    preamble,
+    randomised_calibrator,
+    run_info,
+    save_results,
+    temperature_scaling,
+)
+from bench_serve import load
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "serving"))
+from ats.integrations.vllm.export import export_for_vllm
+from ats.integrations.vllm.serve import server_argv
+from ats.model.backbone import load_backbone
+
+from server_process import Server, free_port, server_env  # noqa: E402  (the tests' server process helper)
+
+ARMS = ("vllm:none", "vllm:ats", "vllm:temperature", "ats:none", "ats:ats", "ats:temperature")
+
+
+class VLLMServer:
+    """vLLM's OpenAI server (`ats.integrations.vllm.serve.server_argv`) on an export, on a free port."""
+
+    def __init__(self, export: Path, name: str, log: Path, threads: int, eager: bool, max_batch: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        extra = ["--enforce-eager"] if eager else []
+        argv = server_argv(export, served_model_name=name, host="127.0.0.1", port=self.port, dtype="float32",
+                           max_model_len=2048, max_num_seqs=max_batch, vllm_args=extra)
+        env = dict(server_env(), VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0")
+        self._log = log.open("w")
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.process.returncode}; see {self._log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM server not up after {timeout} s; see {self._log.name}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+def start(arm: str, model: str, folders: dict, work: Path, args) -> tuple[object, float]:
+    """Start the arm's server and wait for it; (server, start-up seconds)."""
+    engine, calibrator = arm.split(":")
+    t0 = time.perf_counter()
+    if engine == "vllm":
+        server = VLLMServer(folders[f"export:{calibrator}"], model, work / f"{arm.replace(':', '-')}.log",
+                            args.threads, args.eager, args.max_batch)
+        server.wait(args.start_timeout)
+    else:
+        server = Server(["--model", model, "--calibrator", folders[calibrator], "--threads", str(args.threads),
+                         "--max-batch", str(args.max_batch), "--max-queue", "256"],
+                        work / f"{arm.replace(':', '-')}.log", wait=False)
+        server.wait(timeout=args.start_timeout)
+    return server, time.perf_counter() - t0
+
+
+def bench_model(model: str, args, clients: list[int], work: Path) -> dict:
+    backbone = load_backbone(model)
+    folders = {"none": "none", "ats": str(work / "ats"), "temperature": str(work / "temperature")}
+    randomised_calibrator(backbone, "transformer").save_pretrained(folders["ats"])
+    temperature_scaling().save_pretrained(folders["temperature"])
+    for calibrator in ("none", "ats", "temperature"):
+        folders[f"export:{calibrator}"] = export_for_vllm(model, None if calibrator == "none" else folders[calibrator],
+                                                          work / f"export-{calibrator}")
+    del backbone
+    runs = {arm: {str(c): [] for c in clients} for arm in ARMS}
+    startup = {arm: [] for arm in ARMS}
+    for r in range(args.repeats):
+        shift = r % len(ARMS)
+        for arm in ARMS[shift:] + ARMS[:shift]:
+            server, seconds = start(arm, model, folders, work, args)
+            startup[arm].append(seconds)
+            try:
+                warm = asyncio.run(load(server.url, model, 4, 1, 8))
+                if warm["errors"]:
+                    raise SystemExit(f"{model} {arm} warm-up failed: {warm['error_messages']}")
+                for c in clients:
+                    result = asyncio.run(load(server.url, model, c, args.requests_per_client, args.new_tokens))
+                    runs[arm][str(c)].append(result)
+                    print(f"{model} repeat {r + 1}/{args.repeats} {arm:17s} clients {c:3d} "
+                          f"{result['tokens_per_s']:6.1f} tok/s p50 {result['latency_p50_s'] or 0:6.1f} s "
+                          f"errors {result['errors']}", file=sys.stderr, flush=True)
+            finally:
+                server.stop()
+    rows = []
+    for c in clients:
+        tps = {arm: statistics.median(x["tokens_per_s"] for x in runs[arm][str(c)]) for arm in ARMS}
+        rows.append({"clients": c, "tokens_per_s": tps,
+                     "p50_s": {arm: statistics.median(x["latency_p50_s"] or 0 for x in runs[arm][str(c)])
+                               for arm in ARMS},
+                     "errors": sum(x["errors"] for arm in ARMS for x in runs[arm][str(c)]),
+                     "ratios": {"vllm ats / vllm none": tps["vllm:ats"] / tps["vllm:none"],
+                                "vllm temperature / vllm none": tps["vllm:temperature"] / tps["vllm:none"],
+                                "vllm ats / ats serve ats": tps["vllm:ats"] / tps["ats:ats"],
+                                "vllm temperature / ats serve temperature":
+                                    tps["vllm:temperature"] / tps["ats:temperature"],
+                                "vllm none / ats serve none": tps["vllm:none"] / tps["ats:none"]},
+                     "runs": {arm: runs[arm][str(c)] for arm in ARMS}})
+    return {"model": model, "results": rows,
+            "startup_s": {arm: statistics.median(v) for arm, v in startup.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM with --enforce-eager (no torch.compile: minutes less start-up)")
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "vllm"), help="writes OUT.md and OUT.json")
+    args = p.parse_args(argv)
+    command = command_line(argv)
+    clients = [int(c) for c in args.clients.split(",") if c]
+    work = Path(tempfile.mkdtemp(prefix="ats-bench-vllm-"))
+    started = time.perf_counter()
+    load_start = load_average()
+    models = [bench_model(m, args, clients, work / m) for m in args.models.split(",") if m]
+    load_end = load_average()
+    result = {**run_info(command, args.threads, load_start, load_end), "clients": clients,
+              "requests_per_client": args.requests_per_client, "new_tokens": args.new_tokens,
+              "repeats": args.repeats, "max_batch": args.max_batch, "eager": args.eager,
+              "vllm_env": {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                           "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"},
+              "wall_seconds": time.perf_counter() - started, "models": models}
+    table = format_table(result)
+    print(table)
+    save_results(Path(args.out), result, format_markdown(result, table))
+    return 0
+
+
+def format_table(result: dict) -> str:
+    lines = ["| model | clients | vLLM none | vLLM ATS | vLLM temperature | ats serve none | ats serve ATS | "
+             "ats serve temperature | vLLM ATS / vLLM none | vLLM temp. / vLLM none | vLLM ATS / ats serve ATS | "
+             "vLLM temp. / ats serve temp. | errors |", "|---|---:|" + "---:|" * 11]
+    for model in result["models"]:
+        for row in model["results"]:
+            t, r = row["tokens_per_s"], row["ratios"]
+            lines.append(f"| {model['model']} | {row['clients']} | " + " | ".join(f"{t[a]:.1f}" for a in ARMS)
+                         + f" | {r['vllm ats / vllm none']:.3f} | {r['vllm temperature / vllm none']:.3f} | "
+                           f"{r['vllm ats / ats serve ats']:.2f}x | {r['vllm temperature / ats serve temperature']:.2f}x"
+                           f" | {row['errors']} |")
+    lines += ["", "| model | " + " | ".join(f"start-up {a} (s)" for a in ARMS) + " |", "|---|" + "---:|" * len(ARMS)]
+    for model in result["models"]:
+        lines.append(f"| {model['model']} | " + " | ".join(f"{model['startup_s'][a]:.0f}" for a in ARMS) + " |")
+    return "\n".join(lines)
+
+
+def format_markdown(result: dict, table: str) -> str:
+    return "\n".join([
+        *preamble(result, "Calibrated models inside vLLM: throughput against vLLM uncalibrated and against "
+                  "`ats serve`", f"{result['machine']['torch_threads']} per server"),
+        f"Load: N concurrent clients x {result['requests_per_client']} chat request(s) each, {result['new_tokens']} "
+        f"new tokens per request (greedy, ignore_eos, logprobs: true), one server at a time on the same cores, "
+        f"{result['repeats']} repeat(s) (order rotating). vLLM {'with --enforce-eager' if result['eager'] else 'compiled'}"
+        f", float32, --max-num-seqs {result['max_batch']}; ats serve --max-batch {result['max_batch']}. Tokens/s = "
+        f"generated tokens / wall time of the whole load. Targets (issue 30): vLLM ATS / vLLM none >= 0.95, vLLM "
+        f"temperature / vLLM none >= 0.99. Total benchmark time {result['wall_seconds']:.0f} s.",
+        "",
+        table,
+        "",
+    ])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
