@@ -16,6 +16,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.llama import LlamaDecoderLayer
 
 from ...calibrators.ats import ATSCalibrator
+from ...errors import ATSError
 
 # our TransformerHead's state-dict key -> (the vLLM layer's parameter, shard id or None)
 _LAYER_KEYS = {
@@ -52,6 +53,10 @@ class PagedTransformerHead(nn.Module):
     def __init__(self, calibrator: ATSCalibrator, vllm_config: VllmConfig, layer_index: int) -> None:
         super().__init__()
         sizes, head = calibrator.config_.head, calibrator.head
+        ranks = vllm_config.parallel_config.tensor_parallel_size
+        if sizes.num_heads % ranks:
+            raise ATSError(f"the calibration head's {sizes.num_heads} attention heads do not divide among "
+                           f"{ranks} tensor-parallel ranks")
         config = LlamaConfig(
             hidden_size=sizes.hidden_size, num_attention_heads=sizes.num_heads, num_key_value_heads=sizes.num_heads,
             head_dim=sizes.hidden_size // sizes.num_heads, intermediate_size=sizes.intermediate_size,
