@@ -5,6 +5,8 @@
     ats eval     --model M --calibrator DIR|temperature|... --tasks mmlu,triviaqa,truthfulqa_mc1 --out DIR
     ats generate --model M --calibrator DIR "prompt"
     ats serve    --model M --calibrator DIR --port 8000      (OpenAI-compatible, calibrated logprobs)
+    ats serve    --engine vllm --model M --calibrator DIR    (the same in vLLM's server; docs/vllm.md)
+    ats export   --engine vllm --model M --calibrator DIR OUT   (a folder vLLM loads as the calibrated model)
     ats ablate   --out DIR
     ats demo     --out DIR         (the README's main job)
 
@@ -24,11 +26,11 @@ import sys
 
 from ..config import check_parsed
 from ..errors import ATSError
-from . import ablate, calibration_report, convert, demo, eval, generate, lmeval, serve, train
+from . import ablate, calibration_report, convert, demo, eval, export, generate, lmeval, serve, train
 from .parser_cache import cached_parser
 
 # Command modules import only argparse-level things at the top; torch, transformers and the library load in `run`.
-COMMANDS = (train, eval, generate, ablate, demo, serve, lmeval, calibration_report, convert)
+COMMANDS = (train, eval, generate, ablate, demo, serve, export, lmeval, calibration_report, convert)
 
 
 def _root_parser() -> argparse.ArgumentParser:

