@@ -2,6 +2,9 @@
 # The prepared GPU check of issue 24 (benchmarks/gpu_check.py): random-weight Llama-2-7B- and Qwen2.5-7B-shaped models
 # built on the GPU in bf16; extraction, head training (cached and online), scoring and calibrated decoding, each timed
 # against the same step without the head. Runs from the source tree alone (no install, no network), within a time limit.
+# transformers only: vLLM (docs/vllm.md) is not part of it, because the device machine has no network and takes 64 MiB
+# of files from here, while vLLM's CUDA build and its dependencies are gigabytes; vLLM's own GPU run is for a machine
+# that can `pip install 'ats[vllm]'`.
 #
 #   bash scripts/gpu_check.sh                                  # -> benchmarks/results/gpu_check.md and .json
 #   bash scripts/gpu_check.sh --out "$OUT/gpu_check"           # results elsewhere (e.g. a device tool's $OUT)
