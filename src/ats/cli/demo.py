@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -10,6 +11,9 @@ from . import options
 
 # What the demo reads from ATS_DATA_DIR (the layout of ../shared/data/README.md).
 DEMO_FILES = ("mmlu/test.jsonl", "mmlu/dev.jsonl", "triviaqa/validation.jsonl", "truthfulqa/mc_task.json")
+# The demo's wall time where it was timed, and the bare float32 forward throughput of SmolLM2 there (tokens/s, batches
+# of 256-token rows: benchmarks/results/extraction.md): 4 min 48 s from a fresh clone on 2 idle Intel Xeon cores.
+REFERENCE = {"demo": (288.0, 429.0)}
 
 
 def add_parser(sub) -> None:
@@ -20,7 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--size", default="demo", choices=list(SIZES),
-                   help="tiny: a smoke run of a few minutes; demo: about 10 min on 2 CPU cores; benchmark: ~1 h")
+                   help="tiny: a smoke run; demo: about 5 min where SmolLM2's forward pass runs at 430 tokens/s "
+                        "(it prints its estimate for this machine at the start); benchmark: ~1 h there")
     options.add_overwrite(p)
     p.set_defaults(run=run)
 
@@ -39,6 +44,12 @@ def run(args) -> int:
     check_data(SIZES[args.size].data)
     start = time.time()
     backbone = load_backbone(args.model, device=options.device(None))
+    if args.size in REFERENCE and args.model == "smollm2-135m-instruct":
+        seconds, reference = REFERENCE[args.size]
+        speed = forward_throughput(backbone)
+        print(f"[ats] SmolLM2's forward pass runs at {speed:.0f} tokens/s here: the demo takes about "
+              f"{seconds * reference / speed / 60:.0f} min ({seconds / 60:.0f} min at {reference:.0f} tokens/s)",
+              file=sys.stderr, flush=True)
     result = run_experiment(backbone, args.out, SIZES[args.size], overwrite=args.overwrite, progress=not args.quiet,
                             bootstrap=200)
     print("Token-level calibration on the held-out split:\n" + token_table(result.token_level))
@@ -49,6 +60,19 @@ def run(args) -> int:
     out = Path(args.out) / "eval"
     print(f"\nfigures: {out / 'figures'}; table: {out / 'results.md'}; total {(time.time() - start) / 60:.1f} min")
     return 0
+
+
+def forward_throughput(backbone, rows: int = 2, length: int = 256) -> float:
+    """Tokens per second of the bare forward pass on `rows` x `length` random tokens (after one warm-up pass): the
+    machine's speed, from which the demo's duration is estimated (its work is mostly such passes)."""
+    import torch
+
+    ids = torch.randint(0, backbone.vocab_size, (rows, length), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(backbone.device)
+    backbone.forward(ids[:, :32])
+    start = time.perf_counter()
+    backbone.forward(ids)
+    return rows * length / (time.perf_counter() - start)
 
 
 def check_data(source: str) -> None:
