@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from ..errors import ATSError
+from ..model.embedded import DEFAULT_MODEL
 from . import options
 
 # What the demo reads from ATS_DATA_DIR (the layout of ../shared/data/README.md).
@@ -14,11 +15,11 @@ DEMO_FILES = ("mmlu/test.jsonl", "mmlu/dev.jsonl", "triviaqa/validation.jsonl", 
 
 def add_parser(sub) -> None:
     """Add `ats demo` to `sub`, the sub-command parsers of `ats`."""
-    from ..workflows.experiment import SIZES
+    from ..workflows.plans import SIZES
 
     p = sub.add_parser("demo", help="the end-to-end demo on the embedded model and local data")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--size", default="demo", choices=list(SIZES),
                    help="tiny: a smoke run of a few minutes; demo: about 10 min on 2 CPU cores; benchmark: ~1 h")
     options.add_overwrite(p)

@@ -12,22 +12,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ATSError
+from ..model.embedded import DEFAULT_MODEL, EMBEDDED_MODELS
 
 if TYPE_CHECKING:
     from ..model.backbone import Backbone
     from ..training.config import TrainingConfig
     from ..training.data import DataConfig
 
-# The library (and with it torch and transformers) is imported inside the functions: `import ats.cli.main` stays
-# light, and the parser itself is replayed from a record (`parser_cache`).
+# The configs and name tables the options come from are torch-free; the library (and with it torch and
+# transformers) is imported inside the functions that use it, so building the parser imports neither.
 
 
 def add_model(p: argparse.ArgumentParser) -> None:
     """Add the model options (--model, --dtype, --device, --trust-remote-code) to parser `p`."""
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="smollm2-135m-instruct",
-                   help="embedded name (smollm2-135m-instruct, gemma3-270m, qwen2.5-coder-0.5b-instruct), .gguf file, "
-                        "model folder or Hub id")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"embedded name ({', '.join(EMBEDDED_MODELS)}), .gguf file, model folder or Hub id")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the Hub")
@@ -47,7 +47,7 @@ def add_training(p: argparse.ArgumentParser, *, exclude=(), head_defaults: dict 
     """Add the head, ATS and training options to parser `p`; `exclude`: `TrainingConfig` fields left out;
     `head_defaults`: `HeadConfig` defaults replaced; `shown`: {field: the default --help states}, for head or
     training options the command resolves after parsing (`ConfigMixin.add_arguments`'s `shown`)."""
-    from ..calibrators.ats import ATSConfig
+    from ..calibrators.ats_config import ATSConfig
     from ..model.heads import HeadConfig
     from ..training.config import TrainingConfig
 
@@ -76,8 +76,6 @@ def check_model(name: str) -> None:
     Raises:
         ATSError: if `name` is a missing path, a folder without config.json, or not shaped like a Hub id.
     """
-    from ..model.backbone import EMBEDDED_MODELS
-
     path = Path(name).expanduser()
     local = name.startswith((".", "/", "~")) or path.suffix == ".gguf" or path.exists()
     if name in EMBEDDED_MODELS:

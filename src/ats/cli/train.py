@@ -16,9 +16,7 @@ def shown_defaults() -> dict[str, str]:
     """What --help states as the defaults of --head and --loss, which `run` and `run_answers` choose from --data
     (instruction data: the paper's transformer head and loss; answers: --method's default and the answer loss)."""
     from ..model.heads import HeadConfig
-    from ..training.config import TrainingConfig
-    from ..training.losses import ANSWER_LOSSES
-    from ..workflows.answer_methods import DEFAULT_ANSWER_METHOD
+    from ..training.config import ANSWER_LOSSES, DEFAULT_ANSWER_METHOD, TrainingConfig
 
     return {"head_type": f"{HeadConfig.head_type} with instruction data; with --data answers none: --method decides "
                          f"({DEFAULT_ANSWER_METHOD} by default)",
@@ -64,8 +62,8 @@ def run_answers(args) -> int:
     from ..errors import ATSError
     from ..evaluation.metrics import summarize
     from ..evaluation.report import markdown_table
-    from ..training.losses import ANSWER_LOSSES
-    from ..workflows.answer_methods import DEFAULT_ANSWER_METHOD, check_answer_head, train_answer_head
+    from ..training.config import ANSWER_LOSSES, DEFAULT_ANSWER_METHOD
+    from ..workflows.answer_methods import check_answer_head, train_answer_head
     from ..workflows.answer_pool import AnswerPlan
     from ..workflows.answer_training import score_answers
 
@@ -121,7 +119,7 @@ def run(args) -> int:
     from ..model.heads import HeadConfig
 
     args.head_type = args.head_type or HeadConfig.head_type  # the paper's transformer head
-    from ..calibrators.ats import ATSConfig
+    from ..calibrators.ats_config import ATSConfig
     from ..calibrators.base import Uncalibrated
     from ..evaluation.metrics import summarize
     from ..evaluation.report import token_table
