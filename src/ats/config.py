@@ -18,8 +18,9 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 from .checks import check_choice, check_number
 from .errors import ATSError, OptionError
@@ -69,8 +70,7 @@ def _base_type(annotation) -> type:
 
 
 def check_field(name: str, value, kind: type | None, meta, *, none_ok: bool):
-    """One field's value checked against its metadata (choices, range, type): the rule of `ConfigMixin.validate` and
-    of the command line's options (`OptionType`).
+    """One field's value checked against its metadata (choices, range, type): `ConfigMixin.validate`'s rule.
 
     Args:
         name: the field's name, quoted in errors.
@@ -99,23 +99,26 @@ def check_field(name: str, value, kind: type | None, meta, *, none_ok: bool):
 
 
 class OptionType:
-    """argparse's `type=` for a number field: the command-line text converted to int / float, then checked against
-    the field's range (argparse checks `choices` itself), so a bad value stops parsing, before anything is imported.
+    """argparse's `type=` for a number option: the command-line text converted by `kind`, then `check(name, value)`
+    (a validator of `ats.checks`), so a bad value stops parsing with that validator's message, before the command
+    imports anything. Config fields get their range check (`ConfigMixin.add_arguments`); argparse checks `choices`.
+
+        p.add_argument("--max-batch", type=OptionType("--max-batch", int, check_positive_int), default=16)
 
     Args:
-        name: the field's name, quoted in errors.
+        name: the option's name, quoted in errors (a config field's name, or a flag).
         kind: int or float.
-        checks: the field's range checks (`low`, `high`, `low_open`, `high_open`).
+        check: (name, value) -> the clean value; raises `ATSError`.
     """
 
-    def __init__(self, name: str, kind: type, checks: dict) -> None:
-        self.name, self.kind, self.checks = name, kind, checks
+    def __init__(self, name: str, kind: type, check: Callable[[str, int | float], int | float]) -> None:
+        self.name, self.kind, self.check = name, kind, check
         self.__name__ = kind.__name__  # argparse names the type in "invalid float value: 'x'"
 
     def __call__(self, text: str) -> int | float:
         value = self.kind(text)  # a ValueError here is argparse's own "invalid int value" error
         try:
-            return check_field(self.name, value, self.kind, {"checks": self.checks}, none_ok=False)
+            return self.check(self.name, value)
         except ATSError as err:
             raise OptionError(str(err)) from None
 
@@ -235,7 +238,9 @@ class ConfigMixin:
                 parser.add_argument(flag, dest=f.name, action="store_true", default=default, help=help_text)
                 continue
             shown = shown_as.get(f.name, meta.get("unset", "automatic") if default is None else default)
-            parse = OptionType(f.name, kind, meta.get("checks", {})) if kind in (int, float) else kind
+            parse = kind
+            if kind in (int, float):
+                parse = OptionType(f.name, kind, partial(check_number, integer=kind is int, **meta.get("checks", {})))
             parser.add_argument(flag, dest=f.name, type=parse, default=default, choices=meta.get("choices"),
                                 help=f"{help_text} (default: {shown})")
 

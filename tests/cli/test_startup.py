@@ -2,11 +2,14 @@
 process (as right after `pip install` or an edit: there is no cache of any kind)."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import ats
 from ats.cli.main import COMMANDS, build_parser
 
 HEAVY = ("torch", "transformers", "sklearn")
@@ -23,12 +26,27 @@ ARGUMENT_ERRORS = [
     (["train", "--loss", "bogus", "--out", "x"], 2, None),
     (["serve", "--port", "x"], 2, None),
     (["train"], 2, "ats train: error: the following arguments are required: --out"),
+    # checks that commands make before they import the library
+    (["generate", "--calibrator", "none", "--max-new-tokens", "0", "hi"], 2,
+     "ats: error: --max-new-tokens: expected a positive integer, got 0"),
+    (["serve", "--calibrator", "none", "--port", "70000"], 2,
+     "ats: error: --port: expected a value in [1, 65535], got 70000"),
+    (["train", "--pool-size", "0", "--out", "x"], 2, "ats: error: --pool-size: expected a positive integer, got 0"),
+    (["train", "--batch-size", "6", "--micro-batch-size", "4", "--out", "x"], 2,
+     "ats: error: batch_size 6 must be a multiple of micro_batch_size 4"),
+    (["train", "--model", "./no/model", "--out", "x"], 2, None),
+    (["eval", "--calibrator", "platt", "--out", "x"], 2, None),
+    (["eval", "--tasks", "mmlu,bogus", "--out", "x"], 2, None),
+    (["generate", "--calibrator", "no/such/folder/x", "hi"], 2, None),
+    (["calibration-report", "no/such/samples.jsonl"], 2, "ats: error: no/such/samples.jsonl: no such file or folder"),
 ]
 
 
-def _fresh(code: str) -> str:
-    """stdout of `code` run by a fresh Python (nothing imported yet)."""
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+def _fresh(code: str, cwd=None) -> str:
+    """stdout of `code` run by a fresh Python (nothing imported yet, the `ats` package under test) in folder `cwd`."""
+    path = os.pathsep.join([str(Path(ats.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": path}).stdout
 
 
 def _subcommands() -> list[str]:
@@ -41,9 +59,9 @@ def test_import_of_the_cli_loads_no_torch_transformers_or_sklearn():
     assert json.loads(loaded) == []
 
 
-def test_help_of_every_command_and_argument_errors_load_no_torch_transformers_or_sklearn():
+def test_help_of_every_command_and_argument_errors_load_no_torch_transformers_or_sklearn(tmp_path):
     """`ats --help`, `ats COMMAND --help` for every command and every kind of argument error: the exit code and the
-    message, and none of the heavy libraries in sys.modules afterwards."""
+    message, none of the heavy libraries in sys.modules afterwards, and nothing written."""
     runs = [["--help"], *([name, "--help"] for name in _subcommands()), *(argv for argv, _, _ in ARGUMENT_ERRORS)]
     code = f"""
 import contextlib, io, json, sys
@@ -59,8 +77,8 @@ for argv in {runs!r}:
     results.append([status, out.getvalue(), err.getvalue().strip().splitlines()[-1:]])
 print(json.dumps({{"results": results, "loaded": [m for m in {HEAVY!r} if m in sys.modules]}}))
 """
-    report = json.loads(_fresh(code))
-    assert report["loaded"] == []
+    report = json.loads(_fresh(code, cwd=tmp_path))
+    assert report["loaded"] == [] and list(tmp_path.iterdir()) == []
     helps, errors = report["results"][:-len(ARGUMENT_ERRORS)], report["results"][-len(ARGUMENT_ERRORS):]
     assert len(helps) == 1 + len(COMMANDS)
     for status, out, _ in helps:

@@ -31,13 +31,16 @@ def run(args) -> int:
 
     `args`: the parsed options; returns the exit code.
     """
-    from ..evaluation.evaluate import format_paired
-    from ..evaluation.report import format_table, token_table
-    from ..model.backbone import load_backbone
-    from ..workflows.experiment import SIZES, run_experiment
+    from ..workflows.plans import SIZES
 
     options.check_model(args.model)
     check_data(SIZES[args.size].data)
+
+    from ..evaluation.evaluate import format_paired  # the library loads once the options are checked
+    from ..evaluation.report import format_table, token_table
+    from ..model.backbone import load_backbone
+    from ..workflows.experiment import run_experiment
+
     start = time.time()
     backbone = load_backbone(args.model, device=options.device(None))
     result = run_experiment(backbone, args.out, SIZES[args.size], overwrite=args.overwrite, progress=not args.quiet,

@@ -8,9 +8,11 @@ runs before the backbone loads; a failed check writes nothing.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..config import OptionType
 from ..errors import ATSError
 from ..model.embedded import DEFAULT_MODEL, EMBEDDED_MODELS
 
@@ -55,6 +57,13 @@ def add_training(p: argparse.ArgumentParser, *, exclude=(), head_defaults: dict 
     HeadConfig.add_arguments(g, defaults=head_defaults, shown=shown)
     ATSConfig.add_arguments(g)
     TrainingConfig.add_arguments(g, exclude=exclude, shown=shown)
+
+
+def add_number(p, flag: str, kind: type, check: Callable[[str, int | float], int | float], **kwargs) -> None:
+    """Add the number option `flag` to parser (or group) `p`, converted by `kind` and validated by `check(flag,
+    value)` (a validator of `ats.checks`) as argparse parses it, so a bad value fails at once (`OptionType`);
+    `kwargs` go to `add_argument`."""
+    p.add_argument(flag, type=OptionType(flag, kind, check), **kwargs)
 
 
 def add_overwrite(p: argparse.ArgumentParser) -> None:
@@ -130,15 +139,17 @@ def calibrator_folder(name: str | Path) -> Path:
     Raises:
         ATSError: if the folder, its config or the Hub id is missing or invalid (one line).
     """
-    from ..calibrators.base import CONFIG_NAME, read_config
-    from ..calibrators.official import is_official_folder, read_official_config
+    from ..calibrators.saving import CONFIG_NAME, read_config
     from ..hub import resolve_folder
 
     folder = resolve_folder(name)
-    if not (folder / CONFIG_NAME).exists() and is_official_folder(folder):
-        read_official_config(folder)
-    else:
-        read_config(folder)
+    if folder.is_dir() and not (folder / CONFIG_NAME).exists():  # the paper's layout?
+        from ..calibrators.official import is_official_folder, read_official_config
+
+        if is_official_folder(folder):
+            read_official_config(folder)
+            return folder
+    read_config(folder)
     return folder
 
 
