@@ -27,7 +27,8 @@ import torch
 from ats.calibrators.ats import ATSCalibrator
 from ats.calibrators.thermometer import Thermometer, prompt_states
 from ats.evaluation.token_eval import token_validator
-from ats.model.backbone import IGNORE_INDEX, load_backbone
+from ats.model.backbone import load_backbone
+from ats.model.labels import IGNORE_INDEX
 from ats.model.scale_summary import ScaleSummarySpec, scaled_ce_from_summary, summarize_logits
 from ats.model.scaled_ce import scaled_cross_entropy
 from ats.training.config import TrainingConfig

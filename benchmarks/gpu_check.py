@@ -59,7 +59,8 @@ from bench_generation import command_line, randomised_calibrator, save_results  
 from ats.calibrators.base import Uncalibrated  # noqa: E402
 from ats.evaluation.tasks.scoring import ChoiceItem, LetterItem, score_choices, score_letters  # noqa: E402
 from ats.generation import encode_prompts, generate_calibrated  # noqa: E402
-from ats.model.backbone import IGNORE_INDEX, Backbone  # noqa: E402
+from ats.model.backbone import Backbone  # noqa: E402
+from ats.model.labels import IGNORE_INDEX  # noqa: E402
 from ats.model.scale_summary import ScaleSummarySpec  # noqa: E402
 from ats.padding import pad_batch  # noqa: E402
 from ats.training.config import TrainingConfig  # noqa: E402

@@ -7,7 +7,7 @@ Layers, each importing only the ones below it: model -> calibrators -> training 
 workflows -> cli (see docs/architecture.md).
 """
 
-from importlib import import_module
+from .lazy import lazy_exports
 
 __version__ = "0.2.0"
 
@@ -36,9 +36,4 @@ _EXPORTS = {
 }
 
 __all__ = ["__version__", *_EXPORTS]
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'ats' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -6,14 +6,14 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
-
-import numpy as np
 
 from .errors import ATSError
 
-_INTS = (int, np.integer)
-_NUMBERS = (int, float, np.integer, np.floating)
+# numpy's integer and floating types register as these (so no numpy import: the CLI's checks load without it)
+_INTS = numbers.Integral
+_NUMBERS = numbers.Real
 
 
 def check_number(field: str, value, *, integer: bool = False, low: float | None = None, high: float | None = None,

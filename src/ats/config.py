@@ -18,11 +18,12 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 from .checks import check_choice, check_number
-from .errors import ATSError
+from .errors import ATSError, OptionError
 
 _CHECK_KEYS = ("low", "high", "low_open", "high_open")
 
@@ -69,8 +70,7 @@ def _base_type(annotation) -> type:
 
 
 def check_field(name: str, value, kind: type | None, meta, *, none_ok: bool):
-    """One field's value checked against its metadata (choices, range, type): the rule `ConfigMixin.validate` and
-    the command line's early check (`check_parsed`) share.
+    """One field's value checked against its metadata (choices, range, type): `ConfigMixin.validate`'s rule.
 
     Args:
         name: the field's name, quoted in errors.
@@ -98,23 +98,29 @@ def check_field(name: str, value, kind: type | None, meta, *, none_ok: bool):
     return value
 
 
-CHECKS_PREFIX = "_field_checks_"  # parsed-argument attributes holding a config's field checks (see add_arguments)
-_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+class OptionType:
+    """argparse's `type=` for a number option: the command-line text converted by `kind`, then `check(name, value)`
+    (a validator of `ats.checks`), so a bad value stops parsing with that validator's message, before the command
+    imports anything. Config fields get their range check (`ConfigMixin.add_arguments`); argparse checks `choices`.
 
+        p.add_argument("--max-batch", type=OptionType("--max-batch", int, check_positive_int), default=16)
 
-def check_parsed(args: argparse.Namespace) -> None:
-    """Run the field checks that `add_arguments` left in `args` on the parsed values, without importing the config
-    classes: the command line refuses a bad value (`--lr 0`) before it imports torch.
-
-    Raises:
-        ATSError: naming the first field whose value fails its choices, range or type.
+    Args:
+        name: the option's name, quoted in errors (a config field's name, or a flag).
+        kind: int or float.
+        check: (name, value) -> the clean value; raises `ATSError`.
     """
-    for attr, fields in sorted(vars(args).items()):
-        if not attr.startswith(CHECKS_PREFIX):
-            continue
-        for name, spec in fields.items():
-            if hasattr(args, name):
-                check_field(name, getattr(args, name), _KINDS.get(spec["kind"]), spec, none_ok=spec["none_ok"])
+
+    def __init__(self, name: str, kind: type, check: Callable[[str, int | float], int | float]) -> None:
+        self.name, self.kind, self.check = name, kind, check
+        self.__name__ = kind.__name__  # argparse names the type in "invalid float value: 'x'"
+
+    def __call__(self, text: str) -> int | float:
+        value = self.kind(text)  # a ValueError here is argparse's own "invalid int value" error
+        try:
+            return self.check(self.name, value)
+        except ATSError as err:
+            raise OptionError(str(err)) from None
 
 
 @dataclass
@@ -209,7 +215,8 @@ class ConfigMixin:
     def add_arguments(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
                       exclude: Iterable[str] = (), defaults: dict | None = None,
                       shown: dict[str, str] | None = None) -> None:
-        """Add one `--option` per CLI field, with the field's help, choices and default (`defaults` overrides).
+        """Add one `--option` per CLI field, with the field's help, choices and default (`defaults` overrides); a
+        number is checked against the field's range as it is parsed (`OptionType`).
 
         Args:
             parser: the parser or argument group to add to.
@@ -219,14 +226,11 @@ class ConfigMixin:
                 (one that depends on other options), which the field's own metadata cannot know.
         """
         types, exclude, defaults, shown_as = cls._types(), set(exclude), defaults or {}, shown or {}
-        checks = {}
         for f in cls.cli_fields():
             if f.name in exclude:
                 continue
             meta = f.metadata
             default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else None)
-            checks[f.name] = {"kind": types[f.name].__name__, "choices": list(meta["choices"] or []),
-                              "checks": dict(meta.get("checks", {})), "none_ok": default is None}
             flag = meta.get("flag") or "--" + f.name.replace("_", "-")
             kind = types[f.name]
             help_text = meta["help"]
@@ -234,9 +238,11 @@ class ConfigMixin:
                 parser.add_argument(flag, dest=f.name, action="store_true", default=default, help=help_text)
                 continue
             shown = shown_as.get(f.name, meta.get("unset", "automatic") if default is None else default)
-            parser.add_argument(flag, dest=f.name, type=kind, default=default, choices=meta.get("choices"),
+            parse = kind
+            if kind in (int, float):
+                parse = OptionType(f.name, kind, partial(check_number, integer=kind is int, **meta.get("checks", {})))
+            parser.add_argument(flag, dest=f.name, type=parse, default=default, choices=meta.get("choices"),
                                 help=f"{help_text} (default: {shown})")
-        parser.set_defaults(**{CHECKS_PREFIX + cls.__name__: checks})  # for check_parsed
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides):

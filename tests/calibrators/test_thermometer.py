@@ -12,7 +12,7 @@ from ats.calibrators.thermometer import Thermometer, gamma_neg_log_prior, prompt
 from ats.errors import ATSError
 from ats.evaluation.evaluate import evaluate
 from ats.evaluation.token_eval import token_confidences
-from ats.model.backbone import IGNORE_INDEX
+from ats.model.labels import IGNORE_INDEX
 from ats.training.data import load_instructions, tokenize_instructions
 from ats.training.features import extract_features
 

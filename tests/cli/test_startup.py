@@ -1,144 +1,121 @@
-"""A CLI that answers at once: no torch on import, the parser replayed from its record, identical to the built one."""
+"""A CLI that answers at once: `--help` and argument errors import no torch, transformers or sklearn, in a fresh
+process (as right after `pip install` or an edit: there is no cache of any kind)."""
 
-import argparse
 import json
 import os
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 
-from ats.cli import parser_cache
-from ats.cli.main import build_parser
+import ats
+from ats.cli.main import COMMANDS, build_parser
+
+HEAVY = ("torch", "transformers", "sklearn")
+# each: (argv, exit code, the last line of stderr, or None to check only the code)
+ARGUMENT_ERRORS = [
+    (["bogus"], 2, None),
+    (["train", "--lr", "0", "--out", "x"], 2, "ats: error: lr: expected a number > 0, got 0.0"),
+    (["ablate", "--warmup-ratio", "2", "--out", "x"], 2,
+     "ats: error: warmup_ratio: expected a value in [0.0, 1.0], got 2.0"),
+    (["eval", "--epochs", "0", "--out", "x"], 2, "ats: error: epochs: expected an integer >= 1, got 0"),
+    (["train", "--lr", "abc", "--out", "x"], 2, "ats train: error: argument --lr: invalid float value: 'abc'"),
+    (["train", "--epochs", "1.5", "--out", "x"], 2, "ats train: error: argument --epochs: invalid int value: '1.5'"),
+    (["eval", "--head", "bogus", "--out", "x"], 2, None),
+    (["train", "--loss", "bogus", "--out", "x"], 2, None),
+    (["serve", "--port", "x"], 2, None),
+    (["train"], 2, "ats train: error: the following arguments are required: --out"),
+    # checks that commands make before they import the library
+    (["generate", "--calibrator", "none", "--max-new-tokens", "0", "hi"], 2,
+     "ats: error: --max-new-tokens: expected a positive integer, got 0"),
+    (["serve", "--calibrator", "none", "--port", "70000"], 2,
+     "ats: error: --port: expected a value in [1, 65535], got 70000"),
+    (["train", "--pool-size", "0", "--out", "x"], 2, "ats: error: --pool-size: expected a positive integer, got 0"),
+    (["train", "--batch-size", "6", "--micro-batch-size", "4", "--out", "x"], 2,
+     "ats: error: batch_size 6 must be a multiple of micro_batch_size 4"),
+    (["train", "--model", "./no/model", "--out", "x"], 2, None),
+    (["eval", "--calibrator", "platt", "--out", "x"], 2, None),
+    (["eval", "--tasks", "mmlu,bogus", "--out", "x"], 2, None),
+    (["generate", "--calibrator", "no/such/folder/x", "hi"], 2, None),
+    (["calibration-report", "no/such/samples.jsonl"], 2, "ats: error: no/such/samples.jsonl: no such file or folder"),
+]
 
 
-def _python(code: str, cache) -> str:
-    env = {**os.environ, "ATS_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+def _fresh(code: str, cwd=None) -> str:
+    """stdout of `code` run by a fresh Python (nothing imported yet, the `ats` package under test) in folder `cwd`."""
+    path = os.pathsep.join([str(Path(ats.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": path}).stdout
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
+def _subcommands() -> list[str]:
+    action = next(a for a in build_parser()._actions if a.dest == "command")
+    return list(action.choices)
 
 
-def test_import_of_the_cli_loads_no_torch(tmp_path):
-    loaded = _python("import sys, ats.cli.main; print(sorted(m for m in ('torch', 'transformers', 'sklearn') "
-                     "if m in sys.modules))", tmp_path)
-    assert loaded.strip() == "[]"
+def test_import_of_the_cli_loads_no_torch_transformers_or_sklearn():
+    loaded = _fresh(f"import json, sys, ats.cli.main; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")
+    assert json.loads(loaded) == []
 
 
-def test_help_and_argument_errors_with_a_saved_record_load_no_torch(tmp_path):
-    code = ("import sys, contextlib, io\nfrom ats.cli.main import main\ncodes, err = [], io.StringIO()\n"
-            "for argv in (['--help'], ['train', '--help'], ['eval', '--head', 'bogus', '--out', 'x'],\n"
-            "             ['train', '--lr', '0', '--out', 'x'], ['ablate', '--warmup-ratio', '2', '--out', 'x']):\n"
-            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):\n"
-            "        try:\n            codes.append(main(argv))\n"
-            "        except SystemExit as e:\n            codes.append(e.code)\n"
-            "print(*codes, 'torch' in sys.modules)\nprint(err.getvalue().splitlines()[-2:])")
-    _python(code, tmp_path)  # first run: builds the parser (imports torch) and saves its record
-    assert list((tmp_path / "cli").glob("parser-*.json"))
-    codes, errors = _python(code, tmp_path).splitlines()
-    assert codes.split() == ["0", "0", "2", "2", "2", "False"]
-    assert errors == str(["ats: error: lr: expected a number > 0, got 0.0",
-                          "ats: error: warmup_ratio: expected a value in [0.0, 1.0], got 2.0"])
+def test_help_of_every_command_and_argument_errors_load_no_torch_transformers_or_sklearn(tmp_path):
+    """`ats --help`, `ats COMMAND --help` for every command and every kind of argument error: the exit code and the
+    message, none of the heavy libraries in sys.modules afterwards, and nothing written."""
+    runs = [["--help"], *([name, "--help"] for name in _subcommands()), *(argv for argv, _, _ in ARGUMENT_ERRORS)]
+    code = f"""
+import contextlib, io, json, sys
+from ats.cli.main import main
+results = []
+for argv in {runs!r}:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as stop:
+            status = stop.code
+    results.append([status, out.getvalue(), err.getvalue().strip().splitlines()[-1:]])
+print(json.dumps({{"results": results, "loaded": [m for m in {HEAVY!r} if m in sys.modules]}}))
+"""
+    report = json.loads(_fresh(code, cwd=tmp_path))
+    assert report["loaded"] == [] and list(tmp_path.iterdir()) == []
+    helps, errors = report["results"][:-len(ARGUMENT_ERRORS)], report["results"][-len(ARGUMENT_ERRORS):]
+    assert len(helps) == 1 + len(COMMANDS)
+    for status, out, _ in helps:
+        assert status == 0 and out.startswith(("usage: ats", "usage: lm-eval"))  # `ats lm-eval --help`: lm-eval's
+    for (argv, expected, message), (status, _, last) in zip(ARGUMENT_ERRORS, errors):
+        assert status == expected and last, argv
+        assert (last[0] == message) if message else ("error:" in last[0]), (argv, last)
 
 
-def test_replayed_parser_equals_the_built_one(tmp_path, monkeypatch):
-    monkeypatch.setenv("ATS_CACHE", str(tmp_path))
-    built = build_parser()
-    saved = build_parser(cached=True)  # builds and saves the record
-    replayed = build_parser(cached=True)  # replays it
-    assert [p.name for p in (tmp_path / "cli").iterdir()] == [parser_cache.cache_file(parser_cache.source_key()).name]
-    assert replayed.format_help() == built.format_help() == saved.format_help()
-    built_subs, replayed_subs = _subparsers(built), _subparsers(replayed)
-    assert list(replayed_subs) == list(built_subs)
-    for name, sub in built_subs.items():
-        assert replayed_subs[name].format_help() == sub.format_help(), name
-    argv = ["eval", "--calibrator", "temperature", "--calibrator", "vector", "--lr", "0.01", "--head", "linear",
-            "--bf16", "--out", "o"]
-    a, b = vars(built.parse_args(argv)), vars(replayed.parse_args(argv))
-    assert a.pop("run").__module__ == "ats.cli.eval" and isinstance(b.pop("run"), parser_cache.LazyFunction)
-    assert a == b and b["calibrator"] == ["temperature", "vector"] and b["lr"] == 0.01 and b["bf16"] is True
-
-
-def test_train_help_states_the_head_default_the_command_resolves(tmp_path, monkeypatch):
+def test_train_help_states_the_head_default_the_command_resolves():
     """--head parses to None and `ats train` picks the head from --data: --help names those defaults, not
-    'automatic', in the built parser and in the replayed record alike."""
+    'automatic'."""
     from ats.model.heads import HeadConfig
-    from ats.workflows.answer_methods import DEFAULT_ANSWER_METHOD
+    from ats.training.config import DEFAULT_ANSWER_METHOD
 
-    monkeypatch.setenv("ATS_CACHE", str(tmp_path))
-    build_parser(cached=True)  # builds and saves the record
-    for parser in (build_parser(), build_parser(cached=True)):
-        train = _subparsers(parser)["train"]
-        assert train.parse_args(["--out", "x"]).head_type is None
-        text = " ".join(train.format_help().split())
-        assert (f"the paper's) (default: {HeadConfig.head_type} with instruction data; with --data answers none: "
-                f"--method decides ({DEFAULT_ANSWER_METHOD} by default))") in text
-        assert "(default: automatic)" not in text.split("--head {")[-1].split("--max-scale")[0]
-        # --loss parses to the instruction loss, which --data answers replaces by the first answer loss
-        assert "(default: selective with instruction data, answer-log with --data answers)" in text
+    train = next(a for a in build_parser()._actions if a.dest == "command").choices["train"]
+    assert train.parse_args(["--out", "x"]).head_type is None
+    text = " ".join(train.format_help().split())
+    assert (f"the paper's) (default: {HeadConfig.head_type} with instruction data; with --data answers none: "
+            f"--method decides ({DEFAULT_ANSWER_METHOD} by default))") in text
+    assert "(default: automatic)" not in text.split("--head {")[-1].split("--max-scale")[0]
+    # --loss parses to the instruction loss, which --data answers replaces by the first answer loss
+    assert "(default: selective with instruction data, answer-log with --data answers)" in text
 
 
-def test_a_damaged_or_foreign_record_is_rebuilt(tmp_path, monkeypatch):
-    monkeypatch.setenv("ATS_CACHE", str(tmp_path))
-    calls = []
-
-    def define(parser):
-        calls.append(1)
-        parser.add_argument("--n", type=int, default=3, choices=(1, 2, 3))
-
-    path = parser_cache.cache_file(parser_cache.source_key())
-    path.parent.mkdir(parents=True)
-    path.write_text("{not json")
-    assert parser_cache.cached_parser(argparse.ArgumentParser, define).parse_args(["--n", "2"]).n == 2
-    assert calls == [1] and json.loads(path.read_text())[0]["kwargs"]["$dict"]["choices"] == {"$tuple": [1, 2, 3]}
-    assert parser_cache.cached_parser(argparse.ArgumentParser, define).parse_args([]).n == 3
-    assert calls == [1]  # replayed, not rebuilt
-    path.write_text(json.dumps([{"on": 0, "call": "add_argument", "args": ["--n"], "kwargs": {"$bogus": 1}}]))
-    assert parser_cache.cached_parser(argparse.ArgumentParser, define).parse_args([]).n == 3 and calls == [1, 1]
-
-
-def test_a_parser_that_cannot_be_recorded_is_built_and_not_saved(tmp_path, monkeypatch):
-    monkeypatch.setenv("ATS_CACHE", str(tmp_path))
-
-    def define(parser):
-        parser.add_argument("--x", type=lambda s: s.upper())  # a lambda has no importable name
-
-    assert parser_cache.cached_parser(argparse.ArgumentParser, define).parse_args(["--x", "a"]).x == "A"
-    assert not (tmp_path / "cli").exists()
-
-
-def test_the_record_key_changes_with_any_source_file(tmp_path, monkeypatch):
-    package = tmp_path / "ats"
-    (package / "cli").mkdir(parents=True)
-    (package / "cli" / "a.py").write_text("x = 1\n")
-    monkeypatch.setattr(parser_cache, "PACKAGE", package)
-    monkeypatch.setattr(parser_cache, "STARTED", time.time() + 60)  # as if the process started after the edits
-    first = parser_cache.source_key()
-    (package / "cli" / "a.py").write_text("x = 2\n")
-    assert parser_cache.source_key() != first
-
-
-def test_no_record_is_read_or_written_when_a_source_file_changed_after_the_process_started(tmp_path, monkeypatch):
-    """Its loaded modules may be older than the files: a record built from them would be stored under the new
-    files' key (seen: a test session running while the CLI's defaults were edited)."""
-    package = tmp_path / "ats"
-    package.mkdir()
-    (package / "a.py").write_text("x = 1\n")
-    monkeypatch.setattr(parser_cache, "PACKAGE", package)
-    monkeypatch.setenv("ATS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(parser_cache, "STARTED", time.time() - 60)
-    assert parser_cache.source_key() is None
-    parser = parser_cache.cached_parser(argparse.ArgumentParser, lambda p: p.add_argument("--n", type=int, default=4))
-    assert parser.parse_args([]).n == 4 and not (tmp_path / "cache").exists()
+def test_options_parse_to_checked_numbers():
+    """A config option's value is converted and range-checked by argparse's `type=`: the parsed value is the
+    number itself (int or float), and its bounds are accepted."""
+    args = build_parser().parse_args(["eval", "--lr", "1e-2", "--alpha", "1", "--epochs", "3", "--warmup-ratio", "0",
+                                      "--calibrator", "temperature", "--calibrator", "vector", "--bf16", "--out", "o"])
+    assert (args.lr, args.alpha, args.epochs, args.warmup_ratio) == (0.01, 1.0, 3, 0.0)
+    assert type(args.epochs) is int and type(args.alpha) is float
+    assert args.calibrator == ["temperature", "vector"] and args.bf16 is True and args.run.__module__ == "ats.cli.eval"
 
 
 @pytest.mark.parametrize("argv", [["bogus"], ["train", "--head", "bogus", "--out", "x"], ["serve", "--port", "x"]])
-def test_argument_errors_exit_2(argv, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("ATS_CACHE", str(tmp_path))
+def test_argument_errors_exit_2(argv, capsys):
     from ats.cli.main import main
 
     with pytest.raises(SystemExit) as exc:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ats.errors import ATSError
-from ats.model.backbone import IGNORE_INDEX
+from ats.model.labels import IGNORE_INDEX
 from ats.training.data import (
     Instruction,
     load_instructions,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ats.errors import ATSError
-from ats.model.backbone import IGNORE_INDEX
+from ats.model.labels import IGNORE_INDEX
 from ats.training.data import load_instructions, tokenize_instructions
 from ats.training.features import FeatureStore, extract_features
 

@@ -9,7 +9,7 @@ import torch
 from ats.calibrators.ats import ATSCalibrator
 from ats.errors import ATSError
 from ats.fingerprint import stored_fingerprint
-from ats.model.backbone import IGNORE_INDEX
+from ats.model.labels import IGNORE_INDEX
 from ats.model.scale_summary import ScaleSummarySpec
 from ats.training.config import TrainingConfig
 from ats.training.data import DataConfig, load_instructions, tokenize_instructions, train_val_split

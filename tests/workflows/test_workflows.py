@@ -13,7 +13,7 @@ import torch
 from ats.calibrators.base import Uncalibrated
 from ats.evaluation.metrics import summarize
 from ats.evaluation.token_eval import gathered_token_confidences, token_confidences
-from ats.model.backbone import IGNORE_INDEX
+from ats.model.labels import IGNORE_INDEX
 from ats.training.config import TrainingConfig
 from ats.training.data import DataConfig
 from ats.training.distributed import SINGLE

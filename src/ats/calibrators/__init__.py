@@ -11,11 +11,15 @@ A name maps to a class and preset options: `selective-temperature` and `selectiv
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from importlib import import_module
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import ATSError
-from .base import CONFIG_NAME, Calibrator, FitSource, LogitChunks, Uncalibrated, read_config
+from ..lazy import load
+from .saving import CONFIG_NAME, read_config
+
+if TYPE_CHECKING:
+    from .base import Calibrator, FitSource
 
 
 @dataclass(frozen=True)
@@ -32,8 +36,7 @@ class Entry:
         Returns:
             The calibrator class named by `target`.
         """
-        module, _, cls = self.target.partition(":")
-        return getattr(import_module(module, __name__), cls)
+        return load(self.target, __name__)
 
 
 REGISTRY: dict[str, Entry] = {}
@@ -63,6 +66,9 @@ register("selective-temperature", ".ats:ATSCalibrator", head_type="constant", me
          help="control: ONE temperature trained with ATS's loss, data and schedule")
 register("selective-linear", ".ats:ATSCalibrator", head_type="linear", method="selective-linear",
          help="control: a linear per-token head trained with ATS's loss, data and schedule")
+
+# the post-hoc methods fitted beside ATS (`ats.workflows.pipeline.fit_calibrators`' default, the experiments' tables)
+BASELINES = ("temperature", "vector", "scaling-binning", "histogram", "isotonic", "thermometer")
 
 
 def names() -> list[str]:
@@ -207,12 +213,14 @@ def load_calibrator(directory: str | Path, backbone=None) -> Calibrator:
 
 
 def __getattr__(name: str):  # the classes, imported on first use: `from ats.calibrators import TemperatureScaling`
+    if name in ("Calibrator", "FitSource", "LogitChunks"):
+        return load(f".base:{name}", __name__)
     for item in (*REGISTRY.values(), *SAVED_TYPES.values()):
         if item.target.endswith(":" + name):
             return item.load()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CONFIG_NAME", "Calibrator", "Entry", "FitSource", "LogitChunks", "REGISTRY", "SAVED_TYPES",
+__all__ = ["BASELINES", "CONFIG_NAME", "Calibrator", "Entry", "FitSource", "LogitChunks", "REGISTRY", "SAVED_TYPES",
            "Uncalibrated", "build_calibrator", "calibrator_class", "calibrator_for", "entry", "load_calibrator",
            "names", "register", "saved_class"]

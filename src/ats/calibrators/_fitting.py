@@ -8,7 +8,7 @@ import numpy as np
 from torch import Tensor
 
 from ..errors import ATSError
-from ..model.backbone import IGNORE_INDEX
+from ..model.labels import IGNORE_INDEX
 from .base import LogitChunks, top1_confidence
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .. import __version__
 from ..config import ConfigMixin, option
 from ..errors import ATSError
-from ..model.heads import HeadConfig
+from ..model.heads.config import HeadConfig
 
 LEGACY_TRAINING_KEYS = ("loss_type", "alpha", "weighting")  # lived here before 0.2; now in the training record
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import ClassVar
-
-from safetensors.torch import load_file, save_file
-from torch import Tensor, nn
+from typing import TYPE_CHECKING, ClassVar
 
 from ..config import ConfigMixin
 from ..errors import ATSError
 from ..hub import resolve_folder
 from ..io import atomic_dir, read_json
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
 
 CONFIG_NAME = "calibrator_config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -60,6 +60,8 @@ def read_tensors(directory: Path) -> dict[str, Tensor]:
     Raises:
         ATSError: if the file is missing, corrupt or truncated.
     """
+    from safetensors.torch import load_file
+
     path = directory / WEIGHTS_NAME
     try:
         return load_file(str(path))
@@ -161,6 +163,8 @@ class SavedCalibrator:
         Raises:
             ATSError: if the calibrator is not fitted.
         """
+        from safetensors.torch import save_file
+
         with atomic_dir(directory) as tmp:
             (tmp / CONFIG_NAME).write_text(json.dumps({"type": self.name, **self.config()}, indent=2, sort_keys=True))
             tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_tensors().items()}

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ATSError
-from ..model.backbone import IGNORE_INDEX
+from ..model.labels import IGNORE_INDEX
 from ..model.scale_summary import SummaryView, scaled_ce_from_summary
 from ..model.scaled_ce import scaled_cross_entropy
 from .fit_loop import fit_loop

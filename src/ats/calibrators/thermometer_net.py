@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..model.backbone import IGNORE_INDEX
+from ..model.labels import IGNORE_INDEX
 
 SOFTPLUS_ONE = math.log(math.e - 1.0)  # softplus(SOFTPLUS_ONE) == 1: the network starts at T = 1
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..checks import check_nonnegative_int, check_positive_int
 from ..errors import ATSError
+from . import options
 
 
 def add_parser(sub) -> None:
@@ -23,8 +25,10 @@ def add_parser(sub) -> None:
                    help="the task's target_delimiter, stripped from each continuation to get the choice whose length "
                         "acc_norm divides by (default: from lm-eval's results file, else ' ')")
     p.add_argument("--filter", default=None, help="which of lm-eval's filters to read (default: none)")
-    p.add_argument("--n-bins", type=int, default=15, help="equal-width ECE bins (the top bin includes 1.0)")
-    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for 95%% intervals (0: none)")
+    options.add_number(p, "--n-bins", int, check_positive_int, default=15,
+                       help="equal-width ECE bins (the top bin includes 1.0)")
+    options.add_number(p, "--bootstrap", int, check_nonnegative_int, default=1000,
+                       help="bootstrap resamples for 95%% intervals (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)
 
@@ -52,16 +56,13 @@ def sample_files(items: list[str]) -> list[Path]:
 
 def run(args) -> int:
     """Run `ats calibration-report` with the parsed `args`; returns the exit code."""
-    from ..integrations.calibration_report import calibration_report, format_report
-    from ..integrations.lm_eval_samples import read_samples
-
     files = sample_files(args.samples)
     if args.label is not None and len(args.label) != len(files):
         raise ATSError(f"--label: {len(args.label)} label(s) for {len(files)} file(s)")
-    if args.bootstrap < 0:
-        raise ATSError(f"--bootstrap: expected a non-negative integer, got {args.bootstrap}")
-    if args.n_bins < 1:
-        raise ATSError(f"--n-bins: expected a positive integer, got {args.n_bins}")
+
+    from ..integrations.calibration_report import calibration_report, format_report  # once the options are checked
+    from ..integrations.lm_eval_samples import read_samples
+
     labels = args.label or [None] * len(files)
     read = [read_samples(f, task=args.task, delimiter=args.target_delimiter, label=label, filter_name=args.filter)
             for f, label in zip(files, labels)]

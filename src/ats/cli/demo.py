@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from ..errors import ATSError
+from ..model.embedded import DEFAULT_MODEL
 from . import options
 
 # What the demo reads from ATS_DATA_DIR (the layout of ../shared/data/README.md).
@@ -18,11 +19,11 @@ REFERENCE = {"demo": (288.0, 429.0)}
 
 def add_parser(sub) -> None:
     """Add `ats demo` to `sub`, the sub-command parsers of `ats`."""
-    from ..workflows.experiment import SIZES
+    from ..workflows.plans import SIZES
 
     p = sub.add_parser("demo", help="the end-to-end demo on the embedded model and local data")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--size", default="demo", choices=list(SIZES),
                    help="tiny: a smoke run; demo: about 5 min where SmolLM2's forward pass runs at 430 tokens/s "
                         "(it prints its estimate for this machine at the start); benchmark: ~1 h there")
@@ -35,13 +36,16 @@ def run(args) -> int:
 
     `args`: the parsed options; returns the exit code.
     """
-    from ..evaluation.evaluate import format_paired
-    from ..evaluation.report import format_table, token_table
-    from ..model.backbone import load_backbone
-    from ..workflows.experiment import SIZES, run_experiment
+    from ..workflows.plans import SIZES
 
     options.check_model(args.model)
     check_data(SIZES[args.size].data)
+
+    from ..evaluation.evaluate import format_paired  # the library loads once the options are checked
+    from ..evaluation.report import format_table, token_table
+    from ..model.backbone import load_backbone
+    from ..workflows.experiment import run_experiment
+
     start = time.time()
     backbone = load_backbone(args.model, device=options.device(None))
     if args.size in REFERENCE and args.model == "smollm2-135m-instruct":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ATSError
+from ..checks import check_nonnegative_int
 from . import options
 
 
@@ -22,8 +22,8 @@ def add_parser(sub) -> None:
                         + " (repeatable or comma-separated; ATS-family names train with the head options)")
     p.add_argument("--tasks", default="mmlu,triviaqa,truthfulqa_mc1", help="comma-separated: " + ", ".join(KNOWN_SPECS))
     p.add_argument("--task-limit", type=int, default=None, help="examples per task (MMLU: per subject)")
-    p.add_argument("--bootstrap", type=int, default=0,
-                   help="bootstrap resamples for confidence intervals and paired differences (e.g. 1000)")
+    options.add_number(p, "--bootstrap", int, check_nonnegative_int, default=0,
+                       help="bootstrap resamples for confidence intervals and paired differences (e.g. 1000)")
     p.add_argument("--reference", action="append", default=None,
                    help="method(s) compared with every other by paired differences (default: ats)")
     options.add_overwrite(p)
@@ -33,23 +33,25 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """Run `ats eval` with the parsed `args`; returns the exit code."""
-    from ..calibrators.base import Uncalibrated
-    from ..evaluation.evaluate import evaluate, format_paired
-    from ..evaluation.report import format_table
-    from ..evaluation.tasks import build_task
-    from ..workflows.pipeline import fit_calibrators, prepare_features
+    from ..evaluation.tasks import build_task, resolve
 
     out = Path(args.out)
     names = options.split_names(args.calibrator, "none")
+    specs = options.split_names([args.tasks], "")
     options.check_model(args.model)
     folders = options.calibrator_folders(names)
-    tasks = [build_task(t, limit=args.task_limit) for t in options.split_names([args.tasks], "")]  # files read here
-    if args.bootstrap < 0:
-        raise ATSError(f"--bootstrap: expected a non-negative integer, got {args.bootstrap}")
+    for spec in specs:
+        resolve(spec)  # an unknown task fails before the library loads
     to_fit = [n for n in names if folders[n] is None and n != "none"]
     data = options.data_config(args) if to_fit else None
     training = options.training_config(args) if to_fit else None
 
+    from ..calibrators.base import Uncalibrated  # the library loads once the options are checked
+    from ..evaluation.evaluate import evaluate, format_paired
+    from ..evaluation.report import format_table
+    from ..workflows.pipeline import fit_calibrators, prepare_features
+
+    tasks = [build_task(t, limit=args.task_limit) for t in specs]  # task files read here, before the model loads
     backbone = options.backbone_from_args(args)
     calibrators: dict = {"uncalibrated": Uncalibrated()}
     for name in names:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 
+from ..checks import check_number, check_positive_int
 from . import options
 
 logger = logging.getLogger("ats.cli.generate")
@@ -18,11 +20,11 @@ def add_parser(sub) -> None:
                         "vector, binning, isotonic, Thermometer, ...), the paper's released head, a Hub id, or 'none' "
                         "(the model's own probabilities)")
     p.add_argument("prompt", nargs="+")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    options.add_number(p, "--max-new-tokens", int, check_positive_int, default=64)
     p.add_argument("--do-sample", action="store_true")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    options.add_number(p, "--temperature", float, partial(check_number, low=0, low_open=True), default=1.0)
+    options.add_number(p, "--top-k", int, check_positive_int, default=None)
+    options.add_number(p, "--top-p", float, partial(check_number, low=0, high=1, low_open=True), default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--no-chat-template", action="store_true")
@@ -31,21 +33,15 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """Run `ats generate` with the parsed `args`; returns the exit code."""
-    import torch
-
-    from ..checks import check_number, check_positive_int
-    from ..generation import DecodingCalibration, generate_calibrated, print_stream
-
     options.check_model(args.model)
     folder = None
     if args.calibrator.strip().lower() != "none":
         folder = options.calibrator_folder(args.calibrator)  # a missing or wrong folder fails before the model loads
-    check_positive_int("--max-new-tokens", args.max_new_tokens)
-    check_number("--temperature", args.temperature, low=0, low_open=True)
-    if args.top_k is not None:
-        check_positive_int("--top-k", args.top_k)
-    if args.top_p is not None:
-        check_number("--top-p", args.top_p, low=0, high=1, low_open=True)
+
+    import torch  # the library loads once the options are checked
+
+    from ..generation import DecodingCalibration, generate_calibrated, print_stream
+
     backbone = options.backbone_from_args(args)
     calibrator = None if folder is None else options.load_calibrator_folder(folder, backbone)
     logger.info("%s", DecodingCalibration(calibrator, backbone).describe())

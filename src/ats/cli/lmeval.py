@@ -74,7 +74,7 @@ def check_ats_model(known: argparse.Namespace) -> None:
     if known.model != "ats":
         return
     from ..integrations.lm_eval_model import check_calibrator
-    from ..model.backbone import DEFAULT_MODEL
+    from ..model.embedded import DEFAULT_MODEL
 
     given = model_args(known.model_args)
     try:
@@ -99,13 +99,13 @@ def run(args) -> int:
         from lm_eval.__main__ import cli_evaluate
     except ImportError:
         raise ATSError("lm-eval is not installed: pip install 'ats[lm-eval]'") from None
-    from ..integrations import lm_eval_model  # noqa: F401  registers the `ats` model with lm-eval
-    from ..integrations.calibration_report import calibration_report, format_report
-    from ..integrations.lm_eval_samples import SAMPLES_NAME, NotMultipleChoice, read_samples
 
     argv = list(args.lm_eval_args)
+    listing = not argv or argv[0] in ("ls", "validate") or "-h" in argv or "--help" in argv  # no model runs
     known = _known(argv)
-    check_ats_model(known)
+    if not listing:  # lm-eval's help and listings answer without torch
+        check_ats_model(known)
+        from ..integrations import lm_eval_model  # noqa: F401  registers the `ats` model with lm-eval
     if known.model == "vllm":  # calibrated models exported by `ats export --engine vllm` (docs/vllm.md)
         from ..integrations.vllm import alias_vllm_distribution
 
@@ -118,8 +118,11 @@ def run(args) -> int:
         cli_evaluate()
     finally:
         sys.argv = saved
-    if not argv or argv[0] in ("ls", "validate") or "-h" in argv or "--help" in argv:
+    if listing:
         return 0
+    from ..integrations.calibration_report import calibration_report, format_report
+    from ..integrations.lm_eval_samples import SAMPLES_NAME, NotMultipleChoice, read_samples
+
     if output_path is None or not known.log_samples:
         print("\nats: add --log_samples --output_path DIR for the calibration report of multiple-choice tasks",
               file=sys.stderr)

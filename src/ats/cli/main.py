@@ -24,37 +24,22 @@ import logging
 import os
 import sys
 
-from ..config import check_parsed
-from ..errors import ATSError
+from ..errors import ATSError, OptionError
 from . import ablate, calibration_report, convert, demo, eval, export, generate, lmeval, serve, train
-from .parser_cache import cached_parser
 
-# Command modules import only argparse-level things at the top; torch, transformers and the library load in `run`.
+# A command is one module: `add_parser(sub)` adds its options (from the torch-free configs and name tables) and
+# `run(args)` does the work, importing torch, transformers and the library inside. So `--help` and argument errors
+# answer without them (tests/cli/test_startup.py).
 COMMANDS = (train, eval, generate, ablate, demo, serve, export, lmeval, calibration_report, convert)
 
 
-def _root_parser() -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog="ats", description="Adaptive Temperature Scaling for causal LMs")
-
-
-def _define(parser: argparse.ArgumentParser) -> None:
-    """Add -q/--quiet and one sub-command per module in `COMMANDS` to `parser`."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `ats` parser: -q/--quiet and one sub-command per module in `COMMANDS`."""
+    parser = argparse.ArgumentParser(prog="ats", description="Adaptive Temperature Scaling for causal LMs")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or progress messages")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
-
-
-def build_parser(*, cached: bool = False) -> argparse.ArgumentParser:
-    """The `ats` parser: -q/--quiet and one sub-command per module in `COMMANDS`.
-
-    Args:
-        cached: replay the saved record of the parser (`parser_cache`: no torch import) instead of building it.
-    """
-    if cached:
-        return cached_parser(_root_parser, _define)
-    parser = _root_parser()
-    _define(parser)
     return parser
 
 
@@ -86,14 +71,15 @@ def _configure_output(quiet: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse `argv` (None: sys.argv), run the sub-command and return its exit code: an `ATSError` or `OSError` is
-    printed as one line and gives 2, an interrupt gives 130."""
-    args = build_parser(cached=True).parse_args(argv)
-    _configure_output(args.quiet)
+    """Parse `argv` (None: sys.argv), run the sub-command and return its exit code: an `ATSError`, an option's
+    failed check (`OptionError`) or an `OSError` is printed as one line and gives 2, an interrupt gives 130; argparse's
+    own errors (unknown option, bad choice, not a number) exit with 2 as argparse does."""
+    parser = build_parser()
     try:
-        check_parsed(args)  # the configs' range checks, before a command imports the library
+        args = parser.parse_args(argv)
+        _configure_output(args.quiet)
         return args.run(args)
-    except ATSError as err:
+    except (ATSError, OptionError) as err:
         print(f"ats: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a full disk, a read-only folder, an unreadable file

@@ -8,27 +8,29 @@ runs before the backbone loads; a failed check writes nothing.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..config import OptionType
 from ..errors import ATSError
+from ..model.embedded import DEFAULT_MODEL, EMBEDDED_MODELS
 
 if TYPE_CHECKING:
     from ..model.backbone import Backbone
     from ..training.config import TrainingConfig
     from ..training.data import DataConfig
 
-# The library (and with it torch and transformers) is imported inside the functions: `import ats.cli.main` stays
-# light, and the parser itself is replayed from a record (`parser_cache`).
+# The configs and name tables the options come from are torch-free; the library (and with it torch and
+# transformers) is imported inside the functions that use it, so building the parser imports neither.
 
 
 def add_model(p: argparse.ArgumentParser, *, loading: bool = True) -> None:
     """Add the model options to parser `p`: --model, and with `loading` (a command that loads it) --dtype, --device,
     --trust-remote-code."""
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="smollm2-135m-instruct",
-                   help="embedded name (smollm2-135m-instruct, gemma3-270m, qwen2.5-coder-0.5b-instruct), .gguf file, "
-                        "model folder or Hub id")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"embedded name ({', '.join(EMBEDDED_MODELS)}), .gguf file, model folder or Hub id")
     if not loading:
         return
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -50,7 +52,7 @@ def add_training(p: argparse.ArgumentParser, *, exclude=(), head_defaults: dict 
     """Add the head, ATS and training options to parser `p`; `exclude`: `TrainingConfig` fields left out;
     `head_defaults`: `HeadConfig` defaults replaced; `shown`: {field: the default --help states}, for head or
     training options the command resolves after parsing (`ConfigMixin.add_arguments`'s `shown`)."""
-    from ..calibrators.ats import ATSConfig
+    from ..calibrators.ats_config import ATSConfig
     from ..model.heads import HeadConfig
     from ..training.config import TrainingConfig
 
@@ -58,6 +60,13 @@ def add_training(p: argparse.ArgumentParser, *, exclude=(), head_defaults: dict 
     HeadConfig.add_arguments(g, defaults=head_defaults, shown=shown)
     ATSConfig.add_arguments(g)
     TrainingConfig.add_arguments(g, exclude=exclude, shown=shown)
+
+
+def add_number(p, flag: str, kind: type, check: Callable[[str, int | float], int | float], **kwargs) -> None:
+    """Add the number option `flag` to parser (or group) `p`, converted by `kind` and validated by `check(flag,
+    value)` (a validator of `ats.checks`) as argparse parses it, so a bad value fails at once (`OptionType`);
+    `kwargs` go to `add_argument`."""
+    p.add_argument(flag, type=OptionType(flag, kind, check), **kwargs)
 
 
 def add_overwrite(p: argparse.ArgumentParser) -> None:
@@ -79,8 +88,6 @@ def check_model(name: str) -> None:
     Raises:
         ATSError: if `name` is a missing path, a folder without config.json, or not shaped like a Hub id.
     """
-    from ..model.backbone import EMBEDDED_MODELS
-
     path = Path(name).expanduser()
     local = name.startswith((".", "/", "~")) or path.suffix == ".gguf" or path.exists()
     if name in EMBEDDED_MODELS:
@@ -135,15 +142,17 @@ def calibrator_folder(name: str | Path) -> Path:
     Raises:
         ATSError: if the folder, its config or the Hub id is missing or invalid (one line).
     """
-    from ..calibrators.base import CONFIG_NAME, read_config
-    from ..calibrators.official import is_official_folder, read_official_config
+    from ..calibrators.saving import CONFIG_NAME, read_config
     from ..hub import resolve_folder
 
     folder = resolve_folder(name)
-    if not (folder / CONFIG_NAME).exists() and is_official_folder(folder):
-        read_official_config(folder)
-    else:
-        read_config(folder)
+    if folder.is_dir() and not (folder / CONFIG_NAME).exists():  # the paper's layout?
+        from ..calibrators.official import is_official_folder, read_official_config
+
+        if is_official_folder(folder):
+            read_official_config(folder)
+            return folder
+    read_config(folder)
     return folder
 
 

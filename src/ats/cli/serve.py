@@ -8,7 +8,9 @@ import ipaddress
 import logging
 import os
 import socket
+from functools import partial
 
+from ..checks import check_number, check_positive_int
 from ..errors import ATSError
 from . import options
 
@@ -33,15 +35,17 @@ def add_parser(sub) -> None:
                         "Thermometer, ...), the paper's released head, a Hub id, or 'none' to serve the model's own "
                         "probabilities (a baseline)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (beyond localhost only with an API key)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + new tokens limit (default: the model's context length)")
+    options.add_number(p, "--port", int, partial(check_number, integer=True, low=1, high=65535), default=8000)
+    options.add_number(p, "--max-batch", int, check_positive_int, default=16, help="sequences decoded together")
+    options.add_number(p, "--max-queue", int, check_positive_int, default=64,
+                       help="requests that may wait; more get 503")
+    options.add_number(p, "--max-model-len", int, check_positive_int, default=None,
+                       help="prompt + new tokens limit (default: the model's context length)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $ATS_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; --engine ats)")
+    options.add_number(p, "--threads", int, check_positive_int, default=None,
+                       help="torch CPU threads (default: torch's; --engine ats)")
     p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
                    help="with --engine vllm: vLLM's own server options, after -- (e.g. -- --tensor-parallel-size 2)")
     p.set_defaults(run=run)
@@ -69,21 +73,10 @@ def _check_port_free(host: str, port: int) -> None:
 
 def run(args) -> int:
     """Run `ats serve` with the parsed `args`; returns the exit code."""
-    import torch
-
-    from ..checks import check_number, check_positive_int
-
     options.check_model(args.model)
     folder = None
     if args.calibrator.strip().lower() != "none":
         folder = options.calibrator_folder(args.calibrator)  # a missing or wrong folder fails before the model loads
-    check_number("--port", args.port, integer=True, low=1, high=65535)
-    check_positive_int("--max-batch", args.max_batch)
-    check_positive_int("--max-queue", args.max_queue)
-    if args.max_model_len is not None:
-        check_positive_int("--max-model-len", args.max_model_len)
-    if args.threads is not None:
-        check_positive_int("--threads", args.threads)
     key = args.api_key or os.environ.get("ATS_API_KEY") or None
     if key is None and not _is_local(args.host):
         raise ATSError(f"--host {args.host}: without --api-key (or $ATS_API_KEY) the server binds to localhost only "
@@ -100,6 +93,8 @@ def run(args) -> int:
         raise ATSError(f"ats serve needs the serve extra ({err.name} is missing): pip install 'ats[serve]'") from None
     _check_port_free(args.host, args.port)
     if args.threads is not None:
+        import torch
+
         torch.set_num_threads(args.threads)
     backbone = options.backbone_from_args(args)
     calibrator = None if folder is None else options.load_calibrator_folder(folder, backbone)

@@ -7,6 +7,7 @@ import logging
 import math
 from pathlib import Path
 
+from ..checks import check_nonnegative_float, check_nonnegative_int, check_positive_int
 from . import options
 
 logger = logging.getLogger(__name__)
@@ -16,9 +17,7 @@ def shown_defaults() -> dict[str, str]:
     """What --help states as the defaults of --head and --loss, which `run` and `run_answers` choose from --data
     (instruction data: the paper's transformer head and loss; answers: --method's default and the answer loss)."""
     from ..model.heads import HeadConfig
-    from ..training.config import TrainingConfig
-    from ..training.losses import ANSWER_LOSSES
-    from ..workflows.answer_methods import DEFAULT_ANSWER_METHOD
+    from ..training.config import ANSWER_LOSSES, DEFAULT_ANSWER_METHOD, TrainingConfig
 
     return {"head_type": f"{HeadConfig.head_type} with instruction data; with --data answers none: --method decides "
                          f"({DEFAULT_ANSWER_METHOD} by default)",
@@ -42,9 +41,10 @@ def add_parser(sub) -> None:
     p.add_argument("--online", action="store_true",
                    help="no feature cache: run the backbone inside the training loop (large models)")
     g = p.add_argument_group("answers (--data answers)")
-    g.add_argument("--pool-size", type=int, default=200, help="questions per QA-pool task (default: 200)")
-    g.add_argument("--mmlu-pool", type=int, default=2,
-                   help="MMLU validation questions per subject, 0 for none (default: 2)")
+    options.add_number(g, "--pool-size", int, check_positive_int, default=200,
+                       help="questions per QA-pool task (default: 200)")
+    options.add_number(g, "--mmlu-pool", int, check_nonnegative_int, default=2,
+                       help="MMLU validation questions per subject, 0 for none (default: 2)")
     g.add_argument("--method", default=None, metavar="SPEC",
                    help="what learns from the answers: 'thermometer' (one temperature per question, read from the "
                         "prompt; the default), an ATS head type (transformer, linear, mlp, constant; --head X is "
@@ -52,7 +52,8 @@ def add_parser(sub) -> None:
                         "tokens, so token calibration does not collapse; needs --token-features)")
     g.add_argument("--token-features", default=None, metavar="DIR",
                    help="an `ats train` features folder of the same model (its train/ split feeds the '+tokens' term)")
-    g.add_argument("--token-weight", type=float, default=1.0, help="weight of the '+tokens' term (default: 1.0)")
+    options.add_number(g, "--token-weight", float, check_nonnegative_float, default=1.0,
+                       help="weight of the '+tokens' term (default: 1.0)")
     options.add_overwrite(p)
     p.add_argument("--out", required=True, help="run folder: features (or answers) in OUT/features (OUT/answers), "
                                                 "the head in OUT/head")
@@ -62,12 +63,7 @@ def add_parser(sub) -> None:
 def run_answers(args) -> int:
     """`ats train --data answers`: the backbone's own labelled answers on the QA pool, a head trained on them."""
     from ..errors import ATSError
-    from ..evaluation.metrics import summarize
-    from ..evaluation.report import markdown_table
-    from ..training.losses import ANSWER_LOSSES
-    from ..workflows.answer_methods import DEFAULT_ANSWER_METHOD, check_answer_head, train_answer_head
-    from ..workflows.answer_pool import AnswerPlan
-    from ..workflows.answer_training import score_answers
+    from ..training.config import ANSWER_LOSSES, DEFAULT_ANSWER_METHOD
 
     options.check_model(args.model)
     loss = args.loss_type
@@ -75,10 +71,6 @@ def run_answers(args) -> int:
         if loss != "selective":  # the default of instruction data; an explicit token loss is a mistake here
             raise ATSError(f"--loss {loss} is a token loss; with --data answers use {' or '.join(ANSWER_LOSSES)}")
         loss = ANSWER_LOSSES[0]
-    for flag, value, low in (("--pool-size", args.pool_size, 1), ("--mmlu-pool", args.mmlu_pool, 0),
-                             ("--token-weight", args.token_weight, 0)):
-        if value < low:
-            raise ATSError(f"{flag} must be >= {low}, got {value}")
     if args.method and args.head_type:
         raise ATSError(f"--head {args.head_type} and --method {args.method}: with --data answers give one (--method)")
     for flag, value in (("--online", args.online), ("--resume", args.resume)):
@@ -86,6 +78,13 @@ def run_answers(args) -> int:
             raise ATSError(f"{flag}: instruction data only (answers are cached once and train in minutes)")
     training = options.training_config(args, loss_type=loss)
     spec = args.method or args.head_type or DEFAULT_ANSWER_METHOD
+
+    from ..evaluation.metrics import summarize  # the library loads once the options are checked
+    from ..evaluation.report import markdown_table
+    from ..workflows.answer_methods import check_answer_head, train_answer_head
+    from ..workflows.answer_pool import AnswerPlan
+    from ..workflows.answer_training import score_answers
+
     plan = AnswerPlan(pool_size=args.pool_size, mmlu_pool_per_subject=args.mmlu_pool, token_weight=args.token_weight)
     check_answer_head(args.out, spec=spec, training=training, loss_type=loss, max_scale=args.max_scale, plan=plan,
                       token_features=args.token_features, overwrite=args.overwrite)  # before the model loads
@@ -113,16 +112,22 @@ def run(args) -> int:
     """Run `ats train` with the parsed `args`; returns the exit code."""
     if args.source == "answers":
         return run_answers(args)
+    from ..calibrators.ats_config import ATSConfig
     from ..errors import ATSError
+    from ..model.heads.config import HeadConfig
 
     for flag, value in (("--method", args.method), ("--token-features", args.token_features)):
         if value is not None:
             raise ATSError(f"{flag} {value}: only with --data answers (instruction data trains the --head type)")
-    from ..model.heads import HeadConfig
-
     args.head_type = args.head_type or HeadConfig.head_type  # the paper's transformer head
-    from ..calibrators.ats import ATSConfig
-    from ..calibrators.base import Uncalibrated
+    # every option is checked before the library and the backbone load
+    options.check_model(args.model)
+    data = options.data_config(args)
+    training = options.training_config(args)
+    head = HeadConfig.from_args(args)
+    max_scale = ATSConfig.from_args(args).max_scale
+
+    from ..calibrators.base import Uncalibrated  # the library loads once the options are checked
     from ..evaluation.metrics import summarize
     from ..evaluation.report import token_table
     from ..evaluation.token_eval import gathered_token_confidences
@@ -130,12 +135,6 @@ def run(args) -> int:
     from ..training.distributed import init_distributed
     from ..workflows.pipeline import check_before_loading, fit_head, online_features, prepare_features
 
-    # every option is checked before the backbone loads
-    options.check_model(args.model)
-    data = options.data_config(args)
-    training = options.training_config(args)
-    head = HeadConfig.from_args(args)
-    max_scale = ATSConfig.from_args(args).max_scale
     out = Path(args.out)
     features = Path(args.features) if args.features else out / "features"
     if not args.online:

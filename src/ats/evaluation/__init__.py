@@ -1,9 +1,14 @@
-"""The evaluation layer: metrics, reliability diagrams, tasks, token-level calibration, and the evaluation driver."""
+"""The evaluation layer: metrics, reliability diagrams, tasks, token-level calibration, and the evaluation driver.
 
-from .evaluate import evaluate, format_paired, run_tasks, summarize_task
-from .metrics import adaptive_ece, auroc, brier_score, ece, paired_differences, reliability_bins, summarize
-from .report import format_table, token_table
-from .tasks import build_task
+Names are imported on first use (`ats.lazy`): the task names (`tasks.KNOWN_SPECS`) load without torch.
+"""
 
-__all__ = ["adaptive_ece", "auroc", "brier_score", "build_task", "ece", "evaluate", "format_paired", "format_table",
-           "paired_differences", "reliability_bins", "run_tasks", "summarize", "summarize_task", "token_table"]
+from ..lazy import lazy_exports
+
+_EXPORTS = {**dict.fromkeys(("evaluate", "format_paired", "run_tasks", "summarize_task"), ".evaluate"),
+            **dict.fromkeys(("adaptive_ece", "auroc", "brier_score", "ece", "paired_differences", "reliability_bins",
+                             "summarize"), ".metrics"),
+            "format_table": ".report", "token_table": ".report", "build_task": ".tasks"}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

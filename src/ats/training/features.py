@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 
 from ..errors import ATSError
 from ..io import atomic_file, read_json, write_json
-from ..model.backbone import IGNORE_INDEX, Backbone
+from ..model.backbone import Backbone
+from ..model.labels import IGNORE_INDEX
 from ..model.scale_summary import ScaleSummarySpec, summarize_logits
 from ..padding import pad_batch
 from .data import TokenizedExample

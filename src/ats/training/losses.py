@@ -39,10 +39,7 @@ from ..checks import check_choice, check_nonnegative_int, check_number, check_po
 from ..errors import ATSError
 from ..model.scale_summary import scaled_ce_from_summary
 from ..model.scaled_ce import LogitsFn, ScaledCE, scaled_cross_entropy
-
-LOSS_TYPES = ("selective", "none", "full", "top-label")
-ANSWER_LOSSES = ("answer-log", "answer-brier")  # on answer confidence: `ats train --data answers` (docs/method.md)
-WEIGHTINGS = ("token", "reference")
+from .config import ANSWER_LOSSES, LOSS_TYPES, WEIGHTINGS
 
 
 @dataclass

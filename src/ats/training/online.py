@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from ..errors import ATSError
-from ..model.backbone import IGNORE_INDEX, Backbone
+from ..model.backbone import Backbone
+from ..model.labels import IGNORE_INDEX
 from .data import TokenizedExample
 from .features import SequenceBatch, _token_batches, micro_batch_plan, pad_batch, shard_plan
 

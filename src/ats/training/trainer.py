@@ -26,7 +26,8 @@ from transformers import get_cosine_schedule_with_warmup
 from ..calibrators.ats import ATSCalibrator
 from ..calibrators.fit_loop import decay_groups
 from ..errors import ATSError
-from ..model.backbone import IGNORE_INDEX, Backbone
+from ..model.backbone import Backbone
+from ..model.labels import IGNORE_INDEX
 from .checkpoint import checkpoint_and_prune, latest_checkpoint, load_checkpoint
 from .config import TrainingConfig
 from .distributed import SINGLE, Dist

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..calibrators.ats import ATSCalibrator
-from ..model.backbone import IGNORE_INDEX, Backbone
+from ..model.backbone import Backbone
+from ..model.labels import IGNORE_INDEX
 from .config import TrainingConfig
 from .distributed import SINGLE, Dist
 from .losses import calibration_loss

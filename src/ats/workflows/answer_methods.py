@@ -15,7 +15,6 @@ from .answer_training import answer_lr, answer_record, train_on_answers
 logger = logging.getLogger(__name__)
 
 HEAD_KINDS = ("transformer", "linear", "mlp", "constant", "thermometer")
-DEFAULT_ANSWER_METHOD = "thermometer"  # `ats train`'s default: best on both embedded models (results/answers)
 
 
 def parse_spec(spec: str, *, field: str) -> tuple[str, bool]:

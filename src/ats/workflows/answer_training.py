@@ -37,8 +37,7 @@ from ..evaluation.answers import AnswerSet, answer_confidence
 from ..model.heads import tau_at
 from ..model.scale_summary import scaled_ce_from_summary
 from ..model.scaled_ce import scaled_cross_entropy
-from ..training.config import TrainingConfig
-from ..training.losses import ANSWER_LOSSES
+from ..training.config import ANSWER_LOSSES, TrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +208,7 @@ def token_term(calibrator, batch, logits_fn, *, chunk_size: int, max_tokens: int
     The head reads the sequences' first `window` positions (None: all; a causal head's output there is exactly its
     output on the whole sequence); with `max_tokens`, the loss is the mean over a random subset of that many of
     their response tokens (unbiased, and the exact route then builds logits for those tokens only)."""
-    from ..model.backbone import IGNORE_INDEX
+    from ..model.labels import IGNORE_INDEX
     from ..training.losses import calibration_loss
 
     T = batch.hidden.shape[1] if window is None else min(window, batch.hidden.shape[1])

@@ -27,8 +27,8 @@ from ..errors import ATSError
 from ..evaluation.answers import AnswerSet
 from ..evaluation.metrics import paired_differences, summarize
 from ..io import read_json, write_json
+from ..training.config import DEFAULT_ANSWER_METHOD
 from .answer_methods import (
-    DEFAULT_ANSWER_METHOD,
     HEAD_KINDS,
     RECORD_DEFAULTS,
     answer_head_record,

@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..calibrators import calibrator_class, calibrator_for, entry, load_calibrator
+from ..calibrators import BASELINES, calibrator_class, calibrator_for, entry, load_calibrator
 from ..calibrators.ats import ATSCalibrator
 from ..calibrators.base import CONFIG_NAME, Calibrator
 from ..fingerprint import check_reuse, refusal, stored_fingerprint, write_fingerprint
@@ -48,7 +48,6 @@ from .fingerprints import (
 
 logger = logging.getLogger(__name__)
 
-BASELINES = ("temperature", "vector", "scaling-binning", "histogram", "isotonic", "thermometer")
 SPLITS = ("train", "val")
 # names other modules and scripts import from here
 __all__ = ["BASELINES", "SPLITS", "FeatureSource", "LogitReplay", "calibrator_fingerprint", "check_before_loading",

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..calibrators import BASELINES
 from ..evaluation.report import jsonable
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig
-from .pipeline import BASELINES
 from .variants import ABLATIONS, names
 
 CONTROLS = ("selective-temperature", "selective-linear")

@@ -1,24 +1,24 @@
 """Evaluation tasks: MMLU, TriviaQA, TruthfulQA MC1 and generation, and any multiple-choice JSONL file.
 
-`build_task(spec)` accepts every registered spec (`KNOWN_SPECS`: 'mmlu', 'triviaqa', 'truthfulqa_mc1',
-'truthfulqa_gen', 'nq_open', 'mc:PATH', 'mc:PATH:letters', 'mc:PATH:likelihood'); a new task registers itself with
-`@register_task` (`registry.py`).
+`build_task(spec)` accepts every registered spec (`KNOWN_SPECS`: 'mmlu', 'triviaqa', 'nq_open', 'truthfulqa_mc1',
+'truthfulqa_gen', 'mc:PATH', 'mc:PATH:letters', 'mc:PATH:likelihood'); a new task is one line in `registry.py` (or
+`@register_task` on a class elsewhere). The task classes are imported when first built or named (`ats.lazy`): the
+names load without torch.
 Every task runs the backbone once per example and applies every calibrator to that same forward.
 """
 
 from __future__ import annotations
 
-from ...errors import ATSError
-from .base import Task, TaskResult
-from .mmlu import MMLUTask
-from .multiple_choice import MultipleChoiceTask
-from .nq_open import NQOpenTask
-from .registry import REGISTRY, known_specs, register_task, resolve
-from .triviaqa import TriviaQATask
-from .truthfulqa import TruthfulQAMC1Task
-from .truthfulqa_gen import TruthfulQAGenTask
+from typing import TYPE_CHECKING
 
-KNOWN_SPECS = known_specs()  # every task module above has registered itself
+from ...errors import ATSError
+from ...lazy import lazy_exports
+from .registry import REGISTRY, known_specs, register_task, resolve
+
+if TYPE_CHECKING:
+    from .base import Task
+
+KNOWN_SPECS = known_specs()  # the built-in tasks (registry.py)
 
 
 def build_task(spec: str, *, limit: int | None = None, seed: int = 0, **options) -> Task:
@@ -73,6 +73,11 @@ def build_tasks(tasks, task_limit=None, *, seed: int = 0, task_options: dict | N
         built.append(build_task(spec, limit=limit, seed=seed, **dict((task_options or {}).get(entry.name, {}))))
     return built
 
+
+__getattr__ = lazy_exports(__name__, {
+    "Task": ".base", "TaskResult": ".base", "MMLUTask": ".mmlu", "MultipleChoiceTask": ".multiple_choice",
+    "NQOpenTask": ".nq_open", "TriviaQATask": ".triviaqa", "TruthfulQAMC1Task": ".truthfulqa",
+    "TruthfulQAGenTask": ".truthfulqa_gen"})
 
 __all__ = ["KNOWN_SPECS", "MMLUTask", "MultipleChoiceTask", "NQOpenTask", "REGISTRY", "Task", "TaskResult",
            "TriviaQATask", "TruthfulQAGenTask", "TruthfulQAMC1Task", "build_task", "build_tasks", "register_task"]

@@ -27,7 +27,6 @@ from ...errors import ATSError
 from ...sources import hub_dataset, local_file
 from .base import Task, TaskResult, read_jsonl, seeded_subset
 from .multiple_choice import letter_prompt
-from .registry import register_task
 from .scoring import ItemGroup, LetterItem, encode, letter_token_ids, score_groups
 
 LETTERS = "ABCD"
@@ -130,7 +129,6 @@ def load_mmlu(split: str) -> list[dict]:
     return [_check_row(dict(r), f"cais/mmlu {split} row {i}") for i, r in enumerate(data)]
 
 
-@register_task("mmlu")
 class MMLUTask(Task):
     """MMLU letter scoring; `limit` = questions per subject (a seeded subset), `subjects` = which subjects.
 

@@ -22,7 +22,6 @@ from ...calibrators.base import Calibrator
 from ...errors import ATSError
 from ...io import read_jsonl
 from .base import Task, TaskResult, seeded_subset
-from .registry import register_task
 from .scoring import ItemGroup, LetterItem, choice_item, encode, letter_token_ids, score_groups
 
 logger = logging.getLogger(__name__)
@@ -125,7 +124,6 @@ def parse_mc_spec(rest: str, spec: str) -> tuple[str, str]:
     return path, mode
 
 
-@register_task("mc", forms=("mc:PATH", "mc:PATH:letters", "mc:PATH:likelihood"), parse=parse_mc_spec)
 class MultipleChoiceTask(Task):
     """A JSONL multiple-choice set scored by letters (zero-shot) or by choice likelihood.
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from ...errors import ATSError
 from ...io import read_jsonl
 from ...sources import hub_dataset, local_file
-from .registry import register_task
 from .triviaqa import TriviaQATask
 
 
@@ -36,7 +35,6 @@ def load_nq_open() -> list[dict]:
     return out
 
 
-@register_task("nq_open")
 class NQOpenTask(TriviaQATask):
     """NQ-open generation; the options and the protocol are TriviaQA's (`TriviaQATask`)."""
 

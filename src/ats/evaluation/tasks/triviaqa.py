@@ -34,7 +34,6 @@ from ...errors import ATSError
 from ...sources import hub_dataset, local_file
 from .base import read_jsonl
 from .generative import GenerativeTask
-from .registry import register_task
 from .scoring import encode
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -135,7 +134,6 @@ def render_prompt(shots: list[dict], question: str) -> str:
     return few_shot_prefix(shots) + f"Q: {question}\nA:"
 
 
-@register_task("triviaqa")
 class TriviaQATask(GenerativeTask):
     """TriviaQA generation; `limit` = a seeded subset of questions (the few-shot examples are never among them).
 

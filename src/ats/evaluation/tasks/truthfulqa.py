@@ -19,7 +19,6 @@ from ...errors import ATSError
 from ...io import read_json
 from ...sources import hub_dataset, local_file
 from .base import Task, TaskResult, seeded_subset
-from .registry import register_task
 from .scoring import ItemGroup, choice_item, encode, score_groups
 
 QA_PRIMER = (
@@ -82,7 +81,6 @@ def load_truthfulqa_mc1() -> list[dict]:
                        f"truthfulqa/truthful_qa row {i}") for i, r in enumerate(data)]
 
 
-@register_task("truthfulqa_mc1")
 class TruthfulQAMC1Task(Task):
     """TruthfulQA MC1 by choice likelihood; `limit` = a seeded subset of questions.
 

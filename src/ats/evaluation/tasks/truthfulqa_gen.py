@@ -33,7 +33,6 @@ from ...sources import hub_dataset, local_file
 from .base import seeded_subset
 from .generative import GenerativeTask
 from .judge import JUDGES, NO_COMMENT, close_references, judge_answer
-from .registry import register_task
 from .scoring import encode
 from .truthfulqa import QA_PRIMER, render_context
 
@@ -130,7 +129,6 @@ def load_truthfulqa_gen() -> list[dict]:
     return rows
 
 
-@register_task("truthfulqa_gen")
 class TruthfulQAGenTask(GenerativeTask):
     """TruthfulQA generation judged by ROUGE-L or BLEU; `limit` = a seeded subset of questions.
 

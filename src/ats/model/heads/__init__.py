@@ -18,15 +18,17 @@ cached positions too) and `cache` is a `HeadCache` (read by the transformer head
 Padding: positions where `attention_mask == 0` get tau == 0 and are never attended to. Right padding (training) and
 left padding (generation) both work: RoPE positions come from the mask, `cumsum(mask) - 1`, so a left-padded sequence
 gets the same tau as the same sequence unpadded.
+
+Names are imported on first use (`ats.lazy`): `config` and `registry` load without torch.
 """
 
-from .cache import HeadCache
-from .common import RMSNorm
-from .config import HEAD_TYPES, HeadConfig, default_intermediate_size, default_num_heads
-from .registry import HEADS, build_head, register_head, tau_at
-from .simple import ConstantHead, LinearHead, MLPHead
-from .transformer import CausalSelfAttention, SwiGLU, TransformerHead
+from ...lazy import lazy_exports
 
-__all__ = ["HEADS", "HEAD_TYPES", "CausalSelfAttention", "ConstantHead", "HeadCache", "HeadConfig", "LinearHead",
-           "MLPHead", "RMSNorm", "SwiGLU", "TransformerHead", "build_head", "default_intermediate_size",
-           "default_num_heads", "register_head", "tau_at"]
+_EXPORTS = {"HeadCache": ".cache", "RMSNorm": ".common", "HEAD_TYPES": ".config", "HeadConfig": ".config",
+            "default_intermediate_size": ".config", "default_num_heads": ".config", "HEADS": ".registry",
+            "build_head": ".registry", "head_class": ".registry", "register_head": ".registry", "tau_at": ".registry",
+            "ConstantHead": ".simple", "LinearHead": ".simple", "MLPHead": ".simple",
+            "CausalSelfAttention": ".transformer", "SwiGLU": ".transformer", "TransformerHead": ".transformer"}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,4 +1,5 @@
-"""`HeadConfig`: which head and its sizes (defaults derived from the backbone's hidden size)."""
+"""`HeadConfig`: which head and its sizes (defaults derived from the backbone's hidden size); torch-free, so the
+CLI's options load without torch."""
 
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ from dataclasses import dataclass
 
 from ...config import ConfigMixin, option
 from ...errors import ATSError
-from . import simple, transformer  # noqa: F401  (registers the heads)
 from .registry import HEADS
 
-HEAD_TYPES = tuple(HEADS)  # ("constant", "linear", "mlp", "transformer"): the registry's, in registration order
+HEAD_TYPES = tuple(HEADS)  # ("constant", "linear", "mlp", "transformer"): the registry's names, in its order
 
 
 # --------------------------------------------------------------------------------------------------------------------

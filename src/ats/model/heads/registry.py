@@ -1,18 +1,39 @@
-"""The head registry: `@register_head(name)` on a head class with `from_config(config)`; `build_head` looks the
-configured type up, so a new head is one decorated class (lm-eval's `register_task` style)."""
+"""The head registry: head type -> the class that builds it (`from_config(config)`), named as "module:Class" and
+imported on first use, so the names load without torch (`HeadConfig`'s choices, the CLI's --head). A new head is one
+class and one line in `HEADS` (or `@register_head(name)` on a class outside this package)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torch import Tensor, nn
-
 from ...errors import ATSError
+from ...lazy import load
 
 if TYPE_CHECKING:
+    from torch import Tensor, nn
+
     from .config import HeadConfig
 
-HEADS: dict[str, type[nn.Module]] = {}  # head type -> class, in registration order
+# head type -> its class, or "module:Class" (relative to this package) until first used; in --help's order
+HEADS: dict[str, str | type[nn.Module]] = {
+    "constant": ".simple:ConstantHead",
+    "linear": ".simple:LinearHead",
+    "mlp": ".simple:MLPHead",
+    "transformer": ".transformer:TransformerHead",
+}
+
+
+def head_class(name: str) -> type[nn.Module]:
+    """The class registered under head type `name`, imported on first use.
+
+    Raises:
+        ATSError: if no head is registered under `name`.
+    """
+    if name not in HEADS:
+        raise ATSError(f"head_type: unknown head {name!r} (one of {', '.join(HEADS)})")
+    if isinstance(HEADS[name], str):
+        HEADS[name] = load(HEADS[name], __package__)
+    return HEADS[name]
 
 
 def register_head(name: str):
@@ -24,8 +45,8 @@ def register_head(name: str):
     """
 
     def wrap(cls: type[nn.Module]) -> type[nn.Module]:
-        if HEADS.get(name, cls) is not cls:
-            raise ATSError(f"head type {name!r} is already registered by {HEADS[name].__name__}")
+        if name in HEADS and head_class(name) is not cls:
+            raise ATSError(f"head type {name!r} is already registered by {head_class(name).__name__}")
         HEADS[name] = cls
         return cls
 
@@ -44,9 +65,7 @@ def build_head(config: HeadConfig) -> nn.Module:
     Raises:
         ATSError: if no head is registered under `config.head_type`.
     """
-    if config.head_type not in HEADS:
-        raise ATSError(f"head_type: unknown head {config.head_type!r} (one of {', '.join(HEADS)})")
-    return HEADS[config.head_type].from_config(config)
+    return head_class(config.head_type).from_config(config)
 
 
 def tau_at(head: nn.Module, hidden: Tensor, attention_mask: Tensor | None, index: Tensor) -> Tensor:

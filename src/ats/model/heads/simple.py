@@ -9,13 +9,11 @@ import torch
 from torch import Tensor, nn
 
 from .common import init_weights, mask_padding, zero_linear
-from .registry import register_head
 
 if TYPE_CHECKING:
     from .cache import HeadCache
 
 
-@register_head("constant")
 class ConstantHead(nn.Module):
     """tau = gain * c for every token: one global temperature, trained like any head (the "no adaptivity" control).
 
@@ -43,7 +41,6 @@ class ConstantHead(nn.Module):
         return mask_padding(tau, attention_mask)  # (B, T)
 
 
-@register_head("linear")
 class LinearHead(nn.Module):
     """tau = w . h + b: one log-temperature per token from a linear probe of the hidden state.
 
@@ -66,7 +63,6 @@ class LinearHead(nn.Module):
         return mask_padding(self.proj(x), attention_mask)  # (B, T)
 
 
-@register_head("mlp")
 class MLPHead(nn.Module):
     """tau = w . gelu(W h + c) + b: a per-token nonlinear probe (no context).
 

@@ -10,7 +10,6 @@ from torch import Tensor, nn
 from ...errors import ATSError
 from .cache import HeadCache
 from .common import RMSNorm, init_weights, mask_padding, zero_linear
-from .registry import register_head
 
 
 def _allowed(real: Tensor, past: int) -> Tensor:
@@ -106,7 +105,6 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-@register_head("transformer")
 class TransformerHead(nn.Module):
     """One Llama decoder layer over the hidden states, then RMSNorm + Linear H -> 1 (the paper's ATS head).
 
