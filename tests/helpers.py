@@ -9,12 +9,13 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ats.calibrators.ats import ATSCalibrator
 from ats.calibrators.base import Calibrator
-from ats.model.backbone import Backbone
+from ats.model.backbone import IGNORE_INDEX, Backbone
 
 
 class HalfTemperature(Calibrator):
@@ -125,6 +126,23 @@ def perturbed_ats(backbone, std: float = 0.3, seed: int = 0):
 
 
 # --- tiny data: every layout read through ATS_DATA_DIR (see ../shared/data/README.md), written by the tests ----------
+@torch.no_grad()
+def hand_token_metrics(store, backbone, calibrator=None):
+    """Top-1 confidence and correctness of every response token of a feature store (with `calibrator`'s scale), from the
+    stored hidden states by plain torch."""
+    conf, correct = [], []
+    for hidden, labels in store.sequences():
+        keep = labels != IGNORE_INDEX
+        z = hidden.float() @ backbone.output_weight.float().T  # (T, V)
+        if calibrator is not None:
+            z = z * calibrator.scale(calibrator.log_scale(hidden.float()[None]))[0][:, None]
+        p = torch.softmax(z.double(), -1)[keep]
+        conf.append(p.max(-1).values.numpy())
+        correct.append((z[keep].argmax(-1) == labels[keep]).numpy())
+    return np.concatenate(conf), np.concatenate(correct)
+
+
+
 CAPITALS = [("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Germany", "Berlin"), ("Japan", "Tokyo"),
             ("Egypt", "Cairo"), ("Peru", "Lima"), ("Kenya", "Nairobi"), ("Canada", "Ottawa"), ("Chile", "Santiago"),
             ("Norway", "Oslo"), ("Greece", "Athens"), ("Cuba", "Havana"), ("Ireland", "Dublin"),

@@ -1,8 +1,8 @@
 """The paper's main experiment in one call: train ATS, fit every baseline on the same tokens, evaluate all methods.
 
 Used by `ats demo` (the README's main job) and by `benchmarks/paper_table.py` at larger sizes. The plan is an
-`ExperimentSize` (`plans.py`); the steps are the runner's, so every step reuses what an earlier, interrupted run of
-the same command already finished.
+`ExperimentSize` (`SIZES`: what `ats demo --size` offers); the steps are the runner's, so every step reuses what an
+earlier, interrupted run of the same command already finished.
 """
 
 from __future__ import annotations
@@ -16,14 +16,44 @@ from ..evaluation.tasks import build_task
 from ..model.backbone import Backbone
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig
-from .plans import CONTROLS, QUICK_SUBJECTS, SIZES, ExperimentSize
+from .pipeline import BASELINES
 from .runner import HeadJob, Laps, Runner
-from .variants import Variant
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CONTROLS", "QUICK_SUBJECTS", "SIZES", "ExperimentResult", "ExperimentSize", "run_experiment",
            "size_record"]
+
+CONTROLS = ("selective-temperature", "selective-linear")
+
+# A small, varied set of MMLU subjects for quick runs (None = all 57).
+QUICK_SUBJECTS = ["abstract_algebra", "anatomy", "astronomy", "college_biology", "high_school_geography",
+                  "high_school_us_history", "marketing", "nutrition", "philosophy", "world_religions"]
+
+
+@dataclass
+class ExperimentSize:
+    """How much data each step of the paper's experiment uses; `ats demo --size` picks one of SIZES."""
+
+    limit: int = 300  # Alpaca-GPT4 examples (train + validation)
+    max_length: int = 320
+    epochs: int = 2
+    lr: float = 1e-3  # the paper's 5e-5 is for ~13k steps; with a few hundred examples the head barely moves
+    mmlu_per_subject: int = 3
+    mmlu_subjects: list[str] | None = None
+    triviaqa: int = 150
+    truthfulqa: int = 150
+    baselines: tuple[str, ...] = BASELINES
+    controls: tuple[str, ...] = CONTROLS
+    data: str = "alpaca_gpt4"
+
+
+SIZES = {
+    "tiny": ExperimentSize(limit=60, max_length=256, epochs=1, mmlu_per_subject=1, mmlu_subjects=QUICK_SUBJECTS,
+                           triviaqa=20, truthfulqa=20, controls=("selective-temperature",)),
+    "demo": ExperimentSize(limit=200, max_length=256, mmlu_per_subject=2, triviaqa=120, truthfulqa=120),
+    "benchmark": ExperimentSize(limit=1000, max_length=512, mmlu_per_subject=8, triviaqa=400, truthfulqa=400),
+}
 
 
 @dataclass
@@ -60,7 +90,7 @@ def run_experiment(backbone: Backbone, out_dir: str | Path, size: ExperimentSize
     logger.info("features: %s, %d examples, max length %d; then the %s ATS head, the controls and baselines %s",
                 size.data, size.limit, size.max_length, head_type, ", ".join((*size.controls, *size.baselines)))
     arm = runner.arm(DataConfig(source=size.data, limit=size.limit, max_length=size.max_length),
-                     [HeadJob.of(Variant("ats", head_type=head_type), f"ats-{head_type}", training)],
+                     [HeadJob("ats", f"ats-{head_type}", training, head_type=head_type)],
                      baselines=(*size.controls, *size.baselines), baseline_options={"training": training},
                      laps=result.seconds)
     result.token_level = arm.token_level
