@@ -27,6 +27,9 @@ def shown_defaults() -> dict[str, str]:
 
 def add_parser(sub) -> None:
     """Add `ats train` to `sub`, the sub-command parsers of `ats`."""
+    from ..workflows.answer_pool import AnswerPool
+
+    pool = AnswerPool()  # the defaults of the answer options
     p = sub.add_parser("train", help="train a calibrator (default: on the model's own answers)",
                        description="Train a calibrator, saved in OUT/head (config + safetensors + fingerprint). By "
                                    "default (--data answers) the backbone answers a labelled QA pool once and "
@@ -42,9 +45,10 @@ def add_parser(sub) -> None:
     p.add_argument("--online", action="store_true",
                    help="no feature cache: run the backbone inside the training loop (large models)")
     g = p.add_argument_group("answers (--data answers)")
-    g.add_argument("--pool-size", type=int, default=200, help="questions per QA-pool task (default: 200)")
-    g.add_argument("--mmlu-pool", type=int, default=2,
-                   help="MMLU validation questions per subject, 0 for none (default: 2)")
+    g.add_argument("--pool-size", type=int, default=pool.pool_size,
+                   help=f"questions per QA-pool task (default: {pool.pool_size})")
+    g.add_argument("--mmlu-pool", type=int, default=pool.mmlu_per_subject,
+                   help=f"MMLU validation questions per subject, 0 for none (default: {pool.mmlu_per_subject})")
     g.add_argument("--method", default=None, metavar="SPEC",
                    help="what learns from the answers: 'thermometer' (one temperature per question, read from the "
                         "prompt; the default), an ATS head type (transformer, linear, mlp, constant; --head X is "
@@ -52,7 +56,8 @@ def add_parser(sub) -> None:
                         "tokens, so token calibration does not collapse; needs --token-features)")
     g.add_argument("--token-features", default=None, metavar="DIR",
                    help="an `ats train` features folder of the same model (its train/ split feeds the '+tokens' term)")
-    g.add_argument("--token-weight", type=float, default=1.0, help="weight of the '+tokens' term (default: 1.0)")
+    g.add_argument("--token-weight", type=float, default=pool.token_weight,
+                   help=f"weight of the '+tokens' term (default: {pool.token_weight})")
     options.add_overwrite(p)
     p.add_argument("--out", required=True, help="run folder: features (or answers) in OUT/features (OUT/answers), "
                                                 "the head in OUT/head")
@@ -66,7 +71,7 @@ def run_answers(args) -> int:
     from ..evaluation.report import markdown_table
     from ..training.losses import ANSWER_LOSSES
     from ..workflows.answer_methods import DEFAULT_ANSWER_METHOD, check_answer_head, train_answer_head
-    from ..workflows.answer_pool import AnswerPlan
+    from ..workflows.answer_pool import AnswerPool
     from ..workflows.answer_training import score_answers
 
     options.check_model(args.model)
@@ -86,12 +91,15 @@ def run_answers(args) -> int:
             raise ATSError(f"{flag}: instruction data only (answers are cached once and train in minutes)")
     training = options.training_config(args, loss_type=loss)
     spec = args.method or args.head_type or DEFAULT_ANSWER_METHOD
-    plan = AnswerPlan(pool_size=args.pool_size, mmlu_pool_per_subject=args.mmlu_pool, token_weight=args.token_weight)
-    check_answer_head(args.out, spec=spec, training=training, loss_type=loss, max_scale=args.max_scale, plan=plan,
-                      token_features=args.token_features, overwrite=args.overwrite)  # before the model loads
+    pool_options = AnswerPool(pool_size=args.pool_size, mmlu_per_subject=args.mmlu_pool,
+                              token_weight=args.token_weight)
+    check_answer_head(args.out, spec=spec, training=training, loss_type=loss, max_scale=args.max_scale,
+                      pool=pool_options, token_features=args.token_features,
+                      overwrite=args.overwrite)  # before the model loads
     backbone = options.backbone_from_args(args)
     calibrator, pool, reused = train_answer_head(
-        backbone, Path(args.out), spec=spec, training=training, loss_type=loss, max_scale=args.max_scale, plan=plan,
+        backbone, Path(args.out), spec=spec, training=training, loss_type=loss, max_scale=args.max_scale,
+        pool=pool_options,
         token_features=args.token_features, overwrite=args.overwrite, progress=not args.quiet)
     rows = []
     for name, answers in pool.items():
