@@ -26,12 +26,12 @@ from ..errors import ATSError
 from ..hub import resolve_folder
 from ..model.backbone import Backbone
 from ..model.heads import HeadConfig, build_head
-from .ats_config import LEGACY_TRAINING_KEYS, ATSConfig
+from .ats_config import ATSConfig
 from .base import CONFIG_NAME, Calibrator, FitSource, read_config
 from .calibrated_model import CalibratedModel
 from .saving import load_module
 
-__all__ = ["LEGACY_TRAINING_KEYS", "ATSCalibrator", "ATSConfig", "CalibratedModel"]
+__all__ = ["ATSCalibrator", "ATSConfig", "CalibratedModel"]
 
 
 class ATSCalibrator(Calibrator):

@@ -66,9 +66,6 @@ def answer_head_record(training: TrainingConfig, loss_type: str, pool: AnswerPoo
                          token_window=pool.token_window)
 
 
-RECORD_DEFAULTS = {"token_weight": 0.0}  # record fields of heads saved before the field existed
-
-
 def reusable_answer_head(head_dir: Path, record: dict, *, head_type: str, max_scale: float,
                          overwrite: bool) -> bool:
     """Whether `head_dir` holds a head trained with `record`, `head_type` and `max_scale` (read from its JSON
@@ -83,7 +80,7 @@ def reusable_answer_head(head_dir: Path, record: dict, *, head_type: str, max_sc
     config = read_json(path)
     thermometer = config.get("type") == "thermometer"  # its training record is its history's first entry
     training = ((config.get("history") or [{}])[0] if thermometer else config.get("training")) or {}
-    have = {k: training.get(k, RECORD_DEFAULTS.get(k)) for k in record}
+    have = {k: training.get(k) for k in record}
     differ = [k for k in record if have[k] != record[k]]
     if ("thermometer" if thermometer else (config.get("head") or {}).get("head_type")) != head_type:
         differ.append("head")

@@ -59,9 +59,8 @@ def pool_names(mmlu_per_subject: int) -> list[str]:
 
 def cached_answers(backbone, task, folder: Path, *, progress: bool = True) -> AnswerSet:
     """The task's answers from `folder` when they were made by this task and backbone with the default storage
-    (float16 hidden states); built and saved otherwise (with the default scale summary). A set saved before answer
-    sets carried a summary is reused as it is (scored by the exact route, which the summary matches to 1e-4), and so
-    is one with other summary settings (each summary row carries its own range and nodes), said in one line.
+    (float16 hidden states); built and saved otherwise (with the default scale summary). A set with other summary
+    settings is reused as it is (each summary row carries its own range and nodes), said in one line.
 
     Raises:
         ATSError: if the folder holds another task's or backbone's answers, or other storage settings.
@@ -73,9 +72,7 @@ def cached_answers(backbone, task, folder: Path, *, progress: bool = True) -> An
     if (folder / "answers.json").is_file():
         meta = read_json(folder / "answers.json")
         have = {key: meta.get(key) for key in want}
-        if "summary" not in meta:  # made before answer sets had a summary: the exact route scores it
-            have["summary"] = want["summary"]
-        elif have["summary"] != want["summary"]:  # each row carries its own nodes: read as made, to 1e-4 of exact
+        if have["summary"] != want["summary"]:  # each row carries its own nodes: read as made, to 1e-4 of exact
             logger.info("%s: answers with scale summary %s (default now %s), reused as they are", folder,
                         have["summary"], want["summary"])
             have["summary"] = want["summary"]

@@ -54,17 +54,11 @@ def features_fingerprint(backbone: Backbone, config: DataConfig, split: str, *, 
                             split=split, **summary_meta(summary))
 
 
-def without_summary(fingerprint: dict | None) -> dict | None:
-    """A features fingerprint less its scale summary: what a folder extracted before summaries existed records."""
-    return None if fingerprint is None else {k: v for k, v in fingerprint.items() if k != "scale_summary"}
-
-
 def training_options(training: TrainingConfig, summary: ScaleSummarySpec | None) -> dict:
     """The training options a head's fingerprint records: those that can change the result, with the loss route.
 
     `exact_loss` is replaced by the route the trainer takes: "loss_route" names the scale summary when the loss is
-    computed from it, and is absent on the exact route, so heads trained before the summary existed (always exact)
-    keep their fingerprints.
+    computed from it, and is absent on the exact route.
 
     Args:
         training: the training options.

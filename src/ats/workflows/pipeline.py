@@ -43,7 +43,6 @@ from .fingerprints import (
     head_fingerprint,
     store_fingerprint,
     training_options,
-    without_summary,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,9 +62,7 @@ def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataC
     """Tokenize the instruction data, split it, and extract (or reuse) the train / val feature caches.
 
     Finished features are reused only for the same backbone, data and options (the scale summary's settings
-    included); a partial extraction resumes only with them. A finished folder extracted before scale summaries
-    existed (its fingerprint has none, all else equal) is reused as it is: heads train on it by the exact
-    full-vocabulary route, and `overwrite=True` re-extracts it with the summary.
+    included); a partial extraction resumes only with them.
 
     Args:
         backbone: the frozen backbone.
@@ -94,11 +91,6 @@ def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataC
     for split in SPLITS:
         folder = features_dir / split
         old = stored_fingerprint(folder) if folder.is_dir() else None
-        if (summary is not None and finished[split] and not overwrite and old is not None
-                and "scale_summary" not in old and old == without_summary(prints[split])):
-            logger.info("%s: features extracted without a scale summary; heads train on them by the exact "
-                        "full-vocabulary loss (--overwrite re-extracts them with the summary)", folder)
-            continue
         if folder.is_dir() and any(folder.iterdir()) and old != prints[split]:
             if not overwrite:
                 raise refusal(folder, "features", old, prints[split])
