@@ -15,9 +15,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ats.calibrators.ats import ATSCalibrator, ATSConfig
 from ats.calibrators.base import Calibrator
-from ats.evaluation.answers import AnswerSet
 from ats.model.backbone import IGNORE_INDEX, Backbone
 from ats.model.heads import HeadConfig
+from ats.training.answers import AnswerSet
 
 
 class HalfTemperature(Calibrator):

@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from ats.errors import ATSError
-from ats.evaluation.answers import AnswerSet
 from ats.evaluation.metrics import paired_differences, summarize
 from ats.evaluation.tasks import MMLUTask, TriviaQATask, TruthfulQAGenTask, TruthfulQAMC1Task
 from ats.io import read_json, write_json
+from ats.training.answers import AnswerSet, score_answers
 from ats.training.config import TrainingConfig
 from ats.workflows.answer_methods import answer_head_record, parse_spec, reusable_answer_head, train_spec
 from ats.workflows.answer_pool import (
@@ -39,7 +39,6 @@ from ats.workflows.answer_pool import (
     cached_answers,
     pool_tasks,
 )
-from ats.workflows.answer_training import score_answers
 
 logger = logging.getLogger(__name__)
 

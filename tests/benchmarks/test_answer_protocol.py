@@ -16,7 +16,7 @@ from protocols.answers_report import render
 from ats.calibrators.base import Uncalibrated
 from ats.errors import ATSError
 from ats.evaluation.tasks import build_task
-from ats.workflows.answer_training import score_answers
+from ats.training.answers import score_answers
 
 from helpers import fresh_ats, make_tiny_backbone, planted_answers
 

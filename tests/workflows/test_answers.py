@@ -12,14 +12,16 @@ import torch
 
 from ats.calibrators.base import Uncalibrated
 from ats.errors import ATSError
-from ats.evaluation.answers import AnswerSet, build_answer_set
+from ats.evaluation.answers import build_answer_set
 from ats.evaluation.metrics import auroc
 from ats.evaluation.tasks import build_task
 from ats.evaluation.tasks.nq_open import NQOpenTask
 from ats.evaluation.tasks.triviaqa import TriviaQATask
 from ats.model.heads import tau_at
+from ats.training.answers import AnswerSet, score_answers, scored_confidence
 from ats.training.config import TrainingConfig
-from ats.workflows.answer_training import answer_loss, score_answers, scored_confidence, train_on_answers
+from ats.training.losses import answer_loss
+from ats.workflows.answer_training import train_on_answers
 
 from helpers import calibrator_for, fresh_ats, make_tiny_backbone, planted_answers
 
@@ -219,7 +221,7 @@ def test_cached_answers_refuse_other_storage_settings(sharp, mc_file, tmp_path):
 
 def test_thermometer_scales_every_position_of_a_question_by_its_prompt_state(sharp, mc_file):
     from ats.calibrators.thermometer import Thermometer
-    from ats.workflows.answer_training import position_scales
+    from ats.training.answers import position_scales
 
     answers = build_answer_set(sharp, build_task(f"mc:{mc_file}:likelihood"), dtype="float32", progress=False)
     t = answers.tensors
@@ -268,10 +270,10 @@ def test_thermometer_trained_on_answers_recovers_a_prompt_signal_and_round_trips
 
 
 def test_token_term_joins_the_answer_loss(tiny_backbone, mc_file, tmp_path):
+    from ats.training.answers import token_term
     from ats.training.data import Instruction, tokenize_instructions
     from ats.training.features import extract_features
     from ats.training.losses import calibration_loss
-    from ats.workflows.answer_training import token_term
 
     records = [Instruction(f"Say something about {w}.", "", f"{w} is a word with {len(w)} letters.")
                for w in ("sky", "tree", "river", "stone")]

@@ -69,10 +69,10 @@ def run_answers(args) -> int:
     from ..errors import ATSError
     from ..evaluation.metrics import summarize
     from ..evaluation.report import markdown_table
+    from ..training.answers import score_answers
     from ..training.losses import ANSWER_LOSSES
     from ..workflows.answer_methods import DEFAULT_ANSWER_METHOD, check_answer_head, train_answer_head
     from ..workflows.answer_pool import AnswerPool
-    from ..workflows.answer_training import score_answers
 
     options.check_model(args.model)
     loss = args.loss_type

@@ -7,8 +7,8 @@ import logging
 from pathlib import Path
 
 from ..errors import ATSError
-from ..evaluation.answers import AnswerSet
 from ..io import read_json
+from ..training.answers import AnswerSet
 from ..training.config import TrainingConfig
 from .answer_pool import AnswerPool, cached_answers, pool_names, pool_tasks
 from .answer_training import answer_lr, answer_record, train_on_answers

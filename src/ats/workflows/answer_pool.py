@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ATSError
-from ..evaluation.answers import AnswerSet, build_answer_set
+from ..evaluation.answers import build_answer_set
 from ..evaluation.tasks import MMLUTask, MultipleChoiceTask, NQOpenTask, TriviaQATask
 from ..io import read_json
+from ..training.answers import AnswerSet
 
 logger = logging.getLogger(__name__)
 
