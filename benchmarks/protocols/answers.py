@@ -111,8 +111,8 @@ def mean_log_loss(confidence: np.ndarray, correct: np.ndarray) -> float:
 
 def plan_training(plan: AnswerPlan, *, lr: float, seed: int) -> TrainingConfig:
     """The protocol's schedule: the plan's epochs and batch (one micro-batch a step), at `lr` and `seed`."""
-    return TrainingConfig(lr=lr, epochs=plan.epochs, batch_size=plan.batch_size, micro_batch_size=plan.batch_size,
-                          seed=seed)
+    return TrainingConfig(loss_type=plan.loss_type, lr=lr, epochs=plan.epochs, batch_size=plan.batch_size,
+                          micro_batch_size=plan.batch_size, seed=seed)
 
 
 def train_method(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
@@ -127,7 +127,7 @@ def train_method(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str,
         raise ATSError(f"method {method!r} adds a token-level term: pass the instruction features "
                        "(--token-features)")
     return train_spec(backbone, sets, plan.pool, kind=kind, tokens=tokens, training=plan_training(plan, lr=lr, seed=seed),
-                      loss_type=plan.loss_type, method=method, token_store=token_store, progress=progress)
+                      method=method, token_store=token_store, progress=progress)
 
 
 def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
@@ -140,8 +140,7 @@ def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str,
     from ats.calibrators import load_calibrator
 
     kind, tokens = parse_spec(plan.methods[method], field=f"answer plan method {method!r}")
-    record = answer_head_record(plan_training(plan, lr=lr, seed=seed), plan.loss_type, plan.pool, tokens,
-                                tasks=[s.name for s in sets])
+    record = answer_head_record(plan_training(plan, lr=lr, seed=seed), plan.pool, tokens, tasks=[s.name for s in sets])
     if reusable_answer_head(folder, record, head_type=kind, max_scale=10.0, overwrite=False):
         return load_calibrator(folder, backbone)
     calibrator = train_method(backbone, sets, plan, method, lr=lr, seed=seed, token_store=token_store,

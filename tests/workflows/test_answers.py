@@ -18,10 +18,9 @@ from ats.evaluation.tasks import build_task
 from ats.evaluation.tasks.nq_open import NQOpenTask
 from ats.evaluation.tasks.triviaqa import TriviaQATask
 from ats.model.heads import tau_at
-from ats.training.answers import AnswerSet, score_answers, scored_confidence
+from ats.training.answers import AnswerSet, score_answers, scored_confidence, train_on_answers
 from ats.training.config import TrainingConfig
 from ats.training.losses import answer_loss
-from ats.workflows.answer_training import train_on_answers
 
 from helpers import calibrator_for, fresh_ats, make_tiny_backbone, planted_answers
 
@@ -185,11 +184,11 @@ def log_loss(confidence: np.ndarray, correct: np.ndarray) -> float:
 
 def test_planted_correctness_is_recovered_by_a_per_token_head_not_by_a_global_temperature():
     train, test = planted_answers(400, 16, seed=0), planted_answers(200, 16, seed=1)
-    config = TrainingConfig(lr=3e-2, epochs=8, batch_size=16, micro_batch_size=16)
+    config = TrainingConfig(loss_type="answer-log", lr=3e-2, epochs=8, batch_size=16, micro_batch_size=16)
     scores = {}
     for head_type in ("linear", "constant"):
         calibrator = fresh_ats(head_type, 16)
-        train_on_answers(calibrator, [train], None, config=config, loss_type="answer-log", progress=False)
+        train_on_answers(calibrator, [train], None, config=config, progress=False)
         conf, correct = score_answers(calibrator, test, None)
         scores[head_type] = (auroc(conf, correct), log_loss(conf, correct))
     base_conf, base_correct = score_answers(None, test, None)
@@ -251,8 +250,8 @@ def test_thermometer_trained_on_answers_recovers_a_prompt_signal_and_round_trips
 
     train, test = planted_answers(400, 16, seed=0), planted_answers(200, 16, seed=1)
     therm = Thermometer(hidden_size=16, seed=0, lr=3e-2, epochs=8, batch_size=16)
-    config = TrainingConfig(lr=3e-2, epochs=8, batch_size=16, micro_batch_size=16)
-    train_on_answers(therm, [train], None, config=config, loss_type="answer-log", progress=False)
+    config = TrainingConfig(loss_type="answer-log", lr=3e-2, epochs=8, batch_size=16, micro_batch_size=16)
+    train_on_answers(therm, [train], None, config=config, progress=False)
     conf, correct = score_answers(therm, test, None)
     assert therm.fitted and auroc(conf, correct) > 0.9  # one temperature per prompt, read from h at the answer slot
     therm.save_pretrained(tmp_path / "t")
@@ -290,11 +289,11 @@ def test_token_term_joins_the_answer_loss(tiny_backbone, mc_file, tmp_path):
                                  loss_type="top-label").loss
         term = token_term(head, batch, tiny_backbone.logits, chunk_size=64)
         assert term.item() == pytest.approx(exact.item(), rel=1e-5)
-    config = TrainingConfig(lr=1e-3, epochs=1, batch_size=3, micro_batch_size=3)
+    config = TrainingConfig(loss_type="answer-log", lr=1e-3, epochs=1, batch_size=3, micro_batch_size=3)
     with pytest.raises(ATSError, match="token_weight"):
-        train_on_answers(head, [answers], tiny_backbone.logits, config=config, loss_type="answer-log", token_weight=1.0,
+        train_on_answers(head, [answers], tiny_backbone.logits, config=config, token_weight=1.0,
                          progress=False)
-    result = train_on_answers(head, [answers], tiny_backbone.logits, config=config, loss_type="answer-log",
+    result = train_on_answers(head, [answers], tiny_backbone.logits, config=config,
                               token_store=store, token_weight=0.5, progress=False)
     for entry in result.history:
         assert entry["loss"] == pytest.approx(entry["answer_loss"] + 0.5 * entry["token_loss"], rel=1e-5)

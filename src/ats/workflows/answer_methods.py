@@ -8,10 +8,9 @@ from pathlib import Path
 
 from ..errors import ATSError
 from ..io import read_json
-from ..training.answers import AnswerSet
+from ..training.answers import AnswerSet, AnswerSource, answer_record
 from ..training.config import TrainingConfig
 from .answer_pool import AnswerPool, cached_answers, pool_names, pool_tasks
-from .answer_training import answer_lr, answer_record, train_on_answers
 
 logger = logging.getLogger(__name__)
 
@@ -44,24 +43,25 @@ def fresh_head(backbone, kind: str, seed: int, method: str, *, max_scale: float 
 
 
 def train_spec(backbone, sets: list[AnswerSet], pool: AnswerPool, *, kind: str, tokens: bool,
-               training: TrainingConfig, loss_type: str, method: str, max_scale: float = 10.0, token_store=None,
+               training: TrainingConfig, method: str, max_scale: float = 10.0, token_store=None,
                progress: bool = False):
-    """A fresh calibrator of `kind` trained on `sets` with `training` and `loss_type` (with `tokens`, plus
-    `pool.token_weight` x the top-label term on `token_store`'s instruction tokens, with the pool's window and
-    subset): the one training call of `ats train --data answers` and of the answers protocol."""
-    calibrator = fresh_head(backbone, kind, training.seed, method, max_scale=max_scale, lr=answer_lr(training),
-                            epochs=training.epochs, batch_size=training.batch_size)
-    train_on_answers(calibrator, sets, backbone.logits, config=training, loss_type=loss_type,
-                     token_store=token_store if tokens else None, token_weight=pool.token_weight if tokens else 0.0,
-                     token_max=pool.token_max, token_window=pool.token_window, progress=progress)
-    return calibrator
+    """A fresh calibrator of `kind` fitted on an `AnswerSource` of `sets` with `training` (its answer loss; with
+    `tokens`, plus `pool.token_weight` x the top-label term on `token_store`'s instruction tokens, with the pool's
+    window and subset): the one training call of `ats train --data answers` and of the answers protocol."""
+    calibrator = fresh_head(backbone, kind, training.seed, method, max_scale=max_scale,
+                            lr=training.learning_rate(0), epochs=training.epochs, batch_size=training.batch_size)
+    source = AnswerSource(sets, backbone.logits, training, backbone.hidden_size,
+                          token_store=token_store if tokens else None,
+                          token_weight=pool.token_weight if tokens else 0.0, token_max=pool.token_max,
+                          token_window=pool.token_window, progress=progress)
+    return calibrator.fit_source(source)
 
 
-def answer_head_record(training: TrainingConfig, loss_type: str, pool: AnswerPool, tokens: bool, *,
+def answer_head_record(training: TrainingConfig, pool: AnswerPool, tokens: bool, *,
                        tasks: list[str] | None = None) -> dict:
-    """The training record a calibrator trained on answers carries (`train_on_answers` writes it; compared on
-    reuse): the training options, the loss, the tasks (default: the pool's) and the token term."""
-    return answer_record(training, loss_type, tasks=pool_names(pool.mmlu_per_subject) if tasks is None else tasks,
+    """The training record a calibrator trained on answers carries (compared on reuse): the training options (its
+    answer loss), the tasks (default: the pool's) and the token term."""
+    return answer_record(training, tasks=pool_names(pool.mmlu_per_subject) if tasks is None else tasks,
                          token_weight=pool.token_weight if tokens else 0.0, token_max=pool.token_max,
                          token_window=pool.token_window)
 
@@ -94,8 +94,8 @@ def reusable_answer_head(head_dir: Path, record: dict, *, head_type: str, max_sc
                    "another --out")
 
 
-def check_answer_head(out: str | Path, *, spec: str, training: TrainingConfig, loss_type: str, max_scale: float,
-                      pool: AnswerPool, token_features: str | Path | None, overwrite: bool) -> bool:
+def check_answer_head(out: str | Path, *, spec: str, training: TrainingConfig, max_scale: float, pool: AnswerPool,
+                      token_features: str | Path | None, overwrite: bool) -> bool:
     """Check a `train_answer_head` request before any model loads: whether OUT/head holds a head trained with these
     settings (reused), False when there is none or `overwrite` replaces it.
 
@@ -110,15 +110,15 @@ def check_answer_head(out: str | Path, *, spec: str, training: TrainingConfig, l
     if tokens and not (Path(token_features) / "train").is_dir():
         raise ATSError(f"--method {spec}: --token-features must name an `ats train` features folder (with train/), "
                        f"got {str(token_features)!r}")
-    record = answer_head_record(training, loss_type, pool, tokens)
+    record = answer_head_record(training, pool, tokens)
     return reusable_answer_head(Path(out) / "head", record, head_type=kind, max_scale=max_scale, overwrite=overwrite)
 
 
-def train_answer_head(backbone, out: str | Path, *, spec: str, training: TrainingConfig, loss_type: str,
-                      max_scale: float = 10.0, pool: AnswerPool | None = None, token_features: str | Path | None = None,
+def train_answer_head(backbone, out: str | Path, *, spec: str, training: TrainingConfig, max_scale: float = 10.0,
+                      pool: AnswerPool | None = None, token_features: str | Path | None = None,
                       overwrite: bool = False, progress: bool = True):
     """`ats train --data answers`: the pool's answers (cached in OUT/answers), a calibrator trained on all of them with
-    `training` and `loss_type`, saved in OUT/head (reused when it was trained with the same settings).
+    `training` (its answer loss), saved in OUT/head (reused when it was trained with the same settings).
 
     Args:
         backbone: the frozen backbone.
@@ -126,8 +126,8 @@ def train_answer_head(backbone, out: str | Path, *, spec: str, training: Trainin
         spec: what is trained (`parse_spec`): an ATS head type ("transformer", "linear", "mlp", "constant": the
             global control), "thermometer", or an ATS head with "+tokens" (plus `pool.token_weight` x the top-label
             loss on the instruction tokens of `token_features`).
-        training: lr (None: DEFAULT_ANSWER_LR), epochs, batch_size (questions per step), seed, ...
-        loss_type: "answer-log" or "answer-brier".
+        training: the answer loss ("answer-log" or "answer-brier"), lr (None: ANSWER_LR), epochs, batch_size
+            (questions per step), seed, ...
         max_scale: the clamp on exp(tau) (ATS heads).
         pool: the pool's sizes and the token term's settings; default `AnswerPool()`.
         token_features: an instruction feature folder of the same backbone (its train/ split), for "+tokens".
@@ -144,7 +144,7 @@ def train_answer_head(backbone, out: str | Path, *, spec: str, training: Trainin
     from ..training.features import FeatureStore
 
     pool = pool or AnswerPool()
-    reuse = check_answer_head(out, spec=spec, training=training, loss_type=loss_type, max_scale=max_scale, pool=pool,
+    reuse = check_answer_head(out, spec=spec, training=training, max_scale=max_scale, pool=pool,
                               token_features=token_features, overwrite=overwrite)
     kind, tokens = parse_spec(spec, field="--method")
     out = Path(out)
@@ -159,7 +159,6 @@ def train_answer_head(backbone, out: str | Path, *, spec: str, training: Trainin
         token_store = FeatureStore(Path(token_features) / "train")
         token_store.check_backbone(backbone)
     calibrator = train_spec(backbone, list(sets.values()), pool, kind=kind, tokens=tokens, training=training,
-                            loss_type=loss_type, method=f"{kind}-answers", max_scale=max_scale,
-                            token_store=token_store, progress=progress)
+                            method=f"{kind}-answers", max_scale=max_scale, token_store=token_store, progress=progress)
     calibrator.save_pretrained(head_dir)
     return calibrator, sets, False
