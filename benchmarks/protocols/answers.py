@@ -36,9 +36,9 @@ from ats.workflows.answer_pool import (
     POOL_MC,
     TRIVIAQA_POOL_OFFSET,
     AnswerPool,
-    cached_answers,
     pool_tasks,
 )
+from ats.workflows.pipeline import prepare_answers
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
         raise ATSError(f"{results_path}: made with another plan; use another --out")
     results.update({"plan": plan_dict, "backbone": backbone.describe()})
     reported_by_name = reported if reported is not None else reported_tasks(plan)
-    pool = {name: cached_answers(backbone, task, out / "answers" / name, progress=progress)
+    pool = {name: prepare_answers(backbone, task, out / "answers" / name, progress=progress)
             for name, task in (pool if pool is not None else pool_tasks(plan.pool_size,
                                                                         plan.mmlu_pool_per_subject)).items()}
     results["pool"] = {n: {"questions": len(s), "kind": s.kind, "accuracy": float(np.mean(
@@ -273,7 +273,7 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
         maps = baselines_on_answers(list(pool.values()), logits_fn, heads.get("control-answers", [None])[0])
         heads.update({name: [c] for name, c in (instruction_heads or {}).items()})
         for name, task in reported_by_name.items():
-            answers = cached_answers(backbone, task, out / "answers" / name, progress=progress)
+            answers = prepare_answers(backbone, task, out / "answers" / name, progress=progress)
             results["reported"] = {**results.get("reported", {}),
                                    name: evaluate_methods(heads, maps, answers, logits_fn, plan)}
             write_json(results_path, results)

@@ -64,9 +64,10 @@ def test_replayed_parser_equals_the_built_one(tmp_path, monkeypatch):
 
 
 def test_train_help_states_the_head_default_the_command_resolves(tmp_path, monkeypatch):
-    """--head parses to None and `ats train` picks the head from --data: --help names those defaults, not
-    'automatic', in the built parser and in the replayed record alike."""
+    """--head, --loss, --lr and --data parse to None and `ats train` picks them from --on: --help names those
+    defaults, not 'automatic', in the built parser and in the replayed record alike."""
     from ats.model.heads import HeadConfig
+    from ats.training.config import ANSWER_LR
     from ats.workflows.answer_methods import DEFAULT_ANSWER_METHOD
 
     monkeypatch.setenv("ATS_CACHE", str(tmp_path))
@@ -75,11 +76,13 @@ def test_train_help_states_the_head_default_the_command_resolves(tmp_path, monke
         train = _subparsers(parser)["train"]
         assert train.parse_args(["--out", "x"]).head_type is None
         text = " ".join(train.format_help().split())
-        assert (f"the paper's) (default: {HeadConfig.head_type} with instruction data; with --data answers none: "
-                f"--method decides ({DEFAULT_ANSWER_METHOD} by default))") in text
+        assert (f"the paper's) (default: {HeadConfig.head_type} on instructions; on answers --method decides "
+                f"({DEFAULT_ANSWER_METHOD} by default))") in text
         assert "(default: automatic)" not in text.split("--head {")[-1].split("--max-scale")[0]
-        # --loss parses to the instruction loss, which --data answers replaces by the first answer loss
-        assert "(default: selective with instruction data, answer-log with --data answers)" in text
+        # --loss parses to the instruction loss, which --on answers replaces by the answer loss
+        assert "(default: selective on instructions, answer-log on answers)" in text
+        assert f"(default: on instructions from the number of optimizer steps, {ANSWER_LR:g} on answers)" in text
+        assert "(default: alpaca_gpt4; giving --data implies --on instructions)" in text
 
 
 def test_a_damaged_or_foreign_record_is_rebuilt(tmp_path, monkeypatch):

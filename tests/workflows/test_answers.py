@@ -202,7 +202,7 @@ def test_planted_correctness_is_recovered_by_a_per_token_head_not_by_a_global_te
 
 
 def test_cached_answers_refuse_other_storage_settings(sharp, mc_file, tmp_path):
-    from ats.workflows.answer_pool import cached_answers
+    from ats.workflows.pipeline import prepare_answers as cached_answers
 
     task = build_task(f"mc:{mc_file}:likelihood")
     first = cached_answers(sharp, task, tmp_path / "a", progress=False)
@@ -214,8 +214,10 @@ def test_cached_answers_refuse_other_storage_settings(sharp, mc_file, tmp_path):
     assert torch.equal(cached_answers(sharp, task, tmp_path / "a", progress=False).tensors["summary"],
                        first.tensors["summary"])
     (tmp_path / "a" / "answers.json").write_text(json.dumps({**meta, "dtype": "float32"}))
-    with pytest.raises(ATSError, match="not of"):
+    with pytest.raises(ATSError, match=r"answers made with other options: dtype 'float32' -> 'float16'"):
         cached_answers(sharp, task, tmp_path / "a", progress=False)
+    rebuilt = cached_answers(sharp, task, tmp_path / "a", progress=False, overwrite=True)  # --overwrite rebuilds
+    assert rebuilt.meta["dtype"] == "float16" and torch.equal(rebuilt.tensors["summary"], first.tensors["summary"])
 
 
 def test_thermometer_scales_every_position_of_a_question_by_its_prompt_state(sharp, mc_file):

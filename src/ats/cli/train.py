@@ -1,5 +1,6 @@
-"""`ats train`: extract features (or run the backbone online) and train an ATS head; on N processes when launched
-with `accelerate launch` / `torchrun` (docs/scaling.md)."""
+"""`ats train`: train a calibrator on the model's own answers (`--on answers`, the default), or extract features of
+instruction data (or run the backbone online) and train an ATS head on them (`--on instructions`, what `--data`
+implies); on N processes when launched with `accelerate launch` / `torchrun` (docs/scaling.md)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,23 @@ from . import options
 
 logger = logging.getLogger(__name__)
 
+ON = ("answers", "instructions")
+
 
 def shown_defaults() -> dict[str, str]:
-    """What --help states as the defaults of --head and --loss, which `run` and `run_answers` choose from --data
-    (instruction data: the paper's transformer head and loss; answers: --method's default and the answer loss)."""
+    """What --help states as the defaults of the options `run` resolves from --on (instruction data: the paper's
+    transformer head, its loss and the automatic lr; answers: --method's default, the answer loss and its lr)."""
     from ..model.heads import HeadConfig
-    from ..training.config import TrainingConfig
-    from ..training.losses import ANSWER_LOSSES
+    from ..training.config import ANSWER_LR, TrainingConfig
+    from ..training.data import DataConfig
+    from ..training.losses import DEFAULT_ANSWER_LOSS
     from ..workflows.answer_methods import DEFAULT_ANSWER_METHOD
 
-    return {"head_type": f"{HeadConfig.head_type} with instruction data; with --data answers none: --method decides "
+    return {"source": f"{DataConfig.source}; giving --data implies --on instructions",
+            "head_type": f"{HeadConfig.head_type} on instructions; on answers --method decides "
                          f"({DEFAULT_ANSWER_METHOD} by default)",
-            "loss_type": f"{TrainingConfig.loss_type} with instruction data, {ANSWER_LOSSES[0]} with --data answers"}
+            "loss_type": f"{TrainingConfig.loss_type} on instructions, {DEFAULT_ANSWER_LOSS} on answers",
+            "lr": f"on instructions from the number of optimizer steps, {ANSWER_LR:g} on answers"}
 
 
 def add_parser(sub) -> None:
@@ -32,19 +38,23 @@ def add_parser(sub) -> None:
     pool = AnswerPool()  # the defaults of the answer options
     p = sub.add_parser("train", help="train a calibrator (default: on the model's own answers)",
                        description="Train a calibrator, saved in OUT/head (config + safetensors + fingerprint). By "
-                                   "default (--data answers) the backbone answers a labelled QA pool once and "
-                                   "--method learns from its own right and wrong answers (default: thermometer, what "
-                                   "benchmarks/results/answers/ found best on both embedded models); --data "
-                                   "alpaca_gpt4 (or another instruction set) is the paper's recipe: hidden states of "
-                                   "instruction data and a --head (default: transformer) trained with the selective "
-                                   "loss.")
+                                   "default (--on answers) the backbone answers a labelled QA pool once and --method "
+                                   "learns from its own right and wrong answers (default: thermometer, what "
+                                   "benchmarks/results/answers/ found best on both embedded models); --on "
+                                   "instructions (or --data alpaca_gpt4, another instruction set) is the paper's "
+                                   "recipe: hidden states of instruction data and a --head (default: transformer) "
+                                   "trained with the selective loss.")
+    p.add_argument("--on", choices=ON, default=None,
+                   help="what the calibrator learns from: the model's own answers on a QA pool, or instruction "
+                        "data (default: answers; instructions when --data is given)")
     options.add_model(p)
-    options.add_data(p, defaults={"source": "answers"})
-    options.add_training(p, head_defaults={"head_type": None}, shown=shown_defaults())
+    shown = shown_defaults()
+    options.add_data(p, defaults={"source": None}, shown=shown)
+    options.add_training(p, head_defaults={"head_type": None}, shown=shown)
     p.add_argument("--resume", action="store_true", help="continue the interrupted training in OUT (same options)")
     p.add_argument("--online", action="store_true",
                    help="no feature cache: run the backbone inside the training loop (large models)")
-    g = p.add_argument_group("answers (--data answers)")
+    g = p.add_argument_group("answers (--on answers)")
     g.add_argument("--pool-size", type=int, default=pool.pool_size,
                    help=f"questions per QA-pool task (default: {pool.pool_size})")
     g.add_argument("--mmlu-pool", type=int, default=pool.mmlu_per_subject,
@@ -55,22 +65,39 @@ def add_parser(sub) -> None:
                         "the same as --method X), or a head with '+tokens' (plus the top-label loss on instruction "
                         "tokens, so token calibration does not collapse; needs --token-features)")
     g.add_argument("--token-features", default=None, metavar="DIR",
-                   help="an `ats train` features folder of the same model (its train/ split feeds the '+tokens' term)")
+                   help="an `ats train --on instructions` features folder of the same model (its train/ split feeds "
+                        "the '+tokens' term)")
     g.add_argument("--token-weight", type=float, default=pool.token_weight,
                    help=f"weight of the '+tokens' term (default: {pool.token_weight})")
     options.add_overwrite(p)
-    p.add_argument("--out", required=True, help="run folder: features (or answers) in OUT/features (OUT/answers), "
+    p.add_argument("--out", required=True, help="run folder: answers (or features) in OUT/answers (OUT/features), "
                                                 "the head in OUT/head")
     p.set_defaults(run=run)
 
 
+def learns_from(args) -> str:
+    """What `ats train` trains on: --on, else instructions when --data is given, else answers.
+
+    Raises:
+        ATSError: if --on answers comes with --data, or --data names "answers" (the answers are --on answers).
+    """
+    from ..errors import ATSError
+
+    if args.source == "answers":
+        raise ATSError("--data answers: the model's own answers are --on answers (the default of ats train)")
+    if args.on == "answers" and args.source is not None:
+        raise ATSError(f"--data {args.source} is instruction data; with --on answers the data are the model's "
+                       "answers on the QA pool (--pool-size, --mmlu-pool)")
+    return args.on or ("instructions" if args.source is not None else "answers")
+
+
 def run_answers(args) -> int:
-    """`ats train --data answers`: the backbone's own labelled answers on the QA pool, a head trained on them."""
+    """`ats train --on answers`: the backbone's own labelled answers on the QA pool, a head trained on them."""
     from ..errors import ATSError
     from ..evaluation.metrics import summarize
     from ..evaluation.report import markdown_table
     from ..training.answers import score_answers
-    from ..training.losses import ANSWER_LOSSES
+    from ..training.losses import ANSWER_LOSSES, DEFAULT_ANSWER_LOSS
     from ..workflows.answer_methods import DEFAULT_ANSWER_METHOD, check_answer_head, train_answer_head
     from ..workflows.answer_pool import AnswerPool
 
@@ -78,14 +105,14 @@ def run_answers(args) -> int:
     loss = args.loss_type
     if loss not in ANSWER_LOSSES:
         if loss != "selective":  # the default of instruction data; an explicit token loss is a mistake here
-            raise ATSError(f"--loss {loss} is a token loss; with --data answers use {' or '.join(ANSWER_LOSSES)}")
-        loss = ANSWER_LOSSES[0]
+            raise ATSError(f"--loss {loss} is a token loss; with --on answers use {' or '.join(ANSWER_LOSSES)}")
+        loss = DEFAULT_ANSWER_LOSS
     for flag, value, low in (("--pool-size", args.pool_size, 1), ("--mmlu-pool", args.mmlu_pool, 0),
                              ("--token-weight", args.token_weight, 0)):
         if value < low:
             raise ATSError(f"{flag} must be >= {low}, got {value}")
     if args.method and args.head_type:
-        raise ATSError(f"--head {args.head_type} and --method {args.method}: with --data answers give one (--method)")
+        raise ATSError(f"--head {args.head_type} and --method {args.method}: with --on answers give one (--method)")
     for flag, value in (("--online", args.online), ("--resume", args.resume)):
         if value:
             raise ATSError(f"{flag}: instruction data only (answers are cached once and train in minutes)")
@@ -117,14 +144,17 @@ def run_answers(args) -> int:
 
 def run(args) -> int:
     """Run `ats train` with the parsed `args`; returns the exit code."""
-    if args.source == "answers":
+    if learns_from(args) == "answers":
         return run_answers(args)
     from ..errors import ATSError
 
     for flag, value in (("--method", args.method), ("--token-features", args.token_features)):
         if value is not None:
-            raise ATSError(f"{flag} {value}: only with --data answers (instruction data trains the --head type)")
+            raise ATSError(f"{flag} {value}: only with --on answers (instruction data trains the --head type)")
     from ..model.heads import HeadConfig
+    from ..training.data import DataConfig
+
+    args.source = args.source or DataConfig.source  # --on instructions without --data: the default instruction set
 
     args.head_type = args.head_type or HeadConfig.head_type  # the paper's transformer head
     from ..calibrators.ats import ATSConfig

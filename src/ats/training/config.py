@@ -22,14 +22,14 @@ class TrainingConfig(ConfigMixin):
     """
 
     loss_type: str = option("selective", "training loss: selective (the paper's), none (plain NLL), full (label "
-                            "smoothing on every token), top-label (log loss of the top-1 confidence); with --data "
+                            "smoothing on every token), top-label (log loss of the top-1 confidence); with --on "
                             "answers: answer-log / answer-brier (log loss / Brier score of the answer confidence)",
                             choices=LOSS_TYPES + ANSWER_LOSSES, flag="--loss")
     alpha: float = option(0.5, "smoothing weight of the selective / full losses", low=0.0, high=1.0)
     weighting: str = option("token", "selective loss: mean over tokens, or the reference code's group weighting "
                             "(-100 positions counted as it counts them)", choices=WEIGHTINGS)
-    lr: float | None = option(None, "peak learning rate (AdamW); default: on instruction tokens from the number of "
-                              f"optimizer steps (auto_lr), on answers {ANSWER_LR:g}", low=0, low_open=True)
+    lr: float | None = option(None, "peak learning rate (AdamW)", unset=f"{ANSWER_LR:g} with an answer loss, else "
+                              "from the number of optimizer steps", low=0, low_open=True)
     epochs: int = option(2, "passes over the training split", low=1)
     batch_size: int = option(8, "sequences per optimizer step (effective batch)", low=1)
     micro_batch_size: int = option(4, "sequences per forward pass; batch_size must be a multiple", low=1)

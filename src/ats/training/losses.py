@@ -47,7 +47,8 @@ from ..model.scale_summary import scaled_ce_from_summary
 from ..model.scaled_ce import LogitsFn, ScaledCE, scaled_cross_entropy
 
 LOSS_TYPES = ("selective", "none", "full", "top-label")
-ANSWER_LOSSES = ("answer-log", "answer-brier")  # on answer confidence: `ats train --data answers` (docs/method.md)
+ANSWER_LOSSES = ("answer-log", "answer-brier")  # on answer confidence: `ats train --on answers` (docs/method.md)
+DEFAULT_ANSWER_LOSS = "answer-log"  # what `ats train --on answers` trains with unless --loss says otherwise
 WEIGHTINGS = ("token", "reference")
 
 
@@ -153,7 +154,7 @@ def calibration_loss(
         ATSError: if an option is invalid or the shapes do not match.
     """
     if loss_type in ANSWER_LOSSES:
-        raise ATSError(f"loss {loss_type!r} scores answers, not tokens: train it on answers (ats train --data answers)")
+        raise ATSError(f"loss {loss_type!r} scores answers, not tokens: train it on answers (ats train --on answers)")
     check_choice("loss_type", loss_type, LOSS_TYPES)
     check_choice("weighting", weighting, WEIGHTINGS)
     a = check_number("alpha", alpha, low=0.0, high=1.0)

@@ -1,5 +1,6 @@
-"""The one training loop of what `ats train` trains (ATS heads, and Thermometer on answers): AdamW, cosine schedule with warmup, gradient accumulation and
-data parallelism by accelerate (`Accelerator.accumulate`), clipping, checkpoints, resume, several processes.
+"""The one training loop of what `ats train` trains (ATS heads, and Thermometer on answers): AdamW, cosine schedule
+with warmup, gradient accumulation and data parallelism by accelerate (`Accelerator.accumulate`), clipping,
+checkpoints, resume, several processes.
 
 What is minimised is an objective (`Objective`): its micro-batches and the loss of one. `TokenObjective` is the
 paper's: whole sequences of cached (or online) instruction features, the head's tau for every position and the loss

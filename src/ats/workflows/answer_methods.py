@@ -1,16 +1,20 @@
 """What learns from answers: method specs ("transformer", ..., "thermometer", "+tokens"), fresh calibrators, the one
-training call of `ats train --data answers` (and of the answers protocol of benchmarks/protocols/), and the reuse
+training call of `ats train --on answers` (and of the answers protocol of benchmarks/protocols/), and the reuse
 rule of a saved head."""
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+from ..calibrators.base import CONFIG_NAME
 from ..errors import ATSError
+from ..fingerprint import check_reuse
 from ..io import read_json
 from ..training.answers import AnswerSet, AnswerSource, answer_record
 from ..training.config import TrainingConfig
-from .answer_pool import AnswerPool, cached_answers, pool_names, pool_tasks
+from .answer_pool import AnswerPool, pool_names, pool_tasks
+from .fingerprints import answer_head_fingerprint, stored_answer_head_fingerprint
+from .pipeline import prepare_answers
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ def train_spec(backbone, sets: list[AnswerSet], pool: AnswerPool, *, kind: str, 
                progress: bool = False):
     """A fresh calibrator of `kind` fitted on an `AnswerSource` of `sets` with `training` (its answer loss; with
     `tokens`, plus `pool.token_weight` x the top-label term on `token_store`'s instruction tokens, with the pool's
-    window and subset): the one training call of `ats train --data answers` and of the answers protocol."""
+    window and subset): the one training call of `ats train --on answers` and of the answers protocol."""
     calibrator = fresh_head(backbone, kind, training.seed, method, max_scale=max_scale,
                             lr=training.learning_rate(0), epochs=training.epochs, batch_size=training.batch_size)
     source = AnswerSource(sets, backbone.logits, training, backbone.hidden_size,
@@ -68,30 +72,19 @@ def answer_head_record(training: TrainingConfig, pool: AnswerPool, tokens: bool,
 
 def reusable_answer_head(head_dir: Path, record: dict, *, head_type: str, max_scale: float,
                          overwrite: bool) -> bool:
-    """Whether `head_dir` holds a head trained with `record`, `head_type` and `max_scale` (read from its JSON
-    config, before any model loads); False when there is none or `overwrite` replaces it.
+    """Whether `head_dir` holds a calibrator trained with `record`, `head_type` and `max_scale` (its fingerprint,
+    read from its JSON config before any model loads, compared by `fingerprint.check_reuse`); False when there is
+    none or `overwrite` replaces it.
 
     Raises:
-        ATSError: if it holds a head trained otherwise and `overwrite` is False, naming what differs.
+        ATSError: if it holds a calibrator trained otherwise and `overwrite` is False, naming what differs.
     """
-    path = head_dir / "calibrator_config.json"
+    path = head_dir / CONFIG_NAME
     if not path.is_file():
         return False
-    config = read_json(path)
-    thermometer = config.get("type") == "thermometer"  # its training record is its history's first entry
-    training = ((config.get("history") or [{}])[0] if thermometer else config.get("training")) or {}
-    have = {k: training.get(k) for k in record}
-    differ = [k for k in record if have[k] != record[k]]
-    if ("thermometer" if thermometer else (config.get("head") or {}).get("head_type")) != head_type:
-        differ.append("head")
-    if not thermometer and config.get("max_scale") != max_scale:
-        differ.append("max_scale")
-    if not differ:
-        return True
-    if overwrite:
-        return False
-    raise ATSError(f"{head_dir}: a head trained with other settings ({', '.join(differ)}); use --overwrite or "
-                   "another --out")
+    want = answer_head_fingerprint(head_type, None if head_type == "thermometer" else max_scale, record)
+    return check_reuse(head_dir, "head", stored_answer_head_fingerprint(read_json(path), record), want,
+                       overwrite=overwrite)
 
 
 def check_answer_head(out: str | Path, *, spec: str, training: TrainingConfig, max_scale: float, pool: AnswerPool,
@@ -117,7 +110,7 @@ def check_answer_head(out: str | Path, *, spec: str, training: TrainingConfig, m
 def train_answer_head(backbone, out: str | Path, *, spec: str, training: TrainingConfig, max_scale: float = 10.0,
                       pool: AnswerPool | None = None, token_features: str | Path | None = None,
                       overwrite: bool = False, progress: bool = True):
-    """`ats train --data answers`: the pool's answers (cached in OUT/answers), a calibrator trained on all of them with
+    """`ats train --on answers`: the pool's answers (cached in OUT/answers), a calibrator trained on all of them with
     `training` (its answer loss), saved in OUT/head (reused when it was trained with the same settings).
 
     Args:
@@ -149,7 +142,7 @@ def train_answer_head(backbone, out: str | Path, *, spec: str, training: Trainin
     kind, tokens = parse_spec(spec, field="--method")
     out = Path(out)
     head_dir = out / "head"
-    sets = {name: cached_answers(backbone, task, out / "answers" / name, progress=progress)
+    sets = {name: prepare_answers(backbone, task, out / "answers" / name, overwrite=overwrite, progress=progress)
             for name, task in pool_tasks(pool.pool_size, pool.mmlu_per_subject).items()}
     if reuse:
         logger.info("reusing the head in %s (same settings)", head_dir)
