@@ -18,7 +18,8 @@ from ats.evaluation.tasks import build_task
 from ats.evaluation.tasks.nq_open import NQOpenTask
 from ats.evaluation.tasks.triviaqa import TriviaQATask
 from ats.model.heads import tau_at
-from ats.training.answers import AnswerSet, score_answers, scored_confidence, train_on_answers
+from ats.training.answer_objective import train_on_answers
+from ats.training.answers import AnswerSet, score_answers, scored_confidence
 from ats.training.config import TrainingConfig
 from ats.training.losses import answer_loss
 
@@ -271,7 +272,7 @@ def test_thermometer_trained_on_answers_recovers_a_prompt_signal_and_round_trips
 
 
 def test_token_term_joins_the_answer_loss(tiny_backbone, mc_file, tmp_path):
-    from ats.training.answers import token_term
+    from ats.training.answer_objective import token_term
     from ats.training.data import Instruction, tokenize_instructions
     from ats.training.features import extract_features
     from ats.training.losses import calibration_loss

@@ -28,7 +28,7 @@ class FitSource(Protocol):
     backbone / hidden_size: what the calibrator is sized for;
     train(calibrator): train a calibrator's `trainable` module through the one training loop with the run's training
     config (loss, data, steps, schedule): the ATS family on instruction tokens, every learned calibrator on a source
-    of the model's answers (`trains_calibrators`, `ats.training.answers.AnswerSource`);
+    of the model's answers (`trains_calibrators`, `ats.training.answer_objective.AnswerSource`);
     sketch (optional): a `LogitSketch` of the same tokens as logit_chunks, built once; the global-temperature,
     binning and Thermometer methods fit on it instead of passing over the logits again; with it, sequence_ids (N,)
     gives the sequence of each of its rows.

@@ -120,12 +120,12 @@ def run_answers(args) -> int:
     spec = args.method or args.head_type or DEFAULT_ANSWER_METHOD
     pool_options = AnswerPool(pool_size=args.pool_size, mmlu_per_subject=args.mmlu_pool,
                               token_weight=args.token_weight)
-    check_answer_head(args.out, spec=spec, training=training, max_scale=args.max_scale, pool=pool_options,
-                      token_features=args.token_features, overwrite=args.overwrite)  # before the model loads
+    reuse = check_answer_head(args.out, spec=spec, training=training, max_scale=args.max_scale, pool=pool_options,
+                              token_features=args.token_features, overwrite=args.overwrite)  # before the model loads
     backbone = options.backbone_from_args(args)
     calibrator, pool, reused = train_answer_head(
         backbone, Path(args.out), spec=spec, training=training, max_scale=args.max_scale, pool=pool_options,
-        token_features=args.token_features, overwrite=args.overwrite, progress=not args.quiet)
+        token_features=args.token_features, overwrite=args.overwrite, progress=not args.quiet, reuse=reuse)
     rows = []
     for name, answers in pool.items():
         before = summarize(*score_answers(None, answers, backbone.logits))

@@ -6,8 +6,8 @@ What is minimised is an objective (`Objective`): its micro-batches and the loss 
 paper's: whole sequences of cached (or online) instruction features, the head's tau for every position and the loss
 (`training.losses`) on the response tokens, from their scale summaries when the features carry them (no
 vocabulary-sized work), else (`exact_loss`, online features, folders extracted without a summary) from logits
-recomputed from `h` in chunks. `ats.training.answers.AnswerObjective` is the model's own answers. The calibrator says
-what is trained and how (`trainable`, `scales_at`, `record_training`); the backbone stays frozen.
+recomputed from `h` in chunks. `ats.training.answer_objective.AnswerObjective` is the model's own answers. The
+calibrator says what is trained and how (`trainable`, `scales_at`, `record_training`); the backbone stays frozen.
 
 Checkpoints are written each epoch and every `save_every` optimizer steps; `resume=True` continues from the last one
 and ends with the same weights as an uninterrupted run, because the data order depends only on (seed, epoch).
@@ -200,7 +200,7 @@ class Trainer:
 
     Args:
         calibrator: the calibrator trained (`trainable`, `record_training`; ATS heads, Thermometer).
-        objective: what is minimised (`TokenObjective`, `ats.training.answers.AnswerObjective`).
+        objective: what is minimised (`TokenObjective`, `ats.training.answer_objective.AnswerObjective`).
         config: the optimisation settings (lr, epochs, warmup, weight decay, clipping, seed, save_every).
         validate: called after each epoch with the calibrator; its dict is logged (e.g. token-level ECE).
         out_dir: the run folder for checkpoints; None: no checkpoints.

@@ -10,7 +10,8 @@ from ..calibrators.base import CONFIG_NAME
 from ..errors import ATSError
 from ..fingerprint import check_reuse
 from ..io import read_json
-from ..training.answers import AnswerSet, AnswerSource, answer_record
+from ..training.answer_objective import AnswerSource, answer_record
+from ..training.answers import AnswerSet
 from ..training.config import TrainingConfig
 from .answer_pool import AnswerPool, pool_names, pool_tasks
 from .fingerprints import answer_head_fingerprint, stored_answer_head_fingerprint
@@ -109,7 +110,7 @@ def check_answer_head(out: str | Path, *, spec: str, training: TrainingConfig, m
 
 def train_answer_head(backbone, out: str | Path, *, spec: str, training: TrainingConfig, max_scale: float = 10.0,
                       pool: AnswerPool | None = None, token_features: str | Path | None = None,
-                      overwrite: bool = False, progress: bool = True):
+                      overwrite: bool = False, progress: bool = True, reuse: bool | None = None):
     """`ats train --on answers`: the pool's answers (cached in OUT/answers), a calibrator trained on all of them with
     `training` (its answer loss), saved in OUT/head (reused when it was trained with the same settings).
 
@@ -126,6 +127,8 @@ def train_answer_head(backbone, out: str | Path, *, spec: str, training: Trainin
         token_features: an instruction feature folder of the same backbone (its train/ split), for "+tokens".
         overwrite: replace a head trained with other settings instead of refusing.
         progress: show progress bars.
+        reuse: what `check_answer_head` with the same arguments returned (the CLI asks it before the model loads);
+            None: asked here.
 
     Returns:
         (the calibrator, name -> the pool's answer sets, whether the head was reused).
@@ -137,8 +140,9 @@ def train_answer_head(backbone, out: str | Path, *, spec: str, training: Trainin
     from ..training.features import FeatureStore
 
     pool = pool or AnswerPool()
-    reuse = check_answer_head(out, spec=spec, training=training, max_scale=max_scale, pool=pool,
-                              token_features=token_features, overwrite=overwrite)
+    if reuse is None:
+        reuse = check_answer_head(out, spec=spec, training=training, max_scale=max_scale, pool=pool,
+                                  token_features=token_features, overwrite=overwrite)
     kind, tokens = parse_spec(spec, field="--method")
     out = Path(out)
     head_dir = out / "head"
