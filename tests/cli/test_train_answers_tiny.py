@@ -48,6 +48,9 @@ def test_refusals_come_before_anything_loads(model_dir, tmp_path, capsys):
     assert "--data alpaca_gpt4 is instruction data" in one_error(capsys)
     assert main(["train", "--model", str(model_dir), "--data", "answers", "--out", str(tmp_path / "a")]) == 2
     assert "are --on answers" in one_error(capsys)
+    assert main(["train", "--model", str(model_dir), "--on", "instructions", "--loss", "answer-log", "--out",
+                 str(tmp_path / "a")]) == 2
+    assert "--loss answer-log scores answers" in one_error(capsys)
     assert main([*base, "--head", "linear", "--method", "thermometer", "--out", str(tmp_path / "a")]) == 2
     assert "give one" in one_error(capsys)
     assert main([*base, "--online", "--out", str(tmp_path / "a")]) == 2

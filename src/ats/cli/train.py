@@ -147,15 +147,16 @@ def run(args) -> int:
     if learns_from(args) == "answers":
         return run_answers(args)
     from ..errors import ATSError
+    from ..model.heads import HeadConfig
+    from ..training.data import DataConfig
+    from ..training.losses import ANSWER_LOSSES
 
     for flag, value in (("--method", args.method), ("--token-features", args.token_features)):
         if value is not None:
             raise ATSError(f"{flag} {value}: only with --on answers (instruction data trains the --head type)")
-    from ..model.heads import HeadConfig
-    from ..training.data import DataConfig
-
+    if args.loss_type in ANSWER_LOSSES:
+        raise ATSError(f"--loss {args.loss_type} scores answers: use it with --on answers")
     args.source = args.source or DataConfig.source  # --on instructions without --data: the default instruction set
-
     args.head_type = args.head_type or HeadConfig.head_type  # the paper's transformer head
     from ..calibrators.ats import ATSConfig
     from ..calibrators.base import Uncalibrated
