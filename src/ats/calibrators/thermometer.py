@@ -122,7 +122,8 @@ class Thermometer(ThermometerFit, Calibrator):
         x = hidden[torch.arange(hidden.shape[0]), index[:, 0]]  # (B, H)
         s = self.inverse_temperature(x).float()  # (B,)
         penalty = self.prior_weight * self.prior(1.0 / s[scored.any(dim=1).to(s.device)]).mean()
-        return s[:, None].expand(index.shape), penalty
+        rows = torch.arange(s.shape[0], device=s.device)[:, None].expand(index.shape)  # (B, K) each position's row
+        return s[rows], penalty
 
     def record_training(self, record: dict, final_loss: float | None = None) -> None:
         """Mark the network fitted and keep the training record, with the final loss, as its history's one entry
