@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from ..evaluation.tasks import MMLUTask, MultipleChoiceTask, NQOpenTask, TriviaQATask
+from ..training.answer_objective import TOKEN_MAX, TOKEN_WINDOW
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +23,9 @@ class AnswerPool:
     pool_size: int = 200  # questions per pool task
     mmlu_per_subject: int = 2  # MMLU validation questions per subject; 0: no MMLU in the pool
     token_weight: float = 1.0  # '+tokens': the answer loss plus this weight x the top-label loss on instruction tokens
-    token_window: int = 512  # the instruction sequence's first positions the token term reads (cost: the head's pass)
-    token_max: int = 64  # response tokens of that window per step (a seeded random subset)
+    token_window: int = TOKEN_WINDOW  # the instruction sequence's first positions the token term reads (cost: the
+    # head's pass)
+    token_max: int = TOKEN_MAX  # response tokens of that window per step (a seeded random subset)
 
 
 def pool_tasks(pool_size: int, mmlu_per_subject: int) -> dict:
