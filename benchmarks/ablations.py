@@ -57,12 +57,12 @@ def main(argv=None) -> int:
     if not os.environ.get("ATS_DATA_DIR") and shared.is_dir():
         os.environ["ATS_DATA_DIR"] = str(shared)  # offline: read the local copies
     import torch
+    from protocols.alignment import run_alignment  # this script's folder, first on sys.path
 
     from ats.model.backbone import load_backbone
     from ats.training.config import TrainingConfig
     from ats.training.data import DataConfig
     from ats.workflows.ablate import run_ablations
-    from ats.workflows.alignment import run_alignment
     from ats.workflows.pipeline import prepare_features
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,4 +1,4 @@
-"""Heads trained on the backbone's own answers (issue 21): run the protocol of `ats.workflows.answers` and write
+"""Heads trained on the backbone's own answers (issue 21): run the protocol of `protocols/answers.py` and write
 benchmarks/results/answers/<model>/ (results.json, results.md, figures).
 
     ATS_DATA_DIR=../shared/data python benchmarks/answers.py --model smollm2-135m-instruct --out runs/answers-smollm2
@@ -52,10 +52,11 @@ def main() -> None:
     logging.getLogger("fontTools").setLevel(logging.WARNING)  # its font subsetting logs every glyph at INFO
 
     import torch
+    from protocols.answers import AnswerPlan, run_answers  # this script's folder, first on sys.path
+    from protocols.answers_report import render
 
     from ats.calibrators import load_calibrator
     from ats.model.backbone import load_backbone
-    from ats.workflows.answers import AnswerPlan, run_answers
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,8 +82,6 @@ def main() -> None:
         results["machine"] = machine()
         results["minutes_last_invocation"] = round((time.perf_counter() - start) / 60, 1)
         (out / "results.json").write_text(json.dumps(results, indent=1))
-    from ats.workflows.answers_report import render
-
     render(out / "results.json", results_dir)
 
 

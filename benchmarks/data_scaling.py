@@ -46,13 +46,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from paper_table import machine  # this script's folder, first on sys.path
+    from protocols.evidence import ScalingPlan, run_scaling, size_tag
 
     from ats.evaluation.report import TASK_LABELS, cell, markdown_table
     from ats.io import atomic_file, write_json
     from ats.model.backbone import load_backbone
     from ats.training.config import TrainingConfig
     from ats.training.data import DataConfig
-    from ats.workflows.evidence import ScalingPlan, run_scaling, size_tag
 
     evidence = json.loads(Path(args.evidence).read_text())
     methods = tuple(args.methods.split(","))

@@ -44,8 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--truthfulqa-gen", type=int, default=400,
                    help="TruthfulQA free-form questions (0: leave the task out)")
     p.add_argument("--tradeoff", default="selective-a0.1,selective-a0.3,selective-a0.7,selective-a0.9,nll",
-                   help="trade-off heads trained at the lr chosen for ats (the 'tradeoff' group of "
-                        "ats.workflows.variants)")
+                   help="trade-off heads trained at the lr chosen for ats (TRADEOFF of protocols/evidence.py)")
     p.add_argument("--bootstrap", type=int, default=1000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, not the method")
@@ -61,6 +60,7 @@ def main(argv=None) -> int:
         args.truthfulqa_gen = 10
         args.mmlu_subjects = "anatomy,astronomy,marketing"
     from paper_table import machine  # this script's folder, first on sys.path
+    from protocols.evidence import CRITERION, EvidencePlan, run_evidence, selection_table
 
     from ats.evaluation.evaluate import format_paired
     from ats.evaluation.report import task_tables, token_table
@@ -68,7 +68,6 @@ def main(argv=None) -> int:
     from ats.model.backbone import load_backbone
     from ats.training.config import TrainingConfig
     from ats.training.data import DataConfig
-    from ats.workflows.evidence import CRITERION, EvidencePlan, run_evidence, selection_table
 
     extra = ("truthfulqa_gen",) if args.truthfulqa_gen else ()
     plan = EvidencePlan(

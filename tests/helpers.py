@@ -9,12 +9,16 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ats.calibrators.ats import ATSCalibrator
+from ats.calibrators.ats import ATSCalibrator, ATSConfig
 from ats.calibrators.base import Calibrator
 from ats.model.backbone import Backbone
+from ats.model.heads import HeadConfig
+from ats.model.labels import IGNORE_INDEX
+from ats.training.answers import AnswerSet
 
 
 class HalfTemperature(Calibrator):
@@ -125,6 +129,44 @@ def perturbed_ats(backbone, std: float = 0.3, seed: int = 0):
 
 
 # --- tiny data: every layout read through ATS_DATA_DIR (see ../shared/data/README.md), written by the tests ----------
+@torch.no_grad()
+def hand_token_metrics(store, backbone, calibrator=None):
+    """Top-1 confidence and correctness of every response token of a feature store (with `calibrator`'s scale), from the
+    stored hidden states by plain torch."""
+    conf, correct = [], []
+    for hidden, labels in store.sequences():
+        keep = labels != IGNORE_INDEX
+        z = hidden.float() @ backbone.output_weight.float().T  # (T, V)
+        if calibrator is not None:
+            z = z * calibrator.scale(calibrator.log_scale(hidden.float()[None]))[0][:, None]
+        p = torch.softmax(z.double(), -1)[keep]
+        conf.append(p.max(-1).values.numpy())
+        correct.append((z[keep].argmax(-1) == labels[keep]).numpy())
+    return np.concatenate(conf), np.concatenate(correct)
+
+
+
+def planted_answers(n: int, hidden_size: int, seed: int) -> AnswerSet:
+    """Letter-scored answers whose correctness is the sign of the first hidden unit at the answer position, with the
+    same uncalibrated confidence everywhere (so nothing but h tells right from wrong)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n * 3, hidden_size, generator=g)  # rows of 3 tokens
+    right = hidden[2::3, 0] > 0  # (n,)
+    return AnswerSet(kind="letters", tensors={
+        "hidden": hidden, "row_offsets": torch.arange(0, 3 * n + 1, 3), "row_question": torch.arange(n),
+        "pos_row": torch.arange(n), "pos_in_row": torch.full((n,), 2), "pos_target": torch.full((n,), -1),
+        "letter_logits": torch.tensor([[2.0, 0.0, 0.0]]).repeat(n, 1),
+        "answer": torch.where(right, 0, 1), "n_choices": torch.full((n,), 3)}, meta={"task": {"name": "planted"}})
+
+
+def fresh_ats(head_type: str, hidden_size: int) -> ATSCalibrator:
+    """An ATS head of `head_type` at its seeded initialisation (identity for the zero-initialised output)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return ATSCalibrator(ATSConfig(head=HeadConfig(head_type=head_type, hidden_size=hidden_size),
+                                       hidden_size=hidden_size))
+
+
 CAPITALS = [("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Germany", "Berlin"), ("Japan", "Tokyo"),
             ("Egypt", "Cairo"), ("Peru", "Lima"), ("Kenya", "Nairobi"), ("Canada", "Ottawa"), ("Chile", "Santiago"),
             ("Norway", "Oslo"), ("Greece", "Athens"), ("Cuba", "Havana"), ("Ireland", "Dublin"),

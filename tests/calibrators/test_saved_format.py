@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from ats.calibrators import load_calibrator
 from ats.calibrators.thermometer_net import ThermometerNet
+from ats.errors import ATSError
 
 
 def write_old(folder, config: dict, tensors: dict | None = None, metadata: dict | None = None):
@@ -149,11 +150,12 @@ def test_ats_linear_head_folder(tmp_path):
     assert_saves_back_the_same(cal, folder, tmp_path)
 
 
-def test_ats_head_saved_before_0_2_keeps_its_loss_settings(tmp_path):
-    config = ats_config(LINEAR, loss_type="selective", alpha=0.5)
-    del config["training"]
+def test_ats_head_with_loss_settings_beside_the_head_is_refused_naming_the_field(tmp_path):
+    """Loss settings live in the training record; a config with them beside the head (the layout of 0.1, which no
+    user has) is refused in one line, not guessed at."""
+    config = ats_config(LINEAR, loss_type="selective")
     folder = write_old(tmp_path / "old-ats", config, {"proj.bias": torch.zeros(1), "proj.weight": torch.zeros(1, 4)},
                        metadata={"format": "pt"})
-    cal = load_calibrator(folder)
-    assert cal.config_.training == {"loss_type": "selective", "alpha": 0.5}
-    assert "loss_type" not in cal.config() and cal.config()["training"]["alpha"] == 0.5
+    with pytest.raises(ATSError, match="loss_type") as error:
+        load_calibrator(folder)
+    assert "\n" not in str(error.value)

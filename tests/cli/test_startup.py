@@ -89,19 +89,21 @@ print(json.dumps({{"results": results, "loaded": [m for m in {HEAVY!r} if m in s
 
 
 def test_train_help_states_the_head_default_the_command_resolves():
-    """--head parses to None and `ats train` picks the head from --data: --help names those defaults, not
-    'automatic'."""
+    """--head, --loss, --lr and --data parse to None and `ats train` picks them from --on: --help names those
+    defaults, not 'automatic'."""
     from ats.model.heads import HeadConfig
-    from ats.training.config import DEFAULT_ANSWER_METHOD
+    from ats.training.config import ANSWER_LR, DEFAULT_ANSWER_METHOD
 
     train = next(a for a in build_parser()._actions if a.dest == "command").choices["train"]
     assert train.parse_args(["--out", "x"]).head_type is None
     text = " ".join(train.format_help().split())
-    assert (f"the paper's) (default: {HeadConfig.head_type} with instruction data; with --data answers none: "
-            f"--method decides ({DEFAULT_ANSWER_METHOD} by default))") in text
+    assert (f"the paper's) (default: {HeadConfig.head_type} on instructions; on answers --method decides "
+            f"({DEFAULT_ANSWER_METHOD} by default))") in text
     assert "(default: automatic)" not in text.split("--head {")[-1].split("--max-scale")[0]
-    # --loss parses to the instruction loss, which --data answers replaces by the first answer loss
-    assert "(default: selective with instruction data, answer-log with --data answers)" in text
+    # --loss parses to the instruction loss, which --on answers replaces by the answer loss
+    assert "(default: selective on instructions, answer-log on answers)" in text
+    assert f"(default: on instructions from the number of optimizer steps, {ANSWER_LR:g} on answers)" in text
+    assert "(default: alpaca_gpt4; giving --data implies --on instructions)" in text
 
 
 def test_options_parse_to_checked_numbers():

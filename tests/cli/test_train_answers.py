@@ -1,4 +1,4 @@
-"""`ats train --data answers` as a user runs it (real subprocesses, the embedded SmolLM2, a tiny pool): the head is
+"""`ats train --on answers` as a user runs it (real subprocesses, the embedded SmolLM2, a tiny pool): the head is
 trained on the backbone's own answers with an answer loss, reused on a rerun, refused with other settings, and a
 token loss is refused in one line."""
 
@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-TINY = ["--data", "answers", "--pool-size", "3", "--mmlu-pool", "0", "--head", "linear", "--epochs", "1",
+TINY = ["--on", "answers", "--pool-size", "3", "--mmlu-pool", "0", "--head", "linear", "--epochs", "1",
         "--batch-size", "4", "--micro-batch-size", "4"]
 
 
@@ -43,7 +43,7 @@ def test_train_on_answers_reuse_and_refusals(data_dir, tmp_path):
     code, stdout, err = ats(*TINY, "--out", str(out))  # the same settings: reused
     assert code == 0 and f"head reused from {out / 'head'}" in stdout
     code, _, err = ats(*TINY, "--lr", "3e-3", "--out", str(out))  # other settings: refused, nothing written
-    assert code == 2 and len(err) == 1 and "other settings (lr)" in err[0] and "--overwrite" in err[0]
+    assert code == 2 and len(err) == 1 and "made with other options: training.lr" in err[0] and "--overwrite" in err[0]
     code, _, err = ats(*TINY, "--loss", "top-label", "--out", str(tmp_path / "other"))
     assert code == 2 and len(err) == 1 and "token loss" in err[0]
     assert not (tmp_path / "other").exists()

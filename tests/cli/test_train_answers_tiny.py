@@ -1,4 +1,4 @@
-"""`ats train --data answers` beyond the ATS heads, on the tiny model folder and the tiny QA pool (conftest):
+"""`ats train --on answers` beyond the ATS heads, on the tiny model folder and the tiny QA pool (conftest):
 Thermometer trained on the answers (the default of `ats train`), a head with the top-label term on instruction
 tokens, and the refusals (unknown spec, '+tokens' without features, --head with --method, --online with answers, the
 answer options with instruction data), each in one line before anything loads."""
@@ -13,7 +13,7 @@ from ats.cli import main
 
 from helpers import make_tiny_backbone
 
-POOL = ["--data", "answers", "--pool-size", "3", "--mmlu-pool", "0", "--epochs", "1", "--batch-size", "4",
+POOL = ["--on", "answers", "--pool-size", "3", "--mmlu-pool", "0", "--epochs", "1", "--batch-size", "4",
         "--micro-batch-size", "4"]
 
 
@@ -42,7 +42,15 @@ def test_refusals_come_before_anything_loads(model_dir, tmp_path, capsys):
     assert "--method: unknown spec 'bayes'" in one_error(capsys)
     assert main(["train", "--model", str(model_dir), "--data", "alpaca_gpt4", "--method", "thermometer", "--out",
                  str(tmp_path / "a")]) == 2
-    assert "only with --data answers" in one_error(capsys)
+    assert "only with --on answers" in one_error(capsys)
+    assert main(["train", "--model", str(model_dir), "--on", "answers", "--data", "alpaca_gpt4", "--out",
+                 str(tmp_path / "a")]) == 2
+    assert "--data alpaca_gpt4 is instruction data" in one_error(capsys)
+    assert main(["train", "--model", str(model_dir), "--data", "answers", "--out", str(tmp_path / "a")]) == 2
+    assert "are --on answers" in one_error(capsys)
+    assert main(["train", "--model", str(model_dir), "--on", "instructions", "--loss", "answer-log", "--out",
+                 str(tmp_path / "a")]) == 2
+    assert "--loss answer-log scores answers" in one_error(capsys)
     assert main([*base, "--head", "linear", "--method", "thermometer", "--out", str(tmp_path / "a")]) == 2
     assert "give one" in one_error(capsys)
     assert main([*base, "--online", "--out", str(tmp_path / "a")]) == 2
@@ -51,7 +59,7 @@ def test_refusals_come_before_anything_loads(model_dir, tmp_path, capsys):
 
 
 def test_thermometer_and_the_token_term_train_on_answers(model_dir, tmp_path, capsys):
-    base = ["-q", "train", "--model", str(model_dir), *POOL[2:]]  # no --data: answers are the default
+    base = ["-q", "train", "--model", str(model_dir), *POOL[2:]]  # no --on: answers are the default
     out = tmp_path / "thermo"
     assert main([*base, "--out", str(out)]) == 0  # no --method: Thermometer, the default
     config = json.loads((out / "head" / "calibrator_config.json").read_text())
@@ -76,4 +84,4 @@ def test_thermometer_and_the_token_term_train_on_answers(model_dir, tmp_path, ca
         "token_weight": 0.5, "token_max": 64, "token_window": 512, "data": "answers"}
     capsys.readouterr()
     assert main([*args, "--token-weight", "1.0"]) == 2  # another weight: refused, naming it
-    assert "other settings (token_weight)" in one_error(capsys)
+    assert "made with other options: training.token_weight 0.5 -> 1.0" in one_error(capsys)

@@ -116,7 +116,7 @@ def _assert_same_run(root: Path, mode: str, cal, result):
         b = other.head.state_dict()[name]
         assert (a - b).abs().max().item() <= TOL, name
     history = json.loads((root / f"history-{mode}.json").read_text())
-    assert len(history["steps"]) == len(result.history) == 2 * 3  # 3 full steps per epoch, partial step unlogged
+    assert len(history["steps"]) == len(result.history) == 2 * 4  # 3 full steps and the partial one per epoch
     for x, y in zip(history["steps"], result.history):
         assert x["loss"] == pytest.approx(y["loss"], abs=1e-5) and x["lr"] == pytest.approx(y["lr"])
     for x, y in zip(history["epochs"], result.epochs):  # validation ECE over both ranks' tokens

@@ -121,14 +121,15 @@ def test_a_rerun_with_another_summary_setting_refuses_the_old_features(tiny_back
     assert redone.scale_summary == ScaleSummarySpec(intervals=12)
 
 
-def test_features_without_a_summary_are_reused_and_train_by_the_exact_route(tiny_backbone, tmp_path):
+def test_features_without_a_summary_train_by_the_exact_route_and_are_refused_when_one_is_asked(tiny_backbone,
+                                                                                                  tmp_path):
     old, _ = prepare_features(tiny_backbone, tmp_path / "f", DATA, progress=False, summary=None)
     assert old.scale_summary is None and "summary" not in old.load_shard(0)
-    again, _ = prepare_features(tiny_backbone, tmp_path / "f", DATA, progress=False, summary=SPEC)
-    assert again.scale_summary is None  # reused as it is (an older folder), not refused
-    assert FeatureStore(again.directory).scale_summary is None
-    _, result, _ = _train(tiny_backbone, again, epochs=1)
+    assert FeatureStore(old.directory).scale_summary is None
+    _, result, _ = _train(tiny_backbone, old, epochs=1)
     assert result.history and all(row["loss"] == row["loss"] for row in result.history)
+    with pytest.raises(ATSError, match=r"features made with other options: scale_summary"):
+        prepare_features(tiny_backbone, tmp_path / "f", DATA, progress=False, summary=SPEC)
 
 
 def test_the_global_control_fits_the_same_temperature_both_ways(tiny_backbone, stores):

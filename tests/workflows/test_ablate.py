@@ -9,7 +9,7 @@ from ats.errors import ATSError
 from ats.training.config import TrainingConfig
 from ats.training.data import load_instructions, tokenize_instructions
 from ats.training.features import extract_features
-from ats.workflows.ablate import ALPHAS, HeadRun, ablation_plan, run_ablations, unique_runs
+from ats.workflows.ablate import ALPHAS, SHARED, ablation_plan, head_job, run_ablations, unique_runs
 
 
 def test_plan_shares_the_default_configuration():
@@ -17,12 +17,25 @@ def test_plan_shares_the_default_configuration():
     assert [label for label, _ in plan["smoothing"]] == ["none", "full", "selective"]
     assert [label for label, _ in plan["alpha"]] == ["0.1", "0.3", "0.5", "0.7", "0.9"]
     assert [label for label, _ in plan["head"]] == ["constant", "linear", "mlp", "transformer"]
-    shared = HeadRun().variant
-    assert all(any(run == shared for _, run in rows) for rows in plan.values())
+    shared = head_job(TrainingConfig(), **SHARED)
+    assert all(any(job == shared for _, job in rows) for rows in plan.values())
     assert len(unique_runs(plan)) == 10 and len({r.name for r in unique_runs(plan)}) == 10
     assert list(ablation_plan("alpha")) == ["alpha"]
     with pytest.raises(ATSError, match="unknown"):
         ablation_plan(["depth"])
+
+
+def test_heads_keep_the_names_and_options_of_earlier_runs():
+    """A rerun reuses the heads of an earlier run only if each head's folder, method and training options are what
+    they were (they enter its fingerprint)."""
+    plan = ablation_plan(training=TrainingConfig(alpha=0.9, lr=1e-3))
+    assert [job.name for _, job in plan["smoothing"]] == ["transformer-none", "transformer-full-a0.5",
+                                                          "transformer-selective-a0.5"]
+    assert plan["head"][0][1].name == "constant-selective-a0.5"
+    none = plan["smoothing"][0][1]
+    assert (none.folder, none.method, none.label, none.head_type) == ("heads/transformer-none", "ats", None,
+                                                                      "transformer")
+    assert none.training == TrainingConfig(loss_type="none", alpha=0.5, lr=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -97,27 +110,3 @@ def test_run_ablations_writes_tables_json_figure_and_reuses_heads(tiny_backbone,
     assert set(again["runs"]) == {f"transformer-selective-a{a:g}" for a in ALPHAS}
     assert again["results"]["mc_quiz"]["transformer-selective-a0.3"] == data["results"]["mc_quiz"][
         "transformer-selective-a0.3"]
-
-
-
-def test_run_alignment_compares_backbones(tiny_backbone, tokenizer, tmp_path):
-    from ats.training.data import DataConfig
-    from ats.workflows.alignment import run_alignment
-
-    from helpers import make_tiny_backbone
-
-    quiz = tmp_path / "quiz.jsonl"
-    quiz.write_text('{"question": "Which is a colour?", "choices": ["red", "seven"], "answer": 0}\n')
-    other = make_tiny_backbone(tokenizer, hidden_size=32, seed=3, name="tiny-base")
-    summary = run_alignment([tiny_backbone, other], tmp_path / "align", tasks=[f"mc:{quiz}"],
-                            data=DataConfig(limit=8, max_length=64, val_fraction=0.25),
-                            training=TrainingConfig(lr=1e-3, epochs=1, batch_size=2, micro_batch_size=2),
-                            progress=False)
-    assert list(summary["results"]) == ["tiny-llama", "tiny-base"]
-    for per_model in summary["results"].values():
-        assert set(per_model) == {"mc_quiz", "val_tokens"}
-        assert set(per_model["mc_quiz"]) == {"uncalibrated", "ats"}
-    lines = [line for line in (tmp_path / "align" / "alignment.md").read_text().splitlines() if line.startswith("| ")]
-    assert [tuple(c.strip() for c in line.split("|")[1:3]) for line in lines[1:]] == [
-        ("tiny-llama", "uncalibrated"), ("tiny-llama", "ats"), ("tiny-base", "uncalibrated"), ("tiny-base", "ats")]
-    assert (tmp_path / "align" / "alignment.json").is_file()

@@ -1,20 +1,16 @@
-"""The runner's pieces: one rule for what a fingerprint records of a config, plans serialised in one form, the
-fitting logits kept only through an explicit `LogitReplay`."""
+"""The runner's pieces: one rule for what a fingerprint records of a config, the fitting logits kept only through an
+explicit `LogitReplay`."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import torch
 
-from ats.evaluation.report import jsonable
 from ats.fingerprint import result_options
 from ats.training.config import TrainingConfig
 from ats.training.data import DataConfig
 from ats.workflows.feature_source import FeatureSource, LogitReplay
 from ats.workflows.fingerprints import data_fingerprint, training_options
 from ats.workflows.pipeline import prepare_features
-from ats.workflows.plans import EvidencePlan, ScalingPlan, plan_record
 
 
 def test_options_that_never_change_a_result_are_left_out_by_one_rule():
@@ -25,13 +21,6 @@ def test_options_that_never_change_a_result_are_left_out_by_one_rule():
     assert list(result_options(DataConfig(), leave_out=("seed",))) == ["source", "limit", "max_length", "pack",
                                                                       "val_fraction", "feature_dtype",
                                                                       "shard_sequences"]
-
-
-def test_plan_record_is_the_old_hand_serialised_form():
-    for plan in (EvidencePlan(), ScalingPlan(lrs={"ats": 1e-3})):
-        old = {**asdict(plan), "data": plan.data.to_dict(), "training": plan.training.to_dict()}
-        assert plan_record(plan) == jsonable(old)
-    assert plan_record(EvidencePlan())["lr_grid"] == [3e-4, 1e-3, 3e-3]
 
 
 def test_logits_are_replayed_only_through_an_explicit_replay(tiny_backbone, tmp_path):

@@ -1,6 +1,6 @@
-"""The workflows behind the README's tables, end to end on the tiny model and the tiny data files (conftest):
-`run_experiment` (ats demo), `run_evidence` with `select_learning_rates`, `run_scaling`; and the two helpers they
-rest on, `heldout_objective` and `gathered_token_confidences`, against computations done here."""
+"""The workflow behind `ats demo`, end to end on the tiny model and the tiny data files (conftest): `run_experiment`;
+and the two helpers the workflows rest on, `heldout_objective` and `gathered_token_confidences`, against computations
+done here."""
 
 from __future__ import annotations
 
@@ -20,25 +20,10 @@ from ats.training.distributed import SINGLE
 from ats.training.validation import heldout_objective
 from ats.workflows.pipeline import prepare_features
 
-from helpers import calibrator_for
+from helpers import calibrator_for, hand_token_metrics
 
 DATA = DataConfig(limit=12, max_length=48, val_fraction=0.34)
 TRAINING = TrainingConfig(lr=1e-3, epochs=1, batch_size=2, micro_batch_size=2)
-
-
-@torch.no_grad()
-def hand_token_metrics(store, backbone, calibrator=None):
-    """Top-1 confidence and correctness of every response token, from the stored hidden states by plain torch."""
-    conf, correct = [], []
-    for hidden, labels in store.sequences():
-        keep = labels != IGNORE_INDEX
-        z = hidden.float() @ backbone.output_weight.float().T  # (T, V)
-        if calibrator is not None:
-            z = z * calibrator.scale(calibrator.log_scale(hidden.float()[None]))[0][:, None]
-        p = torch.softmax(z.double(), -1)[keep]
-        conf.append(p.max(-1).values.numpy())
-        correct.append((z[keep].argmax(-1) == labels[keep]).numpy())
-    return np.concatenate(conf), np.concatenate(correct)
 
 
 @torch.no_grad()
@@ -98,53 +83,3 @@ def test_run_experiment_end_to_end_then_reused(tiny_backbone, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in files if p.name != "results.md" and p.suffix not in (".png", ".pdf")
             and p.name != "results.json"} == {p: t for p, t in files.items() if p.name != "results.md"
                                                and p.suffix not in (".png", ".pdf") and p.name != "results.json"}
-
-
-def test_run_evidence_selects_the_lowest_heldout_objective(tiny_backbone, tmp_path):
-    from ats.calibrators import load_calibrator
-    from ats.workflows.evidence import EvidencePlan, run_evidence
-
-    plan = EvidencePlan(data=DATA, training=TRAINING, lr_grid=(1e-3, 3e-2), selected=("ats", "selective-temperature"),
-                        tradeoff=("nll",), baselines=("temperature",), fit_tokens=None, tasks=("mmlu",),
-                        task_limit={"mmlu": 1}, mmlu_subjects=["anatomy"], bootstrap=20)
-    out = tmp_path / "evidence"
-    result = run_evidence(tiny_backbone, out, plan, progress=False)
-    assert json.loads((out / "evidence.json").read_text()) == result
-    _, val = prepare_features(tiny_backbone, out / "features", DATA, progress=False)
-    for name in ("ats", "selective-temperature"):
-        rows = result["selection"][name]["grid"]
-        assert [r["lr"] for r in rows] == [1e-3, 3e-2]
-        assert result["selection"][name]["chosen_lr"] == min(rows, key=lambda r: r["objective"])["lr"]
-        for row in rows:  # each recorded objective is the held-out objective of the saved head, recomputed here
-            head = load_calibrator(out / "heads" / name / f"lr{row['lr']:g}", backbone=tiny_backbone)
-            assert row["objective"] == pytest.approx(heldout_objective(head, val, tiny_backbone, TRAINING),
-                                                     rel=1e-4)
-    methods = {"uncalibrated", "ats", "selective-temperature", "nll", "temperature"}
-    assert set(result["token_level"]) == methods and set(result["tasks"]["mmlu"]) == methods
-    assert set(result["tasks"]["mmlu"]["temperature"]["paired"]) == {"ats"}  # ATS minus each other method
-    assert all((out / name).stat().st_size > 0 for name in result["figures"])
-
-
-def test_run_scaling_evaluates_every_size_in_one_pass(tiny_backbone, tmp_path):
-    from ats.workflows.evidence import ScalingPlan, run_scaling
-
-    plan = ScalingPlan(sizes=(("alpaca_gpt4", 9), ("alpaca_cleaned", 12)), methods=("ats", "selective-temperature"),
-                       lrs={"ats": 1e-3, "selective-temperature": 1e-2}, data=DataConfig(max_length=48),
-                       training=TRAINING, tasks=("truthfulqa_mc1",), task_limit={"truthfulqa_mc1": 3}, bootstrap=20)
-    out = tmp_path / "scaling"
-    result = run_scaling(tiny_backbone, out, plan, progress=False)
-    assert list(result["sizes"]) == ["alpaca_gpt4-9", "alpaca_cleaned-12"]
-    names = ["uncalibrated"] + [f"{m}@{s}" for s in result["sizes"] for m in plan.methods]
-    assert list(result["tasks"]["truthfulqa_mc1"]) == names
-    assert set(result["tasks"]["truthfulqa_mc1"]["uncalibrated"]["paired"]) == {"ats@alpaca_gpt4-9",
-                                                                              "ats@alpaca_cleaned-12"}
-    stored = json.loads((out / "scaling.json").read_text())
-    assert stored["tasks"] == result["tasks"] and stored["plan"]["lrs"] == plan.lrs
-    for tag, size in result["sizes"].items():  # each size's own held-out tokens
-        source, limit = tag.rsplit("-", 1)
-        _, val = prepare_features(tiny_backbone, out / tag / "features", DataConfig(max_length=48, source=source,
-                                                                                      limit=int(limit)),
-                                  progress=False)
-        assert size["val_response_tokens"] == sum(int((y != IGNORE_INDEX).sum()) for _, y in val.sequences())
-        conf, correct = hand_token_metrics(val, tiny_backbone)
-        assert size["token_level"]["uncalibrated"]["ece"] == pytest.approx(summarize(conf, correct)["ece"], rel=1e-4)

@@ -25,13 +25,13 @@ from torch import Tensor, nn
 from ..errors import ATSError
 from ..hub import resolve_folder
 from ..model.backbone import Backbone
-from ..model.heads import HeadConfig, build_head
-from .ats_config import LEGACY_TRAINING_KEYS, ATSConfig
+from ..model.heads import HeadConfig, build_head, tau_at
+from .ats_config import ATSConfig
 from .base import CONFIG_NAME, Calibrator, FitSource, read_config
 from .calibrated_model import CalibratedModel
 from .saving import load_module
 
-__all__ = ["LEGACY_TRAINING_KEYS", "ATSCalibrator", "ATSConfig", "CalibratedModel"]
+__all__ = ["ATSCalibrator", "ATSConfig", "CalibratedModel"]
 
 
 class ATSCalibrator(Calibrator):
@@ -124,6 +124,35 @@ class ATSCalibrator(Calibrator):
         """
         param = next(self.head.parameters())
         return self.head(hidden.to(param.device, param.dtype), attention_mask, cache=cache)
+
+    # --- training (`ats.training`: the one loop trains `trainable` on `scales_at`, then `record_training`) -------
+    @property
+    def trainable(self) -> torch.nn.Module:
+        """The module training updates: the head."""
+        return self.head
+
+    def scales_at(self, hidden: Tensor, attention_mask: Tensor, index: Tensor, scored: Tensor) -> tuple[Tensor, Tensor]:
+        """(s (B, K), penalty ()) at positions `index` (B, K) of sequences `hidden` (B, T, H), differentiable: the
+        head's per-token scales there (`tau_at`: the transformer head computes only those queries); no penalty.
+
+        Args:
+            hidden: (B, T, H) hidden states.
+            attention_mask: (B, T), 1 on real tokens.
+            index: (B, K) positions; entries where `scored` is False are padding.
+            scored: (B, K) bool, the real entries of `index`.
+
+        Returns:
+            (s (B, K) float32, a zero penalty).
+        """
+        param = next(self.head.parameters())
+        tau = tau_at(self.head, hidden.to(param.device, param.dtype), attention_mask.to(param.device),
+                     index.to(param.device))
+        return self.scale(tau.float()), torch.zeros((), device=param.device)
+
+    def record_training(self, record: dict, final_loss: float | None = None) -> None:
+        """Keep the training record in the config, saved with the head (the loss history goes elsewhere:
+        training_history.json)."""
+        self.config_.training = record
 
     def temperature(self, hidden: Tensor, attention_mask: Tensor | None = None, cache=None) -> Tensor:
         """Deprecated name of `log_scale` (it returns tau = log(1 / T), not a temperature T); kept for callers

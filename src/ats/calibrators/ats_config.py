@@ -1,5 +1,5 @@
 """ATSConfig: everything needed to rebuild an ATS head and to check it against a backbone, saved as the head's
-calibrator_config.json; heads saved before 0.2 (loss settings beside the head) still read."""
+calibrator_config.json."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from .. import __version__
 from ..config import ConfigMixin, option
 from ..errors import ATSError
 from ..model.heads.config import HeadConfig
-
-LEGACY_TRAINING_KEYS = ("loss_type", "alpha", "weighting")  # lived here before 0.2; now in the training record
 
 
 @dataclass
@@ -39,7 +37,7 @@ class ATSConfig(ConfigMixin):
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "config", **_) -> "ATSConfig":
-        """Also reads heads saved before 0.2, whose loss settings sat beside the head (moved into `training`).
+        """The config of a saved head, the nested head config validated too.
 
         Args:
             data: the saved config (without "type"), as `to_dict` writes it.
@@ -57,8 +55,5 @@ class ATSConfig(ConfigMixin):
         if "head" not in data:
             raise ATSError(f"{where}: missing field 'head'")
         data = dict(data)
-        legacy = {k: data.pop(k) for k in LEGACY_TRAINING_KEYS if k in data}
-        if legacy:
-            data["training"] = {**legacy, **dict(data.get("training") or {})}
         data["head"] = HeadConfig.from_dict(data["head"], where=f"{where}: head")
         return super().from_dict(data, where)

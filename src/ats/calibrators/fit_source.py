@@ -26,7 +26,9 @@ class FitSource(Protocol):
     logit_chunks: token-level (logits, labels) chunks of the response tokens;
     store / logits_fn: the sequences of hidden states and the output layer, for methods that read hidden states;
     backbone / hidden_size: what the calibrator is sized for;
-    train_head(calibrator): train an ATS-family head with the run's training config (loss, data, steps, schedule);
+    train(calibrator): train a calibrator's `trainable` module through the one training loop with the run's training
+    config (loss, data, steps, schedule): the ATS family on instruction tokens, every learned calibrator on a source
+    of the model's answers (`trains_calibrators`, `ats.training.answer_objective.AnswerSource`);
     sketch (optional): a `LogitSketch` of the same tokens as logit_chunks, built once; the global-temperature,
     binning and Thermometer methods fit on it instead of passing over the logits again; with it, sequence_ids (N,)
     gives the sequence of each of its rows.
@@ -42,11 +44,11 @@ class FitSource(Protocol):
     backbone: object
     hidden_size: int
 
-    def train_head(self, calibrator) -> None:
-        """Train an ATS-family head in place with the run's training config.
+    def train(self, calibrator) -> None:
+        """Train a calibrator in place with the run's training config.
 
         Args:
-            calibrator: the calibrator whose head is trained (`trains_head` is True).
+            calibrator: the calibrator trained (`trains_head` is True, or the source `trains_calibrators`).
         """
         ...
 
@@ -77,9 +79,11 @@ class FitRoutes:
         return cls(**options)
 
     def fit_source(self, source: FitSource) -> "FitRoutes":
-        """Fit on `source` by the first route the class declares and the source has: the ATS trainer
-        (`trains_head`), the scale summary (`fits_on_summary`, unless its route declines), the shared sketch
-        (`fits_on_sketch`), else the data themselves (`fit_source_data`: the logit chunks by default). Returns self.
+        """Fit on `source` by the first route the class declares and the source has: the one training loop for a
+        source that trains every learned calibrator (the model's answers: `trains_calibrators`, for a calibrator
+        with a `trainable` module) and for the ATS family (`trains_head`), the scale summary (`fits_on_summary`,
+        unless its route declines), the shared sketch (`fits_on_sketch`), else the data themselves
+        (`fit_source_data`: the logit chunks by default). Returns self.
 
         Args:
             source: the fitting data.
@@ -88,10 +92,15 @@ class FitRoutes:
             self, fitted.
 
         Raises:
-            ATSError: if the data are malformed or empty.
+            ATSError: if the data are malformed or empty, or the source trains and the calibrator learns nothing.
         """
+        if getattr(source, "trains_calibrators", False):
+            if not hasattr(self, "trainable"):
+                raise ATSError(f"calibrator {self.name!r} has no trainable module: it cannot learn from answers")
+            source.train(self)
+            return self
         if self.trains_head:
-            source.train_head(self)
+            source.train(self)
             return self
         summary = getattr(source, "summary", None) if self.fits_on_summary else None
         if summary is not None and self.fit_source_summary(source, summary) is not None:

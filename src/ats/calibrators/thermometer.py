@@ -98,6 +98,39 @@ class Thermometer(ThermometerFit, Calibrator):
         param = next(self.net.parameters())
         return F.softplus(self.net(x.to(param.device, param.dtype))).clamp(S_MIN, S_MAX)
 
+    # --- training (`ats.training`: the one loop trains `trainable` on `scales_at`, then `record_training`) -------
+    @property
+    def trainable(self) -> torch.nn.Module:
+        """The module training updates: the network."""
+        return self.net
+
+    def scales_at(self, hidden: Tensor, attention_mask: Tensor, index: Tensor, scored: Tensor) -> tuple[Tensor, Tensor]:
+        """(s (B, K), penalty ()) at positions `index` (B, K) of sequences `hidden` (B, T, H), differentiable: one
+        s = 1/T per sequence, from the hidden state at `index[:, 0]` (the prompt's last token: the first scored
+        position), the same at every position; the penalty is `prior_weight` x the mean Gamma prior of the T of
+        the sequences with a scored position.
+
+        Args:
+            hidden: (B, T, H) hidden states.
+            attention_mask: (B, T); unused (the prompt's position is `index[:, 0]`).
+            index: (B, K) positions; entries where `scored` is False are padding.
+            scored: (B, K) bool, the real entries of `index`.
+
+        Returns:
+            (s (B, K) float32, the penalty ()).
+        """
+        x = hidden[torch.arange(hidden.shape[0]), index[:, 0]]  # (B, H)
+        s = self.inverse_temperature(x).float()  # (B,)
+        penalty = self.prior_weight * self.prior(1.0 / s[scored.any(dim=1).to(s.device)]).mean()
+        rows = torch.arange(s.shape[0], device=s.device)[:, None].expand(index.shape)  # (B, K) each position's row
+        return s[rows], penalty
+
+    def record_training(self, record: dict, final_loss: float | None = None) -> None:
+        """Mark the network fitted and keep the training record, with the final loss, as its history's one entry
+        (saved with it)."""
+        self.fitted = True
+        self.history = [{**record, **({} if final_loss is None else {"final_loss": final_loss})}]
+
     def temperature(self, x: Tensor) -> Tensor:
         """T (B,) from prompt features x (B, H).
 

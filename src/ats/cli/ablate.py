@@ -10,7 +10,7 @@ from . import options
 def add_parser(sub) -> None:
     """Add `ats ablate` to `sub`, the sub-command parsers of `ats`."""
     from ..evaluation.tasks import KNOWN_SPECS
-    from ..workflows.variants import ABLATIONS
+    from ..workflows.configs import ABLATIONS
 
     p = sub.add_parser("ablate", help="ATS ablations: smoothing type, alpha, head (one feature cache, shared runs)")
     options.add_model(p)

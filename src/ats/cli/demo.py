@@ -19,7 +19,7 @@ REFERENCE = {"demo": (288.0, 429.0)}
 
 def add_parser(sub) -> None:
     """Add `ats demo` to `sub`, the sub-command parsers of `ats`."""
-    from ..workflows.plans import SIZES
+    from ..workflows.configs import SIZES
 
     p = sub.add_parser("demo", help="the end-to-end demo on the embedded model and local data")
     p.add_argument("--out", default="runs/demo")
@@ -36,7 +36,7 @@ def run(args) -> int:
 
     `args`: the parsed options; returns the exit code.
     """
-    from ..workflows.plans import SIZES
+    from ..workflows.configs import SIZES
 
     options.check_model(args.model)
     check_data(SIZES[args.size].data)

@@ -38,12 +38,14 @@ def add_model(p: argparse.ArgumentParser, *, loading: bool = True) -> None:
     g.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the Hub")
 
 
-def add_data(p: argparse.ArgumentParser, *, defaults: dict | None = None) -> None:
-    """Add `DataConfig`'s options and --features to parser `p`; `defaults` overrides fields' defaults."""
+def add_data(p: argparse.ArgumentParser, *, defaults: dict | None = None,
+             shown: dict[str, str] | None = None) -> None:
+    """Add `DataConfig`'s options and --features to parser `p`; `defaults` overrides fields' defaults, `shown` what
+    --help states as defaults the command resolves after parsing."""
     from ..training.data import DataConfig
 
     g = p.add_argument_group("instruction data (features)")
-    DataConfig.add_arguments(g, defaults=defaults)
+    DataConfig.add_arguments(g, defaults=defaults, shown=shown)
     g.add_argument("--features", default=None, help="feature cache folder (default: OUT/features)")
 
 

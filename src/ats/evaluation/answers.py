@@ -1,122 +1,21 @@
-"""The backbone's own labelled answers, cached once: what answer-level calibration trains and is judged on.
-
-An `AnswerSet` holds one task's questions exactly as the task scores them (`ats.evaluation.tasks`): the prompt as the
-task builds it, the model's answer (its letter or its choice for multiple choice, its greedy answer for free-form),
-and whether that answer is right, together with the backbone's hidden states of every row the task runs, so that a
-calibration head can be trained on, and scored by, answer confidence without running the backbone again.
-
-Three kinds, by the task's scoring rule (`ats.evaluation.tasks.scoring`):
-- letters: one row (the prompt, ending with "Answer:"); confidence = softmax over the letter logits scaled by the
-  last position's s; the letter logits are stored (C per question).
-- choices: one row per choice (context + choice); confidence = softmax over the choices' summed calibrated
-  log-likelihoods; prediction = its argmax (a per-token scale can change it, as in the task).
-- free: one row (prompt + the scored tokens of the greedy answer); confidence = the mean calibrated probability of
-  the answer's tokens; right or wrong by the task's judge (exact match, ROUGE).
-
-Layout of an answer folder (one per task):
-
-    answers.safetensors   hidden (N_tok, H), row_offsets (R+1,), row_question (R,), pos_row (P,), pos_in_row (P,),
-                          pos_target (P,), letter_logits (Q, C_max), answer (Q,), n_choices (Q,), and for
-                          choices / free-form the scale summary of every scored token, summary (P, D)
-    answers.json          kind, the task's and backbone's descriptions, sizes, the answers' text (free-form), and
-                          the sha256 of the tensors file (written last: marks the folder finished)
-
-A scored position p predicts token `pos_target[p]` from the hidden state at `pos_in_row[p]` of row `pos_row[p]`.
+"""Building the backbone's own labelled answers from a task (`ats.training.answers.AnswerSet`): each question run
+through the backbone once, exactly as the task runs and scores it, its hidden states and scored positions kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..errors import ATSError
-from ..io import atomic_file, read_json, write_json
 from ..model.scale_summary import ScaleSummarySpec, summarize_logits
+from ..training.answers import AnswerSet
 from .tasks.base import chunks
 from .tasks.generative import GenerativeTask
 from .tasks.scoring import ChoiceItem, LetterItem, PrefixCache
-
-FORMAT_VERSION = 1
-KINDS = ("letters", "choices", "free")
-TENSORS_NAME, META_NAME = "answers.safetensors", "answers.json"
-
-
-@dataclass
-class AnswerSet:
-    """One task's answers and the hidden states of its rows (the module docstring's layout)."""
-
-    kind: str
-    tensors: dict[str, Tensor]
-    meta: dict = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        """The task's name."""
-        return self.meta.get("task", {}).get("name", "answers")
-
-    def __len__(self) -> int:
-        return int(self.tensors["answer"].numel())
-
-    def subset(self, questions: list[int]) -> "AnswerSet":
-        """The set of only `questions` (increasing indices), rows and positions re-indexed; meta notes the subset."""
-        t = self.tensors
-        q = torch.as_tensor(questions, dtype=torch.long)
-        new_q = torch.full((len(self),), -1, dtype=torch.long)
-        new_q[q] = torch.arange(q.numel())
-        rows = (new_q[t["row_question"]] >= 0).nonzero().flatten()  # (R',) kept rows, in order
-        new_row = torch.full((t["row_question"].numel(),), -1, dtype=torch.long)
-        new_row[rows] = torch.arange(rows.numel())
-        keep_pos = new_row[t["pos_row"]] >= 0
-        offsets = t["row_offsets"]
-        lengths = offsets[rows + 1] - offsets[rows]
-        hidden = torch.cat([t["hidden"][offsets[r]:offsets[r + 1]] for r in rows.tolist()])
-        tensors = {"hidden": hidden, "row_offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-                   "row_question": new_q[t["row_question"][rows]], "pos_row": new_row[t["pos_row"][keep_pos]],
-                   "pos_in_row": t["pos_in_row"][keep_pos], "pos_target": t["pos_target"][keep_pos],
-                   "letter_logits": t["letter_logits"][q],
-                   "answer": t["answer"][q], "n_choices": t["n_choices"][q]}
-        if "summary" in t:
-            tensors["summary"] = t["summary"][keep_pos]
-        meta = {**self.meta, "subset": len(questions)}
-        if "text" in meta:
-            meta["text"] = [meta["text"][i] for i in questions]
-        return AnswerSet(kind=self.kind, tensors=tensors, meta=meta)
-
-    def save(self, folder: str | Path) -> None:
-        """Write the folder (tensors first, then the JSON that marks it finished), atomically."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        data = save({k: v.contiguous() for k, v in self.tensors.items()}, metadata={"format": "pt"})
-        with atomic_file(folder / TENSORS_NAME, "wb") as f:
-            f.write(data)
-        write_json(folder / META_NAME, {**self.meta, "kind": self.kind, "format_version": FORMAT_VERSION,
-                                        "sha256": hashlib.sha256(data).hexdigest()})
-
-    @classmethod
-    def load(cls, folder: str | Path) -> "AnswerSet":
-        """Read a finished folder, its checksum verified.
-
-        Raises:
-            ATSError: if the folder is unfinished, its checksum differs, or its format is another version.
-        """
-        folder = Path(folder)
-        meta_path, tensors_path = folder / META_NAME, folder / TENSORS_NAME
-        if not meta_path.is_file() or not tensors_path.is_file():
-            raise ATSError(f"{folder}: not a finished answer folder (no {META_NAME} or {TENSORS_NAME})")
-        meta = read_json(meta_path)
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ATSError(f"{meta_path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-        data = tensors_path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-            raise ATSError(f"{tensors_path}: checksum differs from {meta_path} (a corrupt or partial file)")
-        return cls(kind=meta["kind"], tensors=load_file(str(tensors_path)), meta=meta)
 
 
 # --- building a set from a task --------------------------------------------------------------------------------------
@@ -261,50 +160,3 @@ def _add_free(backbone, task: GenerativeTask, builder: _Builder, batch_size: int
     correct, _ = task.judge_answers(texts)
     builder.answer.extend(int(bool(c)) for c in correct)
     return texts
-
-
-# --- answer confidence as the tasks compute it, differentiable in the scale ------------------------------------------
-def answer_confidence(answers: AnswerSet, questions: Tensor, row_scale: Tensor, position_log_p: Tensor,
-                      positions: Tensor) -> tuple[Tensor, Tensor]:
-    """(confidence (Q_b,), correct (Q_b,) bool) of the questions `questions`, differentiable w.r.t. the scales.
-
-    Args:
-        answers: the set.
-        questions: (Q_b,) question indices, increasing.
-        row_scale: (P_b,) the calibrated scale s at each of `positions` (letters: used on the letter logits).
-        position_log_p: (P_b,) calibrated log-probability of each position's target (choices / free; ignored for
-            letters).
-        positions: (P_b,) the scored positions of those questions (indices into the set's positions), in order.
-
-    Returns:
-        (confidence, correct), by the task's own rule (`ats.evaluation.tasks.scoring`).
-    """
-    from .tasks.scoring import mean_token_confidence, softmax_confidence
-
-    t = answers.tensors
-    local = {int(q): i for i, q in enumerate(questions.tolist())}
-    pos_question = t["row_question"][t["pos_row"][positions]]  # (P_b,)
-    q_local = torch.tensor([local[int(q)] for q in pos_question.tolist()], dtype=torch.long)
-    Q = questions.numel()
-    if answers.kind == "letters":  # one position per question, in question order
-        scores = row_scale[:, None] * t["letter_logits"][questions]  # (Q_b, C_max), -inf stays -inf
-        conf, pred = softmax_confidence(scores)
-        return conf, pred == t["answer"][questions]
-    if answers.kind == "free":
-        valid = torch.zeros(Q, positions.numel())
-        valid[q_local, torch.arange(positions.numel())] = 1.0
-        conf = mean_token_confidence(torch.exp(position_log_p)[None, :], valid)  # (Q_b,)
-        return conf, t["answer"][questions].bool()
-    # choices: a row's summed log-likelihood, then the softmax over the question's rows
-    rows = t["pos_row"][positions]
-    first_row = {}
-    for r, q in zip(rows.tolist(), q_local.tolist()):
-        first_row.setdefault(q, r)
-    slot = torch.tensor([r - first_row[q] for r, q in zip(rows.tolist(), q_local.tolist())], dtype=torch.long)
-    c_max = int(t["n_choices"][questions].max())
-    totals = torch.zeros(Q, c_max, dtype=position_log_p.dtype).index_put((q_local, slot), position_log_p,
-                                                                           accumulate=True)
-    absent = torch.arange(c_max)[None, :] >= t["n_choices"][questions][:, None]
-    conf, pred = softmax_confidence(totals.masked_fill(absent, float("-inf")))
-    return conf, pred == t["answer"][questions]
-

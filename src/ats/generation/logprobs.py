@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..evaluation.tasks.scoring import mean_token_confidence
 from ..model.numerics import logsumexp, token_log_probs
+from ..training.answers import mean_token_confidence
 from .calibration import DecodingCalibration, StepLogits
 
 PROMPT_CHUNK = 256  # prompt positions whose (chunk, V) logits are materialised at once
@@ -119,8 +119,8 @@ def prompt_logprobs(backbone, calibration: DecodingCalibration, hidden: Tensor, 
 
 
 def answer_confidence(tokens: list[TokenLogprob]) -> float | None:
-    """A generated answer's confidence as the evaluation tasks compute it (`scoring.mean_token_confidence`): the mean
-    reported confidence of its tokens, the end-of-sequence token left out; None without any.
+    """A generated answer's confidence as the evaluation tasks compute it (`training.answers.mean_token_confidence`):
+    the mean reported confidence of its tokens, the end-of-sequence token left out; None without any.
 
     Args:
         tokens: the generated tokens.

@@ -12,10 +12,14 @@ from ..config import ConfigMixin, option
 from ..errors import ATSError
 
 LOSS_TYPES = ("selective", "none", "full", "top-label")  # token losses (losses.py)
-ANSWER_LOSSES = ("answer-log", "answer-brier")  # on answer confidence: `ats train --data answers` (docs/method.md)
+ANSWER_LOSSES = ("answer-log", "answer-brier")  # on answer confidence: `ats train --on answers` (docs/method.md)
+DEFAULT_ANSWER_LOSS = "answer-log"  # what `ats train --on answers` trains with unless --loss says otherwise
 WEIGHTINGS = ("token", "reference")  # of the selective loss (losses.py)
-DEFAULT_ANSWER_METHOD = "thermometer"  # what `ats train --data answers` trains: best on both embedded models
+DEFAULT_ANSWER_METHOD = "thermometer"  # what `ats train --on answers` trains: best on both embedded models
 # (benchmarks/results/answers)
+
+TOKEN_MAX, TOKEN_WINDOW = 64, 512  # answer training's '+tokens' term: response tokens per step, positions read
+ANSWER_LR = 1e-3  # the learning rate of training on answers when none is given (a few hundred steps)
 
 
 @dataclass
@@ -26,14 +30,14 @@ class TrainingConfig(ConfigMixin):
     """
 
     loss_type: str = option("selective", "training loss: selective (the paper's), none (plain NLL), full (label "
-                            "smoothing on every token), top-label (log loss of the top-1 confidence); with --data "
+                            "smoothing on every token), top-label (log loss of the top-1 confidence); with --on "
                             "answers: answer-log / answer-brier (log loss / Brier score of the answer confidence)",
                             choices=LOSS_TYPES + ANSWER_LOSSES, flag="--loss")
     alpha: float = option(0.5, "smoothing weight of the selective / full losses", low=0.0, high=1.0)
     weighting: str = option("token", "selective loss: mean over tokens, or the reference code's group weighting "
                             "(-100 positions counted as it counts them)", choices=WEIGHTINGS)
-    lr: float | None = option(None, "peak learning rate (AdamW); automatic: from the number of optimizer steps "
-                              "(AUTO_LR in ats.training.config)", low=0, low_open=True)
+    lr: float | None = option(None, "peak learning rate (AdamW)", unset=f"{ANSWER_LR:g} with an answer loss, else "
+                              "from the number of optimizer steps", low=0, low_open=True)
     epochs: int = option(2, "passes over the training split", low=1)
     batch_size: int = option(8, "sequences per optimizer step (effective batch)", low=1)
     micro_batch_size: int = option(4, "sequences per forward pass; batch_size must be a multiple", low=1)
@@ -59,7 +63,7 @@ class TrainingConfig(ConfigMixin):
         return self.batch_size // self.micro_batch_size
 
     def learning_rate(self, total_steps: int) -> float:
-        """The peak learning rate: `lr` if given, else `auto_lr(total_steps)`.
+        """The peak learning rate: `lr` if given, else ANSWER_LR for an answer loss, else `auto_lr(total_steps)`.
 
         Args:
             total_steps: the number of optimizer steps of the run.
@@ -67,7 +71,26 @@ class TrainingConfig(ConfigMixin):
         Returns:
             The peak learning rate.
         """
-        return self.lr if self.lr is not None else auto_lr(total_steps)
+        if self.lr is not None:
+            return self.lr
+        return ANSWER_LR if self.loss_type in ANSWER_LOSSES else auto_lr(total_steps)
+
+
+def training_record(config: TrainingConfig, *, lr: float, optimizer_steps: int | None = None, **extra) -> dict:
+    """The one training record a trained calibrator keeps (`record_training`): every option, the learning rate
+    used, the optimizer steps (left out when a rerun compares records before training) and what the objective adds.
+
+    Args:
+        config: the training options.
+        lr: the peak learning rate used.
+        optimizer_steps: the run's optimizer steps, or None.
+        **extra: the objective's fields (e.g. lr_automatic; the answers' tasks and token term).
+
+    Returns:
+        The JSON-ready record.
+    """
+    steps = {} if optimizer_steps is None else {"optimizer_steps": optimizer_steps}
+    return {**config.to_dict(), "lr": lr, **steps, **extra}
 
 
 # The automatic learning rate keeps lr x steps near the paper's (5e-5 x ~13k steps = 0.65), within [5e-5, LR_MAX]:

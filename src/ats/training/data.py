@@ -43,8 +43,7 @@ class DataConfig(ConfigMixin):
     """Which instruction data, how it is cut, split and stored as features."""
 
     source: str = option("alpaca_gpt4", "alpaca_gpt4, alpaca_cleaned, a .json/.jsonl file of "
-                         "{instruction,input,output}, or a Hub id; or answers: the backbone's own labelled answers "
-                         "on the QA pool (docs/method.md)", flag="--data")
+                         "{instruction,input,output}, or a Hub id", flag="--data")
     limit: int | None = option(None, "use a seeded random subset of this many examples", unset="all", low=1)
     max_length: int = option(512, "tokens per example (prompt + response); longer ones are cut", low=2)
     pack: int | None = option(None, "pack examples end to end into sequences of up to this many tokens, so the head "

@@ -96,20 +96,6 @@ class Dist:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
         return t.tolist()
 
-    def average_gradients(self, parameters) -> None:
-        """Mean of .grad over ranks (a missing grad counts as zeros), for steps taken outside DDP's sync.
-
-        Args:
-            parameters: the parameters whose `.grad` is averaged in place.
-        """
-        if not self.distributed:
-            return
-        for p in parameters:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
-            p.grad.div_(self.world_size)
-
     def gather_cat(self, values: Tensor) -> Tensor:
         """Concatenate a 1-D tensor of any length over ranks, in rank order (float64 on the wire).
 

@@ -26,6 +26,12 @@ Loss types:
 - "top-label": the log loss of the calibrated top-1 confidence p = softmax(q)[argmax z] as a forecast of whether the
   top token is right, -[c log p + (1 - c) log(1 - p)]: a proper scoring rule for exactly the confidence that token-level
   ECE measures (our objective beyond the paper; alpha is unused).
+
+The answer losses score the confidence of a whole answer as the tasks compute it (`ats.training.answers`), against
+whether the answer is right (docs/method.md, "Heads trained on answers"): a proper scoring rule back-propagated
+through the calibrator's scale at the answer's positions.
+- "answer-log": -[c log p + (1 - c) log(1 - p)], p the answer's confidence, c whether the answer is right;
+- "answer-brier": (p - c)^2.
 """
 
 from __future__ import annotations
@@ -144,7 +150,7 @@ def calibration_loss(
         ATSError: if an option is invalid or the shapes do not match.
     """
     if loss_type in ANSWER_LOSSES:
-        raise ATSError(f"loss {loss_type!r} scores answers, not tokens: train it on answers (ats train --data answers)")
+        raise ATSError(f"loss {loss_type!r} scores answers, not tokens: train it on answers (ats train --on answers)")
     check_choice("loss_type", loss_type, LOSS_TYPES)
     check_choice("weighting", weighting, WEIGHTINGS)
     a = check_number("alpha", alpha, low=0.0, high=1.0)
@@ -171,3 +177,26 @@ def calibration_loss(
     else:
         loss = reference_selective(ce_y, ce_u, correct, a, ignored)
     return LossOutput(loss=loss, n_correct=int(correct.sum()), n_tokens=N, nll=float(ce_y.detach().mean()))
+
+
+def answer_loss(confidence: Tensor, correct: Tensor, loss_type: str) -> Tensor:
+    """Mean proper score of the answers' confidence (Q,) against their correctness (Q,) bool.
+
+    Args:
+        confidence: (Q,) answer confidences in (0, 1], differentiable.
+        correct: (Q,) bool.
+        loss_type: "answer-log" or "answer-brier".
+
+    Returns:
+        The scalar loss.
+
+    Raises:
+        ATSError: if the loss type is unknown.
+    """
+    c = correct.to(confidence.dtype)
+    if loss_type == "answer-log":
+        p = confidence.clamp(1e-7, 1 - 1e-7)
+        return -(c * torch.log(p) + (1 - c) * torch.log1p(-p)).mean()
+    if loss_type == "answer-brier":
+        return ((confidence - c) ** 2).mean()
+    raise ATSError(f"answer loss must be one of {', '.join(ANSWER_LOSSES)}, got {loss_type!r}")

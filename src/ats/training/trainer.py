@@ -1,10 +1,13 @@
-"""Training a calibration head on cached (or online) features: AdamW, cosine schedule with warmup, gradient
-accumulation, checkpoints, resume, several processes.
+"""The one training loop of what `ats train` trains (ATS heads, and Thermometer on answers): AdamW, cosine schedule
+with warmup, gradient accumulation and data parallelism by accelerate (`Accelerator.accumulate`), clipping,
+checkpoints, resume, several processes.
 
-The backbone stays frozen; only the head learns. Each micro-batch holds whole sequences of hidden states (the
-transformer head needs the context); the head gives tau for every position and the loss (`training.losses`) is
-applied to the response tokens: from their scale summaries when the features carry them (no vocabulary-sized work),
-else (`exact_loss`, online features, folders extracted without a summary) from logits recomputed from `h` in chunks.
+What is minimised is an objective (`Objective`): its micro-batches and the loss of one. `TokenObjective` is the
+paper's: whole sequences of cached (or online) instruction features, the head's tau for every position and the loss
+(`training.losses`) on the response tokens, from their scale summaries when the features carry them (no
+vocabulary-sized work), else (`exact_loss`, online features, folders extracted without a summary) from logits
+recomputed from `h` in chunks. `ats.training.answer_objective.AnswerObjective` is the model's own answers. The
+calibrator says what is trained and how (`trainable`, `scales_at`, `record_training`); the backbone stays frozen.
 
 Checkpoints are written each epoch and every `save_every` optimizer steps; `resume=True` continues from the last one
 and ends with the same weights as an uninterrupted run, because the data order depends only on (seed, epoch).
@@ -15,11 +18,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
+from typing import Protocol
 
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
@@ -29,7 +35,7 @@ from ..errors import ATSError
 from ..model.backbone import Backbone
 from ..model.labels import IGNORE_INDEX
 from .checkpoint import checkpoint_and_prune, latest_checkpoint, load_checkpoint
-from .config import TrainingConfig
+from .config import TrainingConfig, training_record
 from .distributed import SINGLE, Dist
 from .losses import calibration_loss
 
@@ -44,6 +50,28 @@ class TrainResult:
 
     history: list[dict] = field(default_factory=list)  # one row per optimizer step
     epochs: list[dict] = field(default_factory=list)  # validation metrics after each epoch
+
+
+class Objective(Protocol):
+    """What the trainer minimises.
+
+    what: its name on the progress bar; accumulation: micro-batches per optimizer step; steps(epoch): the optimizer
+    steps of an epoch (a last partial one counts); micro_batches(epoch, rank=, world_size=, start=): this process's
+    micro-batches of the epoch (global micro-batch m goes to rank m % world_size; the first `start` are skipped);
+    loss(batch, model): (the loss, {statistic: value}) of one micro-batch, `model` the data-parallel module (None on
+    one process); record(lr, steps): the training record the calibrator keeps.
+    """
+
+    what: str
+    accumulation: int
+
+    def steps(self, epoch: int) -> int: ...
+
+    def micro_batches(self, epoch: int, *, rank: int, world_size: int, start: int) -> Iterator: ...
+
+    def loss(self, batch, model) -> tuple[Tensor, dict]: ...
+
+    def record(self, lr: float, steps: int) -> dict: ...
 
 
 def micro_per_epoch(store, config: TrainingConfig) -> int:
@@ -99,76 +127,133 @@ def uses_summary(store, config: TrainingConfig, calibrator: ATSCalibrator) -> bo
     return True
 
 
-class Trainer:
-    """Trains `calibrator.head` in place; `run()` returns the loss history and per-epoch validation metrics.
+class TokenObjective:
+    """The paper's objective: an ATS-family head's loss (`config`'s loss type) on the response tokens of whole
+    instruction sequences (a FeatureStore, or OnlineFeatures run through the backbone per batch); the head is moved
+    to the backbone's device.
 
-    Construction builds the optimizer and schedule (the learning rate chosen is recorded in
-    `calibrator.config_.training`) and, with `resume`, restores the last checkpoint. torch's global RNG is never
-    seeded or drawn from: the data order comes from (seed, epoch), and each epoch runs on a forked RNG seeded from
-    (seed, epoch) (`_epoch_rng`), so any randomness of a head is reproducible and leaves the caller's RNG as it was.
+    Raises:
+        ATSError: if the features or the calibrator belong to another backbone, or the head's max_scale exceeds the
+            features' scale summary.
+    """
+
+    what = "train head"
+
+    def __init__(self, calibrator: ATSCalibrator, store, backbone: Backbone, config: TrainingConfig) -> None:
+        store.check_backbone(backbone)
+        calibrator.check_backbone(backbone)
+        self.calibrator, self.store, self.backbone, self.config = calibrator, store, backbone, config
+        self.use_summary = uses_summary(store, config, calibrator)
+        self.accumulation = config.accumulation
+        calibrator.to(backbone.device)
+
+    def steps(self, epoch: int) -> int:
+        """Optimizer steps of every epoch (`steps_per_epoch`)."""
+        return steps_per_epoch(self.store, self.config)
+
+    def micro_batches(self, epoch: int, *, rank: int, world_size: int, start: int) -> Iterator:
+        """This process's micro-batches of `epoch`, in the order seeded by (seed, epoch)."""
+        return self.store.batches(self.config.micro_batch_size, shuffle=True, seed=self.config.seed * 1000 + epoch,
+                                  rank=rank, world_size=world_size, start=start)
+
+    def loss(self, batch, model) -> tuple[Tensor, dict]:
+        """The calibration loss of one micro-batch of sequences (the head run through `model` when data-parallel)."""
+        config, device = self.config, self.backbone.device
+        hidden = batch.hidden.to(device)  # (b, T, H)
+        mask = batch.attention_mask.to(device)  # (b, T)
+        labels = batch.labels.to(device)  # (b, T)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+            if model is None:
+                tau = self.calibrator.log_scale(hidden, mask)  # (b, T)
+            else:
+                param = next(model.parameters())
+                tau = model(hidden.to(param.device, param.dtype), mask)
+        select = labels != IGNORE_INDEX  # (b, T)
+        n = int(select.sum())
+        ignored = labels.shape[0] * (labels.shape[1] - 1) - n  # -100 positions among the shifted (b, T - 1)
+        summary = batch.summary.to(device) if self.use_summary else None  # (n, D) or None
+        out = calibration_loss(hidden[select], self.calibrator.scale(tau.float())[select], labels[select],
+                               self.backbone.logits, loss_type=config.loss_type, alpha=config.alpha,
+                               weighting=config.weighting, chunk_size=config.chunk_size, ignored=max(ignored, 0),
+                               summary=summary)
+        return out.loss, {}
+
+    def record(self, lr: float, steps: int) -> dict:
+        """The training record: the options, the learning rate (and whether it was automatic), the steps."""
+        return training_record(self.config, lr=lr, optimizer_steps=steps, lr_automatic=self.config.lr is None)
+
+
+class Trainer:
+    """Trains `calibrator.trainable` in place on `objective`; `run()` returns the loss history and per-epoch
+    validation metrics.
+
+    Construction builds the optimizer and schedule (the learning rate and the training record go to the calibrator's
+    `record_training`) and, with `resume`, restores the last checkpoint. torch's global RNG is never seeded or drawn
+    from: the data order comes from (seed, epoch), and each epoch runs on a forked RNG seeded from (seed, epoch)
+    (`_epoch_rng`), so any randomness is reproducible and leaves the caller's RNG as it was.
+
+    Every optimizer step takes `objective.accumulation` micro-batches through `Accelerator.accumulate` (the loss
+    divided by the accumulation, no gradient all-reduce before the step's last). With W processes the global
+    micro-batch sequence is dealt round-robin, each rank accumulates accumulation / W micro-batches and DDP averages
+    the gradients, so each step applies the update of one process with the same accumulation (up to float rounding
+    in the reduction). A last partial step of an epoch is applied as in one process (loss / accumulation per
+    micro-batch): a rank with fewer micro-batches in it joins the all-reduce with a zero-weighted one.
 
     Args:
-        calibrator: the ATS calibrator whose head is trained.
-        train_store: a FeatureStore (cached features) or OnlineFeatures (backbone run per batch).
-        backbone: the frozen backbone (output layer and device).
-        config: the loss and optimisation settings.
+        calibrator: the calibrator trained (`trainable`, `record_training`; ATS heads, Thermometer).
+        objective: what is minimised (`TokenObjective`, `ats.training.answer_objective.AnswerObjective`).
+        config: the optimisation settings (lr, epochs, warmup, weight decay, clipping, seed, save_every).
         validate: called after each epoch with the calibrator; its dict is logged (e.g. token-level ECE).
         out_dir: the run folder for checkpoints; None: no checkpoints.
         resume: continue from the last checkpoint in `out_dir`, if any.
         progress: show a progress bar (main process only).
         on_step: called with the global optimizer step after each step (and its checkpoint).
-        dist: the process's place in a multi-process job (default: one process). With W processes the global
-            micro-batch sequence is dealt round-robin (micro-batch m goes to rank m % W), each rank accumulates
-            accumulation / W micro-batches per step and DDP averages the gradients, so each step applies the update
-            of one process with the same batch_size (up to float rounding in the reduction). A last partial step of
-            an epoch is applied as in one process (loss / accumulation per micro-batch), some ranks contributing
-            zeros.
+        dist: the process's place in a multi-process job (default: one process).
 
     Raises:
-        ATSError: if the accumulation is not a multiple of W, or the features or the calibrator belong to another
-            backbone.
+        ATSError: if the accumulation is not a multiple of W.
     """
 
-    def __init__(self, calibrator: ATSCalibrator, train_store, backbone: Backbone, config: TrainingConfig, *,
+    def __init__(self, calibrator, objective: Objective, config: TrainingConfig, *,
                  validate: Validator | None = None, out_dir: str | Path | None = None, resume: bool = False,
                  progress: bool = True, on_step: Callable[[int], None] | None = None, dist: Dist | None = None
                  ) -> None:
-        self.calibrator, self.store, self.backbone, self.config = calibrator, train_store, backbone, config
+        self.calibrator, self.objective, self.config = calibrator, objective, config
         self.validate, self.on_step, self.dist = validate, on_step, dist or SINGLE
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress = progress and self.dist.is_main
-        if config.accumulation % self.dist.world_size:
+        if objective.accumulation % self.dist.world_size:
             raise ATSError(f"batch_size {config.batch_size} must be a multiple of micro_batch_size "
                            f"{config.micro_batch_size} x {self.dist.world_size} processes")
-        self.local_accumulation = config.accumulation // self.dist.world_size
-        train_store.check_backbone(backbone)
-        calibrator.check_backbone(backbone)
-        self.use_summary = uses_summary(train_store, config, calibrator)
+        self.local_accumulation = objective.accumulation // self.dist.world_size
         self.result = TrainResult()
         self._setup(resume)
 
     # --- setup ------------------------------------------------------------------------------------------------------
     def _setup(self, resume: bool) -> None:
         config = self.config
-        self.head = head = self.calibrator.head.to(self.backbone.device).train()
-        self.full_steps, self.remainder = divmod(micro_per_epoch(self.store, config), config.accumulation)
-        self.steps_per_epoch = steps_per_epoch(self.store, config)
-        total = self.steps_per_epoch * config.epochs
+        self.module = module = self.calibrator.trainable.train()
+        self.steps = [self.objective.steps(epoch) for epoch in range(config.epochs)]
+        total = sum(self.steps)
         self.lr = config.learning_rate(total)
         if config.lr is None:
-            logger.info("learning rate %.3g, automatic for %d optimizer steps (set --lr to choose)", self.lr, total)
-        self.calibrator.config_.training = {**config.to_dict(), "lr": self.lr, "lr_automatic": config.lr is None,
-                                            "optimizer_steps": total}
-        self.optimizer = torch.optim.AdamW(decay_groups(head, config.weight_decay), lr=self.lr)
+            logger.info("learning rate %.3g, the default for %d optimizer steps (set --lr to choose)", self.lr, total)
+        self.record = self.objective.record(self.lr, total)
+        self.calibrator.record_training(self.record)
+        self.optimizer = torch.optim.AdamW(decay_groups(module, config.weight_decay), lr=self.lr)
         self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, round(config.warmup_ratio * total), total)
         self.start = self._resume() if resume else (0, 0)  # (epoch, step in epoch)
-        self.forward = self.calibrator.log_scale
-        self.ddp_forward = self.forward
-        if self.dist.distributed:  # only the head is data-parallel; the frozen backbone is never wrapped
-            model, self.optimizer = self.dist.accelerator.prepare(head, self.optimizer)
-            param = next(head.parameters())
-            self.model = model
-            self.ddp_forward = lambda hidden, mask: model(hidden.to(param.device, param.dtype), mask)
+        if self.dist.accelerator is not None:
+            self.accelerator = self.dist.accelerator
+        else:
+            from accelerate import Accelerator
+
+            self.accelerator = Accelerator(cpu=next(module.parameters()).device.type == "cpu")
+        self.accelerator.gradient_accumulation_steps = self.local_accumulation
+        self.accelerator.step = 0  # the micro-batch count of `accumulate`: a new run starts a new step
+        self.model = None
+        if self.dist.distributed:  # only the trained module is data-parallel; the frozen backbone is never wrapped
+            self.model, self.optimizer = self.accelerator.prepare(module, self.optimizer)
 
     def _resume(self) -> tuple[int, int]:
         """(epoch, step in epoch) of the last checkpoint, its state restored; (0, 0) if there is none."""
@@ -187,89 +272,71 @@ class Trainer:
                              self.scheduler, {"epoch": epoch, "step_in_epoch": step_in_epoch,
                                               "history": self.result.history, "epochs": self.result.epochs})
 
-    # --- one micro-batch and one optimizer step ---------------------------------------------------------------------
-    def _micro_step(self, batch, *, ddp: bool, sync: bool, where: str) -> float:
-        """Forward and backward of one micro-batch (loss / local accumulation); returns its loss."""
-        config, device = self.config, self.backbone.device
-        forward = self.ddp_forward if ddp else self.forward
-        with (self.model.no_sync() if ddp and not sync else contextlib.nullcontext()):
-            hidden = batch.hidden.to(device)  # (b, T, H)
-            mask = batch.attention_mask.to(device)  # (b, T)
-            labels = batch.labels.to(device)  # (b, T)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-                tau = forward(hidden, mask)  # (b, T)
-            select = labels != IGNORE_INDEX  # (b, T)
-            n = int(select.sum())
-            ignored = labels.shape[0] * (labels.shape[1] - 1) - n  # -100 positions among the shifted (b, T - 1)
-            summary = batch.summary.to(device) if self.use_summary else None  # (n, D) or None
-            out = calibration_loss(hidden[select], self.calibrator.scale(tau.float())[select], labels[select],
-                                   self.backbone.logits, loss_type=config.loss_type, alpha=config.alpha,
-                                   weighting=config.weighting, chunk_size=config.chunk_size, ignored=max(ignored, 0),
-                                   summary=summary)
-            if not self.dist.distributed and not torch.isfinite(out.loss):  # distributed: checked over all ranks
-                raise ATSError(f"non-finite loss {out.loss.item()} at {where}; the last good checkpoint is kept in "
-                               f"{self.out_dir}")
-            (out.loss / self.local_accumulation).backward()
-        return out.loss.item()
-
-    def _optimizer_step(self, losses: list[float], where: str) -> float:
-        """Average the logged loss over ranks, clip, step; returns the mean loss of the step."""
+    # --- one optimizer step -----------------------------------------------------------------------------------------
+    def _step(self, batches: list, where: str) -> tuple[float, dict] | None:
+        """One optimizer step on this rank's micro-batches of it (at most the local accumulation; the rest are
+        zero-weighted): forward and backward of each in `Accelerator.accumulate`, then the mean logged loss over
+        ranks, clipping and the update. Returns (mean loss, mean statistics)."""
+        losses, stats = [], {}
+        for k in range(self.local_accumulation):
+            batch = batches[k] if k < len(batches) else None
+            with self.accelerator.accumulate(*([self.model] if self.model is not None else [])):
+                if batch is not None:
+                    loss, extra = self.objective.loss(batch, self.model)
+                    if not self.dist.distributed and not torch.isfinite(loss):  # distributed: checked over all ranks
+                        raise ATSError(f"non-finite loss {loss.item()} at {where}; the last good checkpoint is kept "
+                                       f"in {self.out_dir}")
+                    self.accelerator.backward(loss)
+                    losses.append(loss.item())
+                    for key, value in extra.items():
+                        stats[key] = stats.get(key, 0.0) + value / len(batches)
+                    self.last_batch = batch
+                elif self.model is not None and self.accelerator.sync_gradients:
+                    # this rank has no micro-batch left in the step: it joins the gradient all-reduce with zeros
+                    self.accelerator.backward(self.objective.loss(self._any_batch(), self.model)[0] * 0.0)
         total, count = self.dist.all_sum([sum(losses), len(losses)])
         loss = total / count
         if not math.isfinite(loss):
             raise ATSError(f"non-finite loss {loss} at {where}; the last good checkpoint is kept in {self.out_dir}")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.config.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
         if not torch.isfinite(grad_norm):
             raise ATSError(f"non-finite gradient at {where}; the last good checkpoint is kept in {self.out_dir}")
-        self._apply()
-        return loss
-
-    def _apply(self) -> None:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return loss, stats
+
+    def _any_batch(self):
+        """A micro-batch for a zero-weighted pass: the last this rank saw, else the epoch's first."""
+        if getattr(self, "last_batch", None) is None:
+            self.last_batch = next(iter(self.objective.micro_batches(0, rank=0, world_size=1, start=0)))
+        return self.last_batch
 
     # --- epochs -----------------------------------------------------------------------------------------------------
     def _epoch(self, epoch: int, skip_steps: int, bar) -> None:
         """One pass over this rank's micro-batches, starting after `skip_steps` optimizer steps (resuming)."""
         config, dist = self.config, self.dist
-        self.head.train()
-        step_in_epoch, running = skip_steps, []
+        self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        batches = self.store.batches(config.micro_batch_size, shuffle=True, seed=config.seed * 1000 + epoch,
-                                     rank=dist.rank, world_size=dist.world_size,
-                                     start=skip_steps * config.accumulation)  # skipped micro-batches are not read
-        for local, batch in enumerate(batches, start=skip_steps * self.local_accumulation):
-            step = local // self.local_accumulation  # the optimizer step this micro-batch belongs to
-            # DDP all-reduces on the backward of each rank's last micro-batch of a full step; the micro-batches of a
-            # last partial step bypass the DDP wrapper (ranks may hold different numbers of them) and are reduced
-            # by hand below
-            ddp = dist.distributed and step < self.full_steps
-            sync = step < self.full_steps and local % self.local_accumulation == self.local_accumulation - 1
-            where = f"epoch {epoch}, step {step_in_epoch}"
-            running.append(self._micro_step(batch, ddp=ddp, sync=sync, where=where))
-            if not sync:
-                continue
-            loss = self._optimizer_step(running, where)
-            step_in_epoch += 1
-            running = []
-            self.result.history.append({"epoch": epoch, "step": step_in_epoch, "loss": loss,
+        batches = iter(self.objective.micro_batches(epoch, rank=dist.rank, world_size=dist.world_size,
+                                                    start=skip_steps * self.objective.accumulation))
+        done = sum(self.steps[:epoch])
+        for step_in_epoch in range(skip_steps + 1, self.steps[epoch] + 1):
+            loss, stats = self._step(list(islice(batches, self.local_accumulation)),
+                                     f"epoch {epoch}, step {step_in_epoch - 1}")
+            self.result.history.append({"epoch": epoch, "step": step_in_epoch, **stats, "loss": loss,
                                         "lr": self.scheduler.get_last_lr()[0]})
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", **self._val_postfix())
             if config.save_every and step_in_epoch % config.save_every == 0:
                 self._checkpoint(epoch, step_in_epoch)
             if self.on_step is not None:
-                self.on_step(epoch * self.steps_per_epoch + step_in_epoch)
-        if self.remainder:  # a last partial accumulation: applied as one process would (each loss / accumulation)
-            dist.average_gradients(self.head.parameters())
-            torch.nn.utils.clip_grad_norm_(self.head.parameters(), config.max_grad_norm)
-            self._apply()
+                self.on_step(done + step_in_epoch)
 
     @contextlib.contextmanager
     def _epoch_rng(self, epoch: int):
-        """A forked torch RNG (CPU and the head's GPU) seeded from (seed, epoch), restored afterwards."""
-        device = next(self.head.parameters()).device
+        """A forked torch RNG (CPU and the module's GPU) seeded from (seed, epoch), restored afterwards."""
+        device = next(self.module.parameters()).device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.config.seed * 1000 + epoch)
             yield
@@ -279,7 +346,8 @@ class Trainer:
             "ece" in self.result.epochs[-1] else {}
 
     def run(self) -> TrainResult:
-        """Train for `config.epochs` (from the last checkpoint when resuming); the head is left in eval mode.
+        """Train for `config.epochs` (from the last checkpoint when resuming); the module is left in eval mode and
+        the calibrator keeps the training record (with the final loss).
 
         Returns:
             The loss history and per-epoch validation metrics (those of earlier runs included when resuming).
@@ -288,14 +356,13 @@ class Trainer:
             ATSError: on a non-finite loss or gradient (the last good checkpoint is kept).
         """
         start_epoch, skip_steps = self.start
-        bar = tqdm(total=self.steps_per_epoch * self.config.epochs,
-                   initial=start_epoch * self.steps_per_epoch + skip_steps, desc="train head",
-                   disable=not self.progress)
+        bar = tqdm(total=sum(self.steps), initial=sum(self.steps[:start_epoch]) + skip_steps,
+                   desc=self.objective.what, disable=not self.progress)
         for epoch in range(start_epoch, self.config.epochs):
             with self._epoch_rng(epoch):
                 self._epoch(epoch, skip_steps, bar)
             skip_steps = 0
-            self.head.eval()
+            self.module.eval()
             if self.validate is not None:
                 self.result.epochs.append({"epoch": epoch, **self.validate(self.calibrator)})
                 bar.set_postfix(loss=f"{self.result.history[-1]['loss']:.4f}" if self.result.history else "-",
@@ -303,7 +370,9 @@ class Trainer:
             self._checkpoint(epoch + 1, 0)
             self.dist.barrier()
         bar.close()
-        self.head.eval()
+        self.module.eval()
+        if self.result.history:
+            self.calibrator.record_training(self.record, final_loss=self.result.history[-1]["loss"])
         return self.result
 
 
@@ -311,8 +380,8 @@ def train_ats(calibrator: ATSCalibrator, train_store, backbone: Backbone, *, con
               validate: Validator | None = None, out_dir: str | Path | None = None, resume: bool = False,
               progress: bool = True, on_step: Callable[[int], None] | None = None,
               dist: Dist | None = None) -> TrainResult:
-    """Train `calibrator.head` in place on `train_store` (see `Trainer`); returns the loss history and the
-    per-epoch validation metrics.
+    """Train `calibrator.head` in place on the instruction tokens of `train_store` (`TokenObjective`, `Trainer`);
+    returns the loss history and the per-epoch validation metrics.
 
     Args:
         calibrator: the ATS calibrator whose head is trained.
@@ -330,8 +399,10 @@ def train_ats(calibrator: ATSCalibrator, train_store, backbone: Backbone, *, con
         The loss history and the per-epoch validation metrics.
 
     Raises:
-        ATSError: as `Trainer` and `Trainer.run`.
+        ATSError: as `TokenObjective`, `Trainer` and `Trainer.run`.
     """
-    trainer = Trainer(calibrator, train_store, backbone, config or TrainingConfig(), validate=validate,
-                      out_dir=out_dir, resume=resume, progress=progress, on_step=on_step, dist=dist)
+    config = config or TrainingConfig()
+    trainer = Trainer(calibrator, TokenObjective(calibrator, train_store, backbone, config), config,
+                      validate=validate, out_dir=out_dir, resume=resume, progress=progress, on_step=on_step,
+                      dist=dist)
     return trainer.run()

@@ -4,8 +4,8 @@
     alpha       0.1 / 0.3 / 0.5 / 0.7 / 0.9              (selective loss, transformer head)
     head        constant / linear / mlp / transformer    (selective loss, alpha 0.5)
 
-Each ablation is a group of the variant registry (`variants.py`). A configuration that appears in several
-ablations (selective / 0.5 / transformer appears in all three) is trained once. Every head is trained by the
+`ABLATIONS` says what each row changes of the shared configuration (`SHARED`). A configuration that appears in
+several ablations (selective / 0.5 / transformer appears in all three) is trained once. Every head is trained by the
 runner's heads step into `out_dir/heads/<name>` and reused when it is already there with the same options. All
 heads (and the uncalibrated model) are evaluated together (one backbone pass per task example for all of them) and
 token by token on the held-out instruction split.
@@ -30,25 +30,34 @@ from ..evaluation.report import TASK_LABELS, cell, jsonable, markdown_table
 from ..evaluation.tasks import build_tasks
 from ..io import atomic_file
 from ..training.config import TrainingConfig
-from .plans import AblationPlan
+from .configs import ABLATIONS, ALPHAS, SHARED
 from .runner import REFERENCE, HeadJob, Runner
-from .variants import ABLATIONS, ALPHAS, HeadRun, Variant, rows
 
-__all__ = ["ABLATIONS", "ALPHAS", "AblationPlan", "HeadRun", "REFERENCE", "VAL_TASK", "ablation_plan",
-           "format_ablation_table", "run_ablation_plan", "run_ablations", "task_order", "unique_runs"]
+__all__ = ["ABLATIONS", "ALPHAS", "REFERENCE", "SHARED", "VAL_TASK", "ablation_plan", "format_ablation_table",
+           "head_job", "run_ablations", "task_order", "unique_runs"]
 
 VAL_TASK = "val_tokens"  # the token-level column of the tables
 ABLATION_METRICS = (("ECE", "ece"), ("Brier", "brier"))
+def head_job(training: TrainingConfig, *, head_type: str, loss_type: str, alpha: float) -> HeadJob:
+    """The head of one configuration: named "<head>-<loss>-a<alpha>" ("<head>-<loss>" for the losses without alpha),
+    trained in heads/<name> with `training`'s loss type and alpha replaced; it records the method "ats"."""
+    name = f"{head_type}-{loss_type}"
+    if loss_type not in ("none", "top-label"):  # alpha is unused there
+        name = f"{name}-a{alpha:g}"
+    return HeadJob(name, f"heads/{name}", training.replace(loss_type=loss_type, alpha=alpha), head_type=head_type)
 
 
-def ablation_plan(ablations=ABLATIONS) -> dict[str, list[tuple[str, Variant]]]:
-    """Ablation -> its rows as (row label, variant), in table order, from the variant registry.
+def ablation_plan(ablations=tuple(ABLATIONS), training: TrainingConfig | None = None
+                  ) -> dict[str, list[tuple[str, HeadJob]]]:
+    """Ablation -> its rows as (row label, head job), in table order.
 
     Args:
         ablations: names from `ABLATIONS`, as a sequence or a comma-separated string.
+        training: the training options of every head (loss type and alpha replaced per row); default
+            `TrainingConfig()`.
 
     Returns:
-        ablation -> [(row label, variant)], ablations in the given order (repeats dropped).
+        ablation -> [(row label, head job)], ablations in the given order (repeats dropped).
 
     Raises:
         ATSError: if a name is unknown or none is given.
@@ -59,19 +68,21 @@ def ablation_plan(ablations=ABLATIONS) -> dict[str, list[tuple[str, Variant]]]:
     unknown = [a for a in ablations if a not in ABLATIONS]
     if unknown or not ablations:
         raise ATSError(f"ablations: unknown or empty {unknown or ablations!r}; known: {', '.join(ABLATIONS)}")
-    return {a: [(row.label, row.variant) for row in rows(a)] for a in dict.fromkeys(ablations)}
+    training = training or TrainingConfig()
+    return {a: [(label, head_job(training, **{**SHARED, **change})) for label, change in ABLATIONS[a].items()]
+            for a in dict.fromkeys(ablations)}
 
 
-def unique_runs(plan: dict[str, list[tuple[str, Variant]]]) -> list[Variant]:
-    """Every configuration the plan needs, each once, in first-appearance order.
+def unique_runs(plan: dict[str, list[tuple[str, HeadJob]]]) -> list[HeadJob]:
+    """Every head the plan needs, each once, in first-appearance order.
 
     Args:
         plan: as `ablation_plan` returns it.
 
     Returns:
-        The distinct variants.
+        The distinct head jobs.
     """
-    return list(dict.fromkeys(run for table in plan.values() for _, run in table))
+    return list({job.name: job for table in plan.values() for _, job in table}.values())
 
 
 def task_order(results: dict) -> list[str]:
@@ -106,18 +117,19 @@ def format_ablation_table(table_rows: list[tuple[str, str]], results: dict, *, f
     return markdown_table(header, body, text_columns=2)
 
 
-def run_record(v: Variant, training: dict, reused: bool) -> dict:
+def run_record(job: HeadJob, training: dict, reused: bool) -> dict:
     """ablations.json's record of one configuration: head type, loss type, alpha, folder, whether trained now, and
     the head's training record."""
-    return {"head_type": v.head_type, **v.options, "dir": f"heads/{v.name}", "trained_now": not reused,
-            "training": training}
+    return {"head_type": job.head_type, "loss_type": job.training.loss_type, "alpha": job.training.alpha,
+            "dir": job.folder, "trained_now": not reused, "training": training}
 
 
 def run_ablations(backbone, train_store, val_store, out_dir: str | Path, *, tasks: list, task_limit=None,
-                  ablations=ABLATIONS, training: TrainingConfig | None = None, n_bins: int = 15, bootstrap: int = 0,
-                  seed: int = 0, task_options: dict | None = None, overwrite: bool = False,
+                  ablations=tuple(ABLATIONS), training: TrainingConfig | None = None, n_bins: int = 15,
+                  bootstrap: int = 0, seed: int = 0, task_options: dict | None = None, overwrite: bool = False,
                   progress: bool = True) -> dict:
-    """`run_ablation_plan` with the plan's fields as options (the CLI's and the benchmark's entry).
+    """Train every configuration the ablations need (each once, reused from heads/ on a rerun), evaluate them on
+    the tasks and token by token on `val_store`, and write the tables, ablations.json and the alpha figure.
 
     Args:
         backbone: the frozen backbone.
@@ -142,61 +154,39 @@ def run_ablations(backbone, train_store, val_store, out_dir: str | Path, *, task
         ATSError: if an ablation is unknown, stored results were made with other options (without `overwrite`),
             or a step fails.
     """
-    plan = AblationPlan(tasks=tasks, task_limit=task_limit, ablations=ablations, training=training or TrainingConfig(),
-                        n_bins=n_bins, bootstrap=bootstrap, seed=seed, task_options=task_options)
-    return run_ablation_plan(Runner(backbone, out_dir, overwrite=overwrite, progress=progress), train_store,
-                             val_store, plan)
-
-
-def run_ablation_plan(runner: Runner, train_store, val_store, plan: AblationPlan) -> dict:
-    """Train every configuration the ablations need (each once, reused from heads/ on a rerun), evaluate them on
-    the plan's tasks and token by token on `val_store`, and write the tables, ablations.json and the alpha figure.
-
-    Args:
-        runner: the run's steps (its folder is the ablation folder).
-        train_store: the training features.
-        val_store: the held-out features, or None (no token-level column).
-        plan: the ablations, tasks and base training options.
-
-    Returns:
-        What ablations.json holds, plus the tables' markdown ("tables").
-
-    Raises:
-        ATSError: as `run_ablations`.
-    """
+    runner = Runner(backbone, out_dir, overwrite=overwrite, progress=progress)
     out_dir = runner.out
-    tables_plan = ablation_plan(plan.ablations)
-    variants = unique_runs(tables_plan)
-    heads, reused = runner.heads([HeadJob.of(v, Path("heads") / v.name, plan.training) for v in variants],
-                                 train_store, val_store)
+    training = training or TrainingConfig()
+    tables_plan = ablation_plan(ablations, training)
+    jobs = unique_runs(tables_plan)
+    heads, reused = runner.heads(jobs, train_store, val_store)
     calibrators = {REFERENCE: Uncalibrated(), **heads}
-    built = build_tasks(plan.tasks, plan.task_limit, seed=plan.seed, task_options=plan.task_options)
-    results = runner.tasks(calibrators, built, n_bins=plan.n_bins, bootstrap=plan.bootstrap, seed=plan.seed,
-                           references=())
+    built = build_tasks(tasks, task_limit, seed=seed, task_options=task_options)
+    results = runner.tasks(calibrators, built, n_bins=n_bins, bootstrap=bootstrap, seed=seed, references=())
     if val_store is not None and val_store.meta.get("response_tokens", 1) > 0:
-        results[VAL_TASK] = runner.token_level(val_store, calibrators, n_bins=plan.n_bins)
+        results[VAL_TASK] = runner.token_level(val_store, calibrators, n_bins=n_bins)
     results = jsonable(results)
 
     tables, files = {}, []
     for ablation, table_rows in tables_plan.items():
-        table = format_ablation_table([(label, v.name) for label, v in table_rows], results,
+        table = format_ablation_table([(label, job.name) for label, job in table_rows], results,
                                       first="alpha" if ablation == "alpha" else ablation)
         tables[ablation] = table
         with atomic_file(out_dir / f"{ablation}.md") as f:
             f.write(f"## Ablation: {ablation}\n\n{table}\n")
         files.append(f"{ablation}.md")
     if "alpha" in tables_plan:
-        files += [p.name for p in alpha_figure([(label, v.name) for label, v in tables_plan["alpha"]], results,
+        files += [p.name for p in alpha_figure([(label, job.name) for label, job in tables_plan["alpha"]], results,
                                                out_dir / "ece_vs_alpha", tasks=task_order(results),
                                                reference=REFERENCE)]
     summary = runner.write("ablations.json", {
-        "settings": {"training": plan.training.to_dict(), "n_bins": plan.n_bins, "seed": plan.seed,
-                     "tasks": [t.describe() for t in built], "task_limit": plan.task_limit,
+        "settings": {"training": training.to_dict(), "n_bins": n_bins, "seed": seed,
+                     "tasks": [t.describe() for t in built], "task_limit": task_limit,
                      "backbone": runner.backbone.describe(), "train_sequences": len(train_store),
                      "val_sequences": len(val_store) if val_store else 0,
                      "train_response_tokens": train_store.meta.get("response_tokens")},
-        "runs": {v.name: run_record(v, heads[v.name].config_.training, reused[v.name]) for v in variants},
-        "ablations": {a: [{"row": label, "run": v.name} for label, v in table_rows]
+        "runs": {job.name: run_record(job, heads[job.name].config_.training, reused[job.name]) for job in jobs},
+        "ablations": {a: [{"row": label, "run": job.name} for label, job in table_rows]
                       for a, table_rows in tables_plan.items()},
         "results": results,
         "files": files,  # relative to out_dir

@@ -1,16 +1,21 @@
-"""What learns from answers: method specs ("transformer", ..., "thermometer", "+tokens"), fresh calibrators, one
-training call for the protocol and for `ats train --data answers`, and the reuse rule of a saved head."""
+"""What learns from answers: method specs ("transformer", ..., "thermometer", "+tokens"), fresh calibrators, the one
+training call of `ats train --on answers` (and of the answers protocol of benchmarks/protocols/), and the reuse
+rule of a saved head."""
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+from ..calibrators.base import CONFIG_NAME
 from ..errors import ATSError
-from ..evaluation.answers import AnswerSet
+from ..fingerprint import check_reuse
 from ..io import read_json
+from ..training.answer_objective import AnswerSource, answer_record
+from ..training.answers import AnswerSet
 from ..training.config import TrainingConfig
-from .answer_pool import AnswerPlan, cached_answers, pool_names, pool_tasks
-from .answer_training import answer_lr, answer_record, train_on_answers
+from .answer_pool import AnswerPool, pool_names, pool_tasks
+from .fingerprints import answer_head_fingerprint, stored_answer_head_fingerprint
+from .pipeline import prepare_answers
 
 logger = logging.getLogger(__name__)
 
@@ -30,17 +35,6 @@ def parse_spec(spec: str, *, field: str) -> tuple[str, bool]:
     return kind, bool(extra)
 
 
-def method_spec(plan: AnswerPlan, method: str) -> tuple[str, float]:
-    """(kind, token weight) of a plan method: `parse_spec`'s kind, and `plan.token_weight` for "+tokens" (the answer
-    loss plus that weight x the top-label loss on instruction tokens), else 0.
-
-    Raises:
-        ATSError: if the spec names an unknown kind or suffix.
-    """
-    kind, tokens = parse_spec(plan.methods[method], field=f"answer plan method {method!r}")
-    return kind, plan.token_weight if tokens else 0.0
-
-
 def fresh_head(backbone, kind: str, seed: int, method: str, *, max_scale: float = 10.0, **thermometer_options):
     """An untrained calibrator for `backbone` (identity at start): an ATS-family head of type `kind` (scales clamped
     at `max_scale`), or a Thermometer sized for the backbone (its schedule options recorded in its config)."""
@@ -52,103 +46,49 @@ def fresh_head(backbone, kind: str, seed: int, method: str, *, max_scale: float 
     return ATSCalibrator.for_backbone(backbone, head_type=kind, seed=seed, method=method, max_scale=max_scale)
 
 
-def train_spec(backbone, sets: list[AnswerSet], plan: AnswerPlan, *, kind: str, token_weight: float,
-               training: TrainingConfig, loss_type: str, method: str, max_scale: float = 10.0, token_store=None,
+def train_spec(backbone, sets: list[AnswerSet], pool: AnswerPool, *, kind: str, tokens: bool,
+               training: TrainingConfig, method: str, max_scale: float = 10.0, token_store=None,
                progress: bool = False):
-    """A fresh calibrator of `kind` trained on `sets` with `training` and `loss_type` (plus `token_weight` x the
-    top-label term on `token_store`'s instruction tokens, with the plan's window and subset): the one training call of
-    the protocol and of `ats train --data answers`."""
-    calibrator = fresh_head(backbone, kind, training.seed, method, max_scale=max_scale, lr=answer_lr(training),
-                            epochs=training.epochs, batch_size=training.batch_size)
-    train_on_answers(calibrator, sets, backbone.logits, config=training, loss_type=loss_type,
-                     token_store=token_store if token_weight > 0 else None, token_weight=token_weight,
-                     token_max=plan.token_max, token_window=plan.token_window, progress=progress)
-    return calibrator
+    """A fresh calibrator of `kind` fitted on an `AnswerSource` of `sets` with `training` (its answer loss; with
+    `tokens`, plus `pool.token_weight` x the top-label term on `token_store`'s instruction tokens, with the pool's
+    window and subset): the one training call of `ats train --on answers` and of the answers protocol."""
+    calibrator = fresh_head(backbone, kind, training.seed, method, max_scale=max_scale,
+                            lr=training.learning_rate(0), epochs=training.epochs, batch_size=training.batch_size)
+    source = AnswerSource(sets, backbone.logits, training, backbone.hidden_size,
+                          token_store=token_store if tokens else None,
+                          token_weight=pool.token_weight if tokens else 0.0, token_max=pool.token_max,
+                          token_window=pool.token_window, progress=progress)
+    return calibrator.fit_source(source)
 
 
-def plan_training(plan: AnswerPlan, *, lr: float, seed: int) -> TrainingConfig:
-    """The protocol's schedule: the plan's epochs and batch (one micro-batch a step), at `lr` and `seed`."""
-    return TrainingConfig(lr=lr, epochs=plan.epochs, batch_size=plan.batch_size, micro_batch_size=plan.batch_size,
-                          seed=seed)
-
-
-def train_method(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
-                 token_store=None, progress: bool = False):
-    """A calibrator of `method`'s spec trained on `sets` with the plan's objective and schedule.
-
-    Raises:
-        ATSError: if the method needs instruction tokens and `token_store` is None.
-    """
-    kind, token_weight = method_spec(plan, method)
-    if token_weight > 0 and token_store is None:
-        raise ATSError(f"method {method!r} adds a token-level term: pass the instruction features "
-                       "(--token-features)")
-    return train_spec(backbone, sets, plan, kind=kind, token_weight=token_weight,
-                      training=plan_training(plan, lr=lr, seed=seed), loss_type=plan.loss_type, method=method,
-                      token_store=token_store, progress=progress)
-
-
-def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
-                 folder: Path, token_store=None, progress: bool = False):
-    """`train_method`'s calibrator, saved in `folder`; reused from there when its training record matches.
-
-    Raises:
-        ATSError: if the folder holds a calibrator trained with other settings.
-    """
-    from ..calibrators import load_calibrator
-
-    kind, token_weight = method_spec(plan, method)
-    record = answer_head_record(plan_training(plan, lr=lr, seed=seed), plan.loss_type, plan, token_weight,
-                                tasks=[s.name for s in sets])
-    if reusable_answer_head(folder, record, head_type=kind, max_scale=10.0, overwrite=False):
-        return load_calibrator(folder, backbone)
-    calibrator = train_method(backbone, sets, plan, method, lr=lr, seed=seed, token_store=token_store,
-                              progress=progress)
-    calibrator.save_pretrained(folder)
-    return calibrator
-
-
-def answer_head_record(training: TrainingConfig, loss_type: str, plan: AnswerPlan, token_weight: float = 0.0, *,
+def answer_head_record(training: TrainingConfig, pool: AnswerPool, tokens: bool, *,
                        tasks: list[str] | None = None) -> dict:
-    """The training record a calibrator trained on answers carries (`train_on_answers` writes it; compared on
-    reuse): the training options, the loss, the tasks (default: the plan's whole pool) and the token term."""
-    return answer_record(training, loss_type, tasks=pool_names(plan) if tasks is None else tasks,
-                         token_weight=token_weight, token_max=plan.token_max, token_window=plan.token_window)
-
-
-RECORD_DEFAULTS = {"token_weight": 0.0}  # record fields of heads saved before the field existed
+    """The training record a calibrator trained on answers carries (compared on reuse): the training options (its
+    answer loss), the tasks (default: the pool's) and the token term."""
+    return answer_record(training, tasks=pool_names(pool.mmlu_per_subject) if tasks is None else tasks,
+                         token_weight=pool.token_weight if tokens else 0.0, token_max=pool.token_max,
+                         token_window=pool.token_window)
 
 
 def reusable_answer_head(head_dir: Path, record: dict, *, head_type: str, max_scale: float,
                          overwrite: bool) -> bool:
-    """Whether `head_dir` holds a head trained with `record`, `head_type` and `max_scale` (read from its JSON
-    config, before any model loads); False when there is none or `overwrite` replaces it.
+    """Whether `head_dir` holds a calibrator trained with `record`, `head_type` and `max_scale` (its fingerprint,
+    read from its JSON config before any model loads, compared by `fingerprint.check_reuse`); False when there is
+    none or `overwrite` replaces it.
 
     Raises:
-        ATSError: if it holds a head trained otherwise and `overwrite` is False, naming what differs.
+        ATSError: if it holds a calibrator trained otherwise and `overwrite` is False, naming what differs.
     """
-    path = head_dir / "calibrator_config.json"
+    path = head_dir / CONFIG_NAME
     if not path.is_file():
         return False
-    config = read_json(path)
-    thermometer = config.get("type") == "thermometer"  # its training record is its history's first entry
-    training = ((config.get("history") or [{}])[0] if thermometer else config.get("training")) or {}
-    have = {k: training.get(k, RECORD_DEFAULTS.get(k)) for k in record}
-    differ = [k for k in record if have[k] != record[k]]
-    if ("thermometer" if thermometer else (config.get("head") or {}).get("head_type")) != head_type:
-        differ.append("head")
-    if not thermometer and config.get("max_scale") != max_scale:
-        differ.append("max_scale")
-    if not differ:
-        return True
-    if overwrite:
-        return False
-    raise ATSError(f"{head_dir}: a head trained with other settings ({', '.join(differ)}); use --overwrite or "
-                   "another --out")
+    want = answer_head_fingerprint(head_type, None if head_type == "thermometer" else max_scale, record)
+    return check_reuse(head_dir, "head", stored_answer_head_fingerprint(read_json(path), record), want,
+                       overwrite=overwrite)
 
 
-def check_answer_head(out: str | Path, *, spec: str, training: TrainingConfig, loss_type: str, max_scale: float,
-                      plan: AnswerPlan, token_features: str | Path | None, overwrite: bool) -> bool:
+def check_answer_head(out: str | Path, *, spec: str, training: TrainingConfig, max_scale: float, pool: AnswerPool,
+                      token_features: str | Path | None, overwrite: bool) -> bool:
     """Check a `train_answer_head` request before any model loads: whether OUT/head holds a head trained with these
     settings (reused), False when there is none or `overwrite` replaces it.
 
@@ -163,29 +103,31 @@ def check_answer_head(out: str | Path, *, spec: str, training: TrainingConfig, l
     if tokens and not (Path(token_features) / "train").is_dir():
         raise ATSError(f"--method {spec}: --token-features must name an `ats train` features folder (with train/), "
                        f"got {str(token_features)!r}")
-    record = answer_head_record(training, loss_type, plan, plan.token_weight if tokens else 0.0)
+    record = answer_head_record(training, pool, tokens)
     return reusable_answer_head(Path(out) / "head", record, head_type=kind, max_scale=max_scale, overwrite=overwrite)
 
 
-def train_answer_head(backbone, out: str | Path, *, spec: str, training: TrainingConfig, loss_type: str,
-                      max_scale: float = 10.0, plan: AnswerPlan | None = None, token_features: str | Path | None = None,
-                      overwrite: bool = False, progress: bool = True):
-    """`ats train --data answers`: the pool's answers (cached in OUT/answers), a calibrator trained on all of them with
-    `training` and `loss_type`, saved in OUT/head (reused when it was trained with the same settings).
+def train_answer_head(backbone, out: str | Path, *, spec: str, training: TrainingConfig, max_scale: float = 10.0,
+                      pool: AnswerPool | None = None, token_features: str | Path | None = None,
+                      overwrite: bool = False, progress: bool = True, reuse: bool | None = None):
+    """`ats train --on answers`: the pool's answers (cached in OUT/answers), a calibrator trained on all of them with
+    `training` (its answer loss), saved in OUT/head (reused when it was trained with the same settings).
 
     Args:
         backbone: the frozen backbone.
         out: the run folder.
         spec: what is trained (`parse_spec`): an ATS head type ("transformer", "linear", "mlp", "constant": the
-            global control), "thermometer", or an ATS head with "+tokens" (plus `plan.token_weight` x the top-label
+            global control), "thermometer", or an ATS head with "+tokens" (plus `pool.token_weight` x the top-label
             loss on the instruction tokens of `token_features`).
-        training: lr (None: DEFAULT_ANSWER_LR), epochs, batch_size (questions per step), seed, ...
-        loss_type: "answer-log" or "answer-brier".
+        training: the answer loss ("answer-log" or "answer-brier"), lr (None: ANSWER_LR), epochs, batch_size
+            (questions per step), seed, ...
         max_scale: the clamp on exp(tau) (ATS heads).
-        plan: the pool's sizes and the token term's settings; default `AnswerPlan()`.
+        pool: the pool's sizes and the token term's settings; default `AnswerPool()`.
         token_features: an instruction feature folder of the same backbone (its train/ split), for "+tokens".
         overwrite: replace a head trained with other settings instead of refusing.
         progress: show progress bars.
+        reuse: what `check_answer_head` with the same arguments returned (the CLI asks it before the model loads);
+            None: asked here.
 
     Returns:
         (the calibrator, name -> the pool's answer sets, whether the head was reused).
@@ -196,24 +138,23 @@ def train_answer_head(backbone, out: str | Path, *, spec: str, training: Trainin
     from ..calibrators import load_calibrator
     from ..training.features import FeatureStore
 
-    plan = plan or AnswerPlan()
-    reuse = check_answer_head(out, spec=spec, training=training, loss_type=loss_type, max_scale=max_scale, plan=plan,
-                              token_features=token_features, overwrite=overwrite)
+    pool = pool or AnswerPool()
+    if reuse is None:
+        reuse = check_answer_head(out, spec=spec, training=training, max_scale=max_scale, pool=pool,
+                                  token_features=token_features, overwrite=overwrite)
     kind, tokens = parse_spec(spec, field="--method")
     out = Path(out)
     head_dir = out / "head"
-    token_weight = plan.token_weight if tokens else 0.0
-    pool = {name: cached_answers(backbone, task, out / "answers" / name, progress=progress)
-            for name, task in pool_tasks(plan).items()}
+    sets = {name: prepare_answers(backbone, task, out / "answers" / name, overwrite=overwrite, progress=progress)
+            for name, task in pool_tasks(pool.pool_size, pool.mmlu_per_subject).items()}
     if reuse:
         logger.info("reusing the head in %s (same settings)", head_dir)
-        return load_calibrator(head_dir, backbone), pool, True
+        return load_calibrator(head_dir, backbone), sets, True
     token_store = None
     if tokens:
         token_store = FeatureStore(Path(token_features) / "train")
         token_store.check_backbone(backbone)
-    calibrator = train_spec(backbone, list(pool.values()), plan, kind=kind, token_weight=token_weight,
-                            training=training, loss_type=loss_type, method=f"{kind}-answers", max_scale=max_scale,
-                            token_store=token_store, progress=progress)
+    calibrator = train_spec(backbone, list(sets.values()), pool, kind=kind, tokens=tokens, training=training,
+                            method=f"{kind}-answers", max_scale=max_scale, token_store=token_store, progress=progress)
     calibrator.save_pretrained(head_dir)
-    return calibrator, pool, False
+    return calibrator, sets, False

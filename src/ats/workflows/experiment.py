@@ -1,8 +1,8 @@
 """The paper's main experiment in one call: train ATS, fit every baseline on the same tokens, evaluate all methods.
 
 Used by `ats demo` (the README's main job) and by `benchmarks/paper_table.py` at larger sizes. The plan is an
-`ExperimentSize` (`plans.py`); the steps are the runner's, so every step reuses what an earlier, interrupted run of
-the same command already finished.
+`ExperimentSize` (`SIZES`: what `ats demo --size` offers); the steps are the runner's, so every step reuses what an
+earlier, interrupted run of the same command already finished.
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ from ..evaluation.tasks import build_task
 from ..model.backbone import Backbone
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig
-from .plans import CONTROLS, QUICK_SUBJECTS, SIZES, ExperimentSize
+from .configs import CONTROLS, QUICK_SUBJECTS, SIZES, ExperimentSize
 from .runner import HeadJob, Laps, Runner
-from .variants import Variant
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CONTROLS", "QUICK_SUBJECTS", "SIZES", "ExperimentResult", "ExperimentSize", "run_experiment",
            "size_record"]
-
 
 @dataclass
 class ExperimentResult:
@@ -60,7 +58,7 @@ def run_experiment(backbone: Backbone, out_dir: str | Path, size: ExperimentSize
     logger.info("features: %s, %d examples, max length %d; then the %s ATS head, the controls and baselines %s",
                 size.data, size.limit, size.max_length, head_type, ", ".join((*size.controls, *size.baselines)))
     arm = runner.arm(DataConfig(source=size.data, limit=size.limit, max_length=size.max_length),
-                     [HeadJob.of(Variant("ats", head_type=head_type), f"ats-{head_type}", training)],
+                     [HeadJob("ats", f"ats-{head_type}", training, head_type=head_type)],
                      baselines=(*size.controls, *size.baselines), baseline_options={"training": training},
                      laps=result.seconds)
     result.token_level = arm.token_level

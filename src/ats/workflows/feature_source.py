@@ -121,7 +121,7 @@ class FeatureSource:
         """(N,) the sequence of every fitting token, aligned with `logit_chunks` and `sketch`."""
         return self.store.response_sequence_ids(max_tokens=self.fit_tokens)
 
-    def train_head(self, calibrator: ATSCalibrator) -> None:
+    def train(self, calibrator: ATSCalibrator) -> None:
         """Train `calibrator.head` in place with the run's training config; the result goes to `history`.
 
         With a held-out split, each epoch is validated by token-level metrics and the held-out training objective.

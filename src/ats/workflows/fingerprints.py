@@ -1,4 +1,5 @@
-"""The fingerprints of the workflow steps' results (features, heads, fitted calibrators), built from the configs.
+"""The fingerprints of the workflow steps' results (features, answers, heads, fitted calibrators), built from the
+configs.
 
 One function per kind of result; the steps (`pipeline`) and the check made before a model loads
 (`check_before_loading`) call the same ones, so a rerun is accepted or refused by one rule. What a config contributes
@@ -54,17 +55,11 @@ def features_fingerprint(backbone: Backbone, config: DataConfig, split: str, *, 
                             split=split, **summary_meta(summary))
 
 
-def without_summary(fingerprint: dict | None) -> dict | None:
-    """A features fingerprint less its scale summary: what a folder extracted before summaries existed records."""
-    return None if fingerprint is None else {k: v for k, v in fingerprint.items() if k != "scale_summary"}
-
-
 def training_options(training: TrainingConfig, summary: ScaleSummarySpec | None) -> dict:
     """The training options a head's fingerprint records: those that can change the result, with the loss route.
 
     `exact_loss` is replaced by the route the trainer takes: "loss_route" names the scale summary when the loss is
-    computed from it, and is absent on the exact route, so heads trained before the summary existed (always exact)
-    keep their fingerprints.
+    computed from it, and is absent on the exact route.
 
     Args:
         training: the training options.
@@ -128,3 +123,34 @@ def calibrator_fingerprint(name: str, store, fit_tokens: int | None, *, shared_p
         route["scale_summary"] = summary.describe()
     return make_fingerprint("calibrator", name=name, features=store_fingerprint(store), fit_tokens=fit_tokens,
                             **route)
+
+
+def answers_fingerprint(backbone: Backbone, task, dtype: str) -> dict:
+    """The fingerprint of one task's cached answers: the task and the backbone (their descriptions) and the stored
+    hidden states' dtype. An answer set records these in its answers.json, which is read as its stored fingerprint
+    (`stored_answers_fingerprint`); its scale summary's settings are not part of it (each summary row carries its
+    own range and nodes, so a set is read as it was made)."""
+    return make_fingerprint("answers", task=task.describe(), backbone=backbone.describe(), dtype=dtype)
+
+
+def stored_answers_fingerprint(meta: dict) -> dict:
+    """`answers_fingerprint` of the set whose answers.json holds `meta`."""
+    return make_fingerprint("answers", task=meta.get("task"), backbone=meta.get("backbone"), dtype=meta.get("dtype"))
+
+
+def answer_head_fingerprint(head_type: str, max_scale: float | None, record: dict) -> dict:
+    """The fingerprint of a calibrator trained on answers: what is trained (an ATS head type, or "thermometer"), the
+    clamp on its scale (ATS heads; None for Thermometer) and its training record (`answer_record`, without the
+    optimizer steps)."""
+    return make_fingerprint("answer head", head=head_type, max_scale=max_scale, training=record)
+
+
+def stored_answer_head_fingerprint(config: dict, keys) -> dict:
+    """`answer_head_fingerprint` of a saved calibrator, from its calibrator_config.json (read before any model loads):
+    an ATS head's training record is its config's `training`, Thermometer's its history's first entry; only the
+    record's `keys` (those a rerun asks for) are compared."""
+    thermometer = config.get("type") == "thermometer"
+    training = ((config.get("history") or [{}])[0] if thermometer else config.get("training")) or {}
+    head = "thermometer" if thermometer else (config.get("head") or {}).get("head_type")
+    return answer_head_fingerprint(head, None if thermometer else config.get("max_scale"),
+                                   {k: training.get(k) for k in keys})

@@ -9,6 +9,7 @@ that makes one result returns `(result, reused)` (`fit_head`, `fit_calibrator`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import time
@@ -17,11 +18,14 @@ from pathlib import Path
 from ..calibrators import BASELINES, calibrator_class, calibrator_for, entry, load_calibrator
 from ..calibrators.ats import ATSCalibrator
 from ..calibrators.base import CONFIG_NAME, Calibrator
+from ..evaluation.answers import build_answer_set
 from ..fingerprint import check_reuse, refusal, stored_fingerprint, write_fingerprint
-from ..io import write_json
+from ..io import read_json, write_json
 from ..model.backbone import Backbone
 from ..model.heads import HeadConfig
 from ..model.scale_summary import ScaleSummarySpec
+from ..training.answers import META_NAME as ANSWERS_META
+from ..training.answers import AnswerSet
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig, prepare_examples
 from ..training.distributed import SINGLE, Dist
@@ -37,13 +41,14 @@ from ..training.features import (
 from ..training.online import OnlineFeatures
 from .feature_source import FeatureSource, LogitReplay
 from .fingerprints import (
+    answers_fingerprint,
     calibrator_fingerprint,
     data_fingerprint,
     features_fingerprint,
     head_fingerprint,
     store_fingerprint,
+    stored_answers_fingerprint,
     training_options,
-    without_summary,
 )
 
 logger = logging.getLogger(__name__)
@@ -52,7 +57,7 @@ SPLITS = ("train", "val")
 # names other modules and scripts import from here
 __all__ = ["BASELINES", "SPLITS", "FeatureSource", "LogitReplay", "calibrator_fingerprint", "check_before_loading",
            "data_fingerprint", "features_fingerprint", "fit_calibrator", "fit_calibrators", "fit_head",
-           "head_fingerprint", "head_preset", "online_features", "prepare_features", "train_head",
+           "head_fingerprint", "head_preset", "online_features", "prepare_answers", "prepare_features", "train_head",
            "training_options"]
 
 
@@ -62,9 +67,7 @@ def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataC
     """Tokenize the instruction data, split it, and extract (or reuse) the train / val feature caches.
 
     Finished features are reused only for the same backbone, data and options (the scale summary's settings
-    included); a partial extraction resumes only with them. A finished folder extracted before scale summaries
-    existed (its fingerprint has none, all else equal) is reused as it is: heads train on it by the exact
-    full-vocabulary route, and `overwrite=True` re-extracts it with the summary.
+    included); a partial extraction resumes only with them.
 
     Args:
         backbone: the frozen backbone.
@@ -93,11 +96,6 @@ def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataC
     for split in SPLITS:
         folder = features_dir / split
         old = stored_fingerprint(folder) if folder.is_dir() else None
-        if (summary is not None and finished[split] and not overwrite and old is not None
-                and "scale_summary" not in old and old == without_summary(prints[split])):
-            logger.info("%s: features extracted without a scale summary; heads train on them by the exact "
-                        "full-vocabulary loss (--overwrite re-extracts them with the summary)", folder)
-            continue
         if folder.is_dir() and any(folder.iterdir()) and old != prints[split]:
             if not overwrite:
                 raise refusal(folder, "features", old, prints[split])
@@ -133,6 +131,46 @@ def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataC
         dist.barrier()  # meta.json is there
         stores.append(FeatureStore(folder))
     return stores[0], stores[1]
+
+
+def prepare_answers(backbone: Backbone, task, folder: str | Path, *, overwrite: bool = False,
+                    progress: bool = True, dtype: str = "float16") -> AnswerSet:
+    """The backbone's answers to `task` (`build_answer_set`, with the default scale summary), cached in `folder` and
+    reused when they were made by this task and backbone with the same storage (`answers_fingerprint`, the one reuse
+    rule of `fingerprint.check_reuse`); a set with other summary settings is reused as it is (each summary row carries
+    its own range and nodes), said in one line.
+
+    Args:
+        backbone: the frozen backbone.
+        task: the task (its questions and scoring).
+        folder: the answers' folder.
+        overwrite: rebuild answers made otherwise instead of refusing.
+        progress: show a progress bar.
+        dtype: the stored hidden states' dtype.
+
+    Returns:
+        The answer set.
+
+    Raises:
+        ATSError: if the folder holds another task's or backbone's answers, or other storage settings (without
+            `overwrite`).
+    """
+    folder = Path(folder)
+    meta_path = folder / ANSWERS_META
+    if meta_path.is_file():
+        meta = read_json(meta_path)
+        if check_reuse(folder, "answers", stored_answers_fingerprint(meta), answers_fingerprint(backbone, task, dtype),
+                       overwrite=overwrite):
+            if meta.get("summary") != dataclasses.asdict(ScaleSummarySpec()):
+                logger.info("%s: answers with scale summary %s (default now %s), reused as they are", folder,
+                            meta.get("summary"), dataclasses.asdict(ScaleSummarySpec()))
+            return AnswerSet.load(folder)
+    start = time.perf_counter()
+    answers = build_answer_set(backbone, task, dtype=dtype, progress=progress)
+    answers.meta["seconds"] = round(time.perf_counter() - start, 1)
+    answers.save(folder)
+    logger.info("%s: %d answers in %.0f s", task.name, len(answers), answers.meta["seconds"])
+    return answers
 
 
 def online_features(backbone: Backbone, config: DataConfig | None = None) -> tuple[OnlineFeatures, OnlineFeatures]:

@@ -4,8 +4,9 @@
 
 `Runner` holds what every step shares (the backbone, the run folder, overwrite, progress); each step reuses what
 an earlier run with the same options left in the run folder (fingerprints) and refuses results made with other
-options. `Runner.arm` runs the first four steps on one feature cache; the workflows (`experiment`, `evidence`,
-`ablate`, `alignment`) are plans (`plans.py`) read by short functions that call these steps.
+options. `Runner.arm` runs the first four steps on one feature cache. A head to train is a `HeadJob`. `ats demo`
+(`experiment`) and `ats ablate` (`ablate`) are short functions over these steps; so are the research protocols of
+`benchmarks/protocols/`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from ..model.backbone import Backbone
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig
 from .pipeline import fit_calibrators, fit_head, prepare_features
-from .variants import Variant
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +35,19 @@ REFERENCE = "uncalibrated"
 
 @dataclass(frozen=True)
 class HeadJob:
-    """One head to train (or reuse): the variant, its folder relative to the run folder and its training options
-    (the variant's own changes already applied)."""
+    """One head to train (or reuse).
 
-    variant: Variant
+    name: its key in results (and the calibrator's name in tables); folder: relative to the run folder; training: its
+    training options; method: the registry method trained (ats, selective-temperature, selective-linear); head_type:
+    None for the method's preset; label: the method name the head records (None: the method's own).
+    """
+
+    name: str
     folder: str
     training: TrainingConfig
-
-    @classmethod
-    def of(cls, variant: Variant, folder: str | Path, base: TrainingConfig, **changes) -> "HeadJob":
-        """The job of `variant` in `folder`, trained with `base` plus the variant's options plus `changes`."""
-        return cls(variant, str(folder), variant.training(base, **changes))
+    method: str = "ats"
+    head_type: str | None = None
+    label: str | None = None
 
 
 @dataclass
@@ -99,16 +101,14 @@ class Runner:
         """Step 2: every head job trained (or reused), moved to the backbone's device.
 
         Returns:
-            (variant name -> calibrator, variant name -> whether it was reused), in job order.
+            (job name -> calibrator, job name -> whether it was reused), in job order.
         """
         calibrators, reused = {}, {}
         for job in jobs:
-            v = job.variant
-            calibrator, reused[v.name] = fit_head(
-                self.backbone, train, val, self.out / job.folder, method=v.method, head_type=v.head_type,
-                label=v.label,
-                training=job.training, overwrite=self.overwrite, progress=self.progress)
-            calibrators[v.name] = calibrator.to(self.backbone.device)
+            calibrator, reused[job.name] = fit_head(
+                self.backbone, train, val, self.out / job.folder, method=job.method, head_type=job.head_type,
+                label=job.label, training=job.training, overwrite=self.overwrite, progress=self.progress)
+            calibrators[job.name] = calibrator.to(self.backbone.device)
         return calibrators, reused
 
     def baselines(self, names: tuple[str, ...], train, val=None, *, folder: str | Path = "baselines",

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from ...calibrators.base import Calibrator
+from ...training.answers import mean_token_confidence
 from .base import Task, TaskResult, chunks, progress_bar
-from .scoring import PrefixCache, gather_logits, mean_token_confidence
+from .scoring import PrefixCache, gather_logits
 
 
 def stop_token_ids(backbone) -> set[int]:

@@ -22,6 +22,7 @@ from torch import Tensor
 from ...calibrators.base import Calibrator
 from ...errors import ATSError
 from ...padding import pad_batch
+from ...training.answers import softmax_confidence
 from .base import TaskResult, chunks, progress_bar
 
 
@@ -197,31 +198,10 @@ class PrefixCache:
         return torch.cat([prefix_hidden.to(new_hidden.dtype), new_hidden], dim=1), full_mask
 
 
-# --- two scoring rules shared by the multiple-choice tasks -----------------------------------------------------------
-def softmax_confidence(scores: Tensor) -> tuple[Tensor, Tensor]:
-    """(confidence, prediction) of a multiple-choice answer: the softmax over its choices' scores, at its argmax.
-
-    The one rule of both multiple-choice scorings (letters: the calibrated letter logits; likelihood: the summed
-    calibrated log-likelihoods), shared with answer-level training (`ats.evaluation.answers`), where it is
-    differentiated.
-
-    Args:
-        scores: (B, n) one row per question; -inf on absent choices (rows with fewer choices).
-
-    Returns:
-        (confidence (B,), prediction (B,) long).
-    """
-    return torch.softmax(scores, dim=-1).max(dim=-1)
-
-
+# --- the scoring rules (the confidence rules are in `ats.training.answers`, shared with answer training) ---------
 def sequence_log_likelihood(logp: Tensor, valid: Tensor) -> Tensor:
     """A continuation's summed log-likelihood: (..., K) token log-probabilities, summed where `valid` (..., K)."""
     return (logp * valid).sum(-1)
-
-
-def mean_token_confidence(p: Tensor, valid: Tensor) -> Tensor:
-    """A free-form answer's confidence: the mean of its token probabilities `p` (..., K) where `valid`."""
-    return (p * valid).sum(-1) / valid.sum(-1)
 
 
 @dataclass

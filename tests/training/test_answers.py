@@ -1,30 +1,29 @@
 """Answer-level calibration: the answer source against the tasks' own scoring, the answer loss and its gradient
-against an independent full-vocabulary computation, the head's position-only pass, leave-one-task-out splits, and a
-planted signal that a per-token head must recover and a global temperature cannot."""
+against an independent full-vocabulary computation, the head's position-only pass, and a planted signal that a
+per-token head must recover and a global temperature cannot."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from ats.calibrators.ats import ATSCalibrator, ATSConfig
 from ats.calibrators.base import Uncalibrated
 from ats.errors import ATSError
-from ats.evaluation.answers import AnswerSet, build_answer_set
+from ats.evaluation.answers import build_answer_set
 from ats.evaluation.metrics import auroc
 from ats.evaluation.tasks import build_task
 from ats.evaluation.tasks.nq_open import NQOpenTask
 from ats.evaluation.tasks.triviaqa import TriviaQATask
-from ats.model.heads import HeadConfig, tau_at
+from ats.model.heads import tau_at
+from ats.training.answer_objective import train_on_answers
+from ats.training.answers import AnswerSet, score_answers, scored_confidence
 from ats.training.config import TrainingConfig
-from ats.workflows.answer_training import answer_loss, score_answers, scored_confidence, train_on_answers
-from ats.workflows.answers import leave_one_out_splits, mean_log_loss
+from ats.training.losses import answer_loss
 
-from helpers import calibrator_for, make_tiny_backbone
+from helpers import calibrator_for, fresh_ats, make_tiny_backbone, planted_answers
 
 QUESTIONS = [("What color is the sky?", ["blue", "green", "red"], 0), ("2+2?", ["3", "4"], 1),
              ("Capital of France?", ["Paris", "Rome", "Berlin", "Madrid"], 0),
@@ -169,14 +168,6 @@ def test_subset_scores_like_the_whole(sharp, mc_file):
     np.testing.assert_allclose(score_answers(None, part, sharp.logits)[0], whole[[1, 3, 4]], atol=1e-6)
 
 
-def test_leave_one_out_never_trains_on_the_left_out_task():
-    names = ["sciq", "boolq", "nq_open", "mmlu_validation"]
-    splits = leave_one_out_splits(names, ("sciq", "boolq", "nq_open", "absent"))
-    assert [out for out, _ in splits] == ["sciq", "boolq", "nq_open"]
-    for out, train in splits:
-        assert out not in train and sorted(train + [out]) == sorted(names)
-
-
 def test_triviaqa_pool_is_disjoint_from_reported_questions(data_dir):
     reported = {q["question"] for q in TriviaQATask(limit=10, n_shots=2).load()[1]}
     pool = {q["question"] for q in TriviaQATask(limit=10, n_shots=2, offset=10).load()[1]}
@@ -185,92 +176,34 @@ def test_triviaqa_pool_is_disjoint_from_reported_questions(data_dir):
     assert not reported & pool and not shots & pool
 
 
-def _planted(n: int, hidden_size: int, seed: int) -> AnswerSet:
-    """Letter-scored answers whose correctness is the sign of the first hidden unit at the answer position, with the
-    same uncalibrated confidence everywhere (so nothing but h tells right from wrong)."""
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n * 3, hidden_size, generator=g)  # rows of 3 tokens
-    right = hidden[2::3, 0] > 0  # (n,)
-    return AnswerSet(kind="letters", tensors={
-        "hidden": hidden, "row_offsets": torch.arange(0, 3 * n + 1, 3), "row_question": torch.arange(n),
-        "pos_row": torch.arange(n), "pos_in_row": torch.full((n,), 2), "pos_target": torch.full((n,), -1),
-        "letter_logits": torch.tensor([[2.0, 0.0, 0.0]]).repeat(n, 1),
-        "answer": torch.where(right, 0, 1), "n_choices": torch.full((n,), 3)}, meta={"task": {"name": "planted"}})
+def log_loss(confidence: np.ndarray, correct: np.ndarray) -> float:
+    """The mean binary log loss of answer confidences (scikit-learn's)."""
+    from sklearn.metrics import log_loss as sk_log_loss
 
-
-def _head(head_type: str, hidden_size: int) -> ATSCalibrator:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return ATSCalibrator(ATSConfig(head=HeadConfig(head_type=head_type, hidden_size=hidden_size),
-                                       hidden_size=hidden_size))
+    return float(sk_log_loss(correct, confidence, labels=[False, True]))
 
 
 def test_planted_correctness_is_recovered_by_a_per_token_head_not_by_a_global_temperature():
-    train, test = _planted(400, 16, seed=0), _planted(200, 16, seed=1)
-    config = TrainingConfig(lr=3e-2, epochs=8, batch_size=16, micro_batch_size=16)
+    train, test = planted_answers(400, 16, seed=0), planted_answers(200, 16, seed=1)
+    config = TrainingConfig(loss_type="answer-log", lr=3e-2, epochs=8, batch_size=16, micro_batch_size=16)
     scores = {}
     for head_type in ("linear", "constant"):
-        calibrator = _head(head_type, 16)
-        train_on_answers(calibrator, [train], None, config=config, loss_type="answer-log", progress=False)
+        calibrator = fresh_ats(head_type, 16)
+        train_on_answers(calibrator, [train], None, config=config, progress=False)
         conf, correct = score_answers(calibrator, test, None)
-        scores[head_type] = (auroc(conf, correct), mean_log_loss(conf, correct))
+        scores[head_type] = (auroc(conf, correct), log_loss(conf, correct))
     base_conf, base_correct = score_answers(None, test, None)
     assert auroc(base_conf, base_correct) == pytest.approx(0.5)  # every confidence the same
     assert scores["linear"][0] > 0.95  # the head reads the sign of h_0
     assert scores["constant"][0] == pytest.approx(0.5)  # one temperature cannot rank equal confidences
     assert scores["linear"][1] < scores["constant"][1] - 0.2
     # the constant head still learns the level: the log loss of the base rate (~0.69), not of 0.79 confidence
-    assert scores["constant"][1] == pytest.approx(mean_log_loss(np.full(len(test), base_correct.mean()),
+    assert scores["constant"][1] == pytest.approx(log_loss(np.full(len(test), base_correct.mean()),
                                                                 base_correct), abs=0.05)
 
 
-def test_the_protocol_runs_end_to_end_and_refuses_another_plan(sharp, tmp_path):
-    from ats.workflows.answers import AnswerPlan, run_answers
-    from ats.workflows.answers_report import render
-
-    def mc(name, rows):
-        path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in rows))
-        return build_task(f"mc:{path}:likelihood")
-
-    rows = [(f"Pick {i}", ["yes", "no", "maybe"][: 2 + i % 2], i % 2) for i in range(10)]
-    pool = {"alpha": mc("alpha", rows), "beta": mc("beta", rows[::-1]), "gamma": mc("gamma", rows[3:])}
-    reported = {"delta": build_task(f"mc:{tmp_path / 'alpha.jsonl'}:letters")}
-    plan = AnswerPlan(methods={"ats-answers": "linear", "control-answers": "constant",
-                               "thermometer-answers": "thermometer"}, lr_grid=(1e-3, 1e-2),
-                      epochs=1, batch_size=4, seeds=(0, 1), bootstrap=20, leave_one_out=("alpha", "beta"),
-                      selection_tasks=("gamma",))
-    results = run_answers(sharp, tmp_path / "run", plan, pool=pool, reported=reported, progress=False)
-    assert set(results["selection"]) == {"ats-answers", "control-answers", "thermometer-answers"}
-    for method, chosen in results["selection"].items():  # the chosen lr has the lowest held-out loss
-        grid = chosen["grid"]
-        assert chosen["lr"] == min(grid, key=lambda r: r["heldout_log_loss"])["lr"] and len(grid) == 2
-    assert list(results["leave_one_out"]) == ["alpha", "beta"]
-    assert results["leave_one_out"]["alpha"]["train"] == ["beta", "gamma"]
-    delta = results["reported"]["delta"]
-    assert len(delta["methods"]["ats-answers"]["seeds"]) == 2 and "minus_control" in delta["methods"]["ats-answers"]
-    assert "minus_control" not in delta["methods"]["control-answers"]
-    assert {"isotonic-answers", "histogram-answers", "scaling-binning-answers"} <= set(delta["methods"])
-    assert len(delta["methods"]["thermometer-answers"]["seeds"]) == 2
-    base = delta["methods"]["uncalibrated"]["seeds"][0]
-    expected = build_task(f"mc:{tmp_path / 'alpha.jsonl'}:letters").run(sharp, {"u": Uncalibrated()}, progress=False)
-    assert base["accuracy"] == pytest.approx(expected["u"].correct.mean())
-    assert (tmp_path / "run" / "heads" / "ats-answers" / "seed1" / "model.safetensors").is_file()
-    assert json.loads((tmp_path / "run" / "heads" / "thermometer-answers" / "seed1" / "calibrator_config.json")
-                      .read_text())["type"] == "thermometer"
-    md = render(tmp_path / "run" / "results.json", tmp_path / "committed").read_text()
-    assert "### delta (10 questions)" in md and "alpha (left out)" in md and (tmp_path / "committed" / "figures"
-                                                                             / "delta.png").is_file()
-    # a rerun reuses every stage; another plan is refused
-    again = run_answers(sharp, tmp_path / "run", plan, pool=pool, reported=reported, progress=False)
-    assert again["selection"] == results["selection"]
-    with pytest.raises(ATSError, match="another plan"):
-        run_answers(sharp, tmp_path / "run", dataclasses.replace(plan, epochs=3), pool=pool, reported=reported,
-                    progress=False)
-
-
 def test_cached_answers_refuse_other_storage_settings(sharp, mc_file, tmp_path):
-    from ats.workflows.answers import cached_answers
+    from ats.workflows.pipeline import prepare_answers as cached_answers
 
     task = build_task(f"mc:{mc_file}:likelihood")
     first = cached_answers(sharp, task, tmp_path / "a", progress=False)
@@ -282,13 +215,15 @@ def test_cached_answers_refuse_other_storage_settings(sharp, mc_file, tmp_path):
     assert torch.equal(cached_answers(sharp, task, tmp_path / "a", progress=False).tensors["summary"],
                        first.tensors["summary"])
     (tmp_path / "a" / "answers.json").write_text(json.dumps({**meta, "dtype": "float32"}))
-    with pytest.raises(ATSError, match="not of"):
+    with pytest.raises(ATSError, match=r"answers made with other options: dtype 'float32' -> 'float16'"):
         cached_answers(sharp, task, tmp_path / "a", progress=False)
+    rebuilt = cached_answers(sharp, task, tmp_path / "a", progress=False, overwrite=True)  # --overwrite rebuilds
+    assert rebuilt.meta["dtype"] == "float16" and torch.equal(rebuilt.tensors["summary"], first.tensors["summary"])
 
 
 def test_thermometer_scales_every_position_of_a_question_by_its_prompt_state(sharp, mc_file):
     from ats.calibrators.thermometer import Thermometer
-    from ats.workflows.answer_training import position_scales
+    from ats.training.answers import position_scales
 
     answers = build_answer_set(sharp, build_task(f"mc:{mc_file}:likelihood"), dtype="float32", progress=False)
     t = answers.tensors
@@ -314,12 +249,12 @@ def test_thermometer_scales_every_position_of_a_question_by_its_prompt_state(sha
 def test_thermometer_trained_on_answers_recovers_a_prompt_signal_and_round_trips(tmp_path):
     from ats.calibrators import load_calibrator
     from ats.calibrators.thermometer import Thermometer
-    from ats.workflows.answers import reusable_answer_head
+    from ats.workflows.answer_methods import reusable_answer_head
 
-    train, test = _planted(400, 16, seed=0), _planted(200, 16, seed=1)
+    train, test = planted_answers(400, 16, seed=0), planted_answers(200, 16, seed=1)
     therm = Thermometer(hidden_size=16, seed=0, lr=3e-2, epochs=8, batch_size=16)
-    config = TrainingConfig(lr=3e-2, epochs=8, batch_size=16, micro_batch_size=16)
-    train_on_answers(therm, [train], None, config=config, loss_type="answer-log", progress=False)
+    config = TrainingConfig(loss_type="answer-log", lr=3e-2, epochs=8, batch_size=16, micro_batch_size=16)
+    train_on_answers(therm, [train], None, config=config, progress=False)
     conf, correct = score_answers(therm, test, None)
     assert therm.fitted and auroc(conf, correct) > 0.9  # one temperature per prompt, read from h at the answer slot
     therm.save_pretrained(tmp_path / "t")
@@ -336,31 +271,11 @@ def test_thermometer_trained_on_answers_recovers_a_prompt_signal_and_round_trips
                              overwrite=False)
 
 
-def test_baselines_on_answers_by_hand():
-    from ats.calibrators.binning import equal_mass_bins
-    from ats.workflows.answers import baselines_on_answers
-
-    pool, other = _planted(300, 16, seed=0), _planted(50, 16, seed=2)
-    control = _head("constant", 16)
-    with torch.no_grad():
-        control.head.tau.fill_(-0.7 / control.head.gain)  # s = exp(-0.7) everywhere
-    maps = baselines_on_answers([pool], None, control, n_bins=4)
-    base_conf, base_correct = score_answers(None, pool, None)
-    # every planted answer has the same uncalibrated confidence: histogram binning and isotonic give the accuracy
-    assert maps["histogram-answers"](other) == pytest.approx(np.full(50, base_correct.mean()))
-    assert maps["isotonic-answers"](other) == pytest.approx(np.full(50, base_correct.mean()), abs=1e-9)
-    scaled = score_answers(control, other, None)[0]
-    assert not np.allclose(scaled, score_answers(None, other, None)[0])  # the control moved the confidence
-    upper, values = equal_mass_bins(score_answers(control, pool, None)[0], score_answers(control, pool, None)[0], 4)
-    assert maps["scaling-binning-answers"](other) == pytest.approx(values[np.searchsorted(upper, scaled)])
-    assert set(baselines_on_answers([pool], None, None)) == {"isotonic-answers", "histogram-answers"}
-
-
 def test_token_term_joins_the_answer_loss(tiny_backbone, mc_file, tmp_path):
+    from ats.training.answer_objective import token_term
     from ats.training.data import Instruction, tokenize_instructions
     from ats.training.features import extract_features
     from ats.training.losses import calibration_loss
-    from ats.workflows.answer_training import token_term
 
     records = [Instruction(f"Say something about {w}.", "", f"{w} is a word with {len(w)} letters.")
                for w in ("sky", "tree", "river", "stone")]
@@ -377,11 +292,11 @@ def test_token_term_joins_the_answer_loss(tiny_backbone, mc_file, tmp_path):
                                  loss_type="top-label").loss
         term = token_term(head, batch, tiny_backbone.logits, chunk_size=64)
         assert term.item() == pytest.approx(exact.item(), rel=1e-5)
-    config = TrainingConfig(lr=1e-3, epochs=1, batch_size=3, micro_batch_size=3)
+    config = TrainingConfig(loss_type="answer-log", lr=1e-3, epochs=1, batch_size=3, micro_batch_size=3)
     with pytest.raises(ATSError, match="token_weight"):
-        train_on_answers(head, [answers], tiny_backbone.logits, config=config, loss_type="answer-log", token_weight=1.0,
+        train_on_answers(head, [answers], tiny_backbone.logits, config=config, token_weight=1.0,
                          progress=False)
-    result = train_on_answers(head, [answers], tiny_backbone.logits, config=config, loss_type="answer-log",
+    result = train_on_answers(head, [answers], tiny_backbone.logits, config=config,
                               token_store=store, token_weight=0.5, progress=False)
     for entry in result.history:
         assert entry["loss"] == pytest.approx(entry["answer_loss"] + 0.5 * entry["token_loss"], rel=1e-5)

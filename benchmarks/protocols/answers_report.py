@@ -1,4 +1,4 @@
-"""The answer-trained heads' results as markdown and reliability diagrams (results of `ats.workflows.answers`).
+"""The answer-trained heads' results as markdown and reliability diagrams (results of `protocols.answers`).
 
 One block per task (metrics as columns, methods as rows): accuracy, mean confidence, ECE, Brier and AUROC with 95%
 intervals (the mean and spread over seeds where there are several), then the paired differences "method minus
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..evaluation.plots import reliability_figure
-from ..evaluation.report import cell, markdown_table
-from ..io import read_json
+from ats.evaluation.plots import reliability_figure
+from ats.evaluation.report import cell, markdown_table
+from ats.io import read_json
 
 CHANCE = {"sciq": 0.25, "social_iqa": 1 / 3, "boolq": 0.5, "winogrande": 0.5, "mmlu_validation": 0.25, "mmlu": 0.25}
 

@@ -1,4 +1,5 @@
-"""Heads trained on the backbone's own answers (issue 21): the answer pool, its cache, and the experiment protocol.
+"""Heads trained on the backbone's own answers (issue 21): the experiment protocol on the library's answer pool
+(`ats.workflows.answer_pool`) and answer training (`ats.workflows.answer_methods`).
 
 The pool (training and model selection only; `../shared/data/README.md`, last paragraph): NQ-open (free-form),
 SciQ, Social IQa, BoolQ and Winogrande (multiple choice, scored by choice likelihood: letter scoring is at chance for
@@ -19,70 +20,133 @@ Protocol (`run_answers`):
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import ATSError
-from ..evaluation.answers import AnswerSet
-from ..evaluation.metrics import paired_differences, summarize
-from ..io import read_json, write_json
-from ..training.config import DEFAULT_ANSWER_METHOD
-from .answer_methods import (
-    HEAD_KINDS,
-    RECORD_DEFAULTS,
-    answer_head_record,
-    fresh_head,
-    method_spec,
-    parse_spec,
-    reusable_answer_head,
-    train_answer_head,
-    train_method,
-    trained_head,
-)
-from .answer_pool import (
+from ats.errors import ATSError
+from ats.evaluation.metrics import paired_differences, summarize
+from ats.evaluation.tasks import MMLUTask, TriviaQATask, TruthfulQAGenTask, TruthfulQAMC1Task
+from ats.io import read_json, write_json
+from ats.training.answers import AnswerSet, score_answers
+from ats.training.config import TrainingConfig
+from ats.workflows.answer_methods import answer_head_record, parse_spec, reusable_answer_head, train_spec
+from ats.workflows.answer_pool import (
     POOL_MC,
     TRIVIAQA_POOL_OFFSET,
-    AnswerPlan,
-    cached_answers,
-    leave_one_out_splits,
-    mean_log_loss,
-    pool_names,
+    AnswerPool,
     pool_tasks,
-    reported_tasks,
-    split_holdout,
 )
-from .answer_training import score_answers
+from ats.workflows.pipeline import prepare_answers
 
 logger = logging.getLogger(__name__)
 
-__all__ = [  # the protocol, and the pool and methods it is built from
-    "BASELINES", "baselines_on_answers", "choose_learning_rates", "evaluate_methods", "leave_one_out",
-    "run_answers", "token_level",
-    "POOL_MC",
-    "TRIVIAQA_POOL_OFFSET",
-    "AnswerPlan",
-    "cached_answers",
-    "leave_one_out_splits",
-    "mean_log_loss",
-    "pool_names",
-    "pool_tasks",
-    "reported_tasks",
-    "split_holdout",
-    "DEFAULT_ANSWER_METHOD",
-    "HEAD_KINDS",
-    "RECORD_DEFAULTS",
-    "answer_head_record",
-    "fresh_head",
-    "method_spec",
-    "parse_spec",
-    "reusable_answer_head",
-    "train_answer_head",
-    "train_method",
-    "trained_head",
-]
-
 BASELINES = ("isotonic-answers", "histogram-answers", "scaling-binning-answers")  # fitted on the pool's confidences
+POOL = AnswerPool()
+
+
+@dataclass
+class AnswerPlan:
+    """What `run_answers` does: sizes, methods, the selection grid and criterion, seeds (serialised beside the
+    results, so a reader sees what was fixed before any reported task ran)."""
+
+    pool_size: int = POOL.pool_size  # questions per pool task (MMLU validation: per subject, see mmlu_pool_per_subject)
+    mmlu_pool_per_subject: int = POOL.mmlu_per_subject  # 0: no MMLU in the pool
+    reported: dict = field(default_factory=lambda: {"mmlu": 3, "triviaqa": 400, "truthfulqa_mc1": 300,
+                                                     "truthfulqa_gen": 300})
+    methods: dict = field(default_factory=lambda: {  # name -> what is trained (`parse_spec`)
+        "ats-answers": "transformer", "linear-answers": "linear", "control-answers": "constant",
+        "thermometer-answers": "thermometer", "ats-answers-tokens": "transformer+tokens"})
+    token_weight: float = POOL.token_weight  # "+tokens": fixed before any run, not tuned (nothing held out measures it)
+    token_window: int = POOL.token_window
+    token_max: int = POOL.token_max
+    loss_type: str = "answer-log"
+    lr_grid: tuple = (3e-4, 1e-3, 3e-3)
+    epochs: int = 2
+    batch_size: int = 16
+    seeds: tuple = (0, 1, 2)
+    holdout_fraction: float = 0.2
+    selection_tasks: tuple = ("triviaqa_pool", "mmlu_validation")  # never left out, so LOTO never selects on its task
+    criterion: str = ("mean answer log loss on the held-out 20% of the selection tasks' questions (pooled), after "
+                      "training on 80% of every pool task's questions; lowest wins")
+    bootstrap: int = 1000
+    leave_one_out: tuple = POOL_MC + ("nq_open",)
+
+    @property
+    def pool(self) -> AnswerPool:
+        """The library's pool options of this plan (sizes and the token term)."""
+        return AnswerPool(pool_size=self.pool_size, mmlu_per_subject=self.mmlu_pool_per_subject,
+                          token_weight=self.token_weight, token_window=self.token_window, token_max=self.token_max)
+
+
+def reported_tasks(plan: AnswerPlan) -> dict:
+    """name -> task reported and never trained or selected on."""
+    r = plan.reported
+    if r.get("triviaqa", 0) > TRIVIAQA_POOL_OFFSET:
+        raise ATSError(f"reported TriviaQA questions ({r['triviaqa']}) would overlap the pool (offset "
+                       f"{TRIVIAQA_POOL_OFFSET})")
+    return {"mmlu": MMLUTask(limit=r["mmlu"], seed=0), "triviaqa": TriviaQATask(limit=r["triviaqa"], seed=0),
+            "truthfulqa_mc1": TruthfulQAMC1Task(limit=r["truthfulqa_mc1"], seed=0),
+            "truthfulqa_gen": TruthfulQAGenTask(limit=r["truthfulqa_gen"], seed=0)}
+
+
+def split_holdout(answers: AnswerSet, fraction: float, seed: int = 0) -> tuple[AnswerSet, AnswerSet]:
+    """(train, held-out) subsets of a set's questions, a seeded `fraction` held out."""
+    order = np.random.default_rng(seed).permutation(len(answers))
+    n_out = max(1, round(fraction * len(answers)))
+    return answers.subset(sorted(order[n_out:].tolist())), answers.subset(sorted(order[:n_out].tolist()))
+
+
+def leave_one_out_splits(names: list[str], left_out: tuple) -> list[tuple[str, list[str]]]:
+    """[(left-out task, the training tasks)]: every training list lacks its left-out task."""
+    return [(out, [n for n in names if n != out]) for out in left_out if out in names]
+
+
+def mean_log_loss(confidence: np.ndarray, correct: np.ndarray) -> float:
+    """The mean binary log loss of answer confidences."""
+    p = np.clip(confidence, 1e-7, 1 - 1e-7)
+    return float(-np.mean(np.where(correct, np.log(p), np.log1p(-p))))
+
+
+def plan_training(plan: AnswerPlan, *, lr: float, seed: int) -> TrainingConfig:
+    """The protocol's schedule: the plan's epochs and batch (one micro-batch a step), at `lr` and `seed`."""
+    return TrainingConfig(loss_type=plan.loss_type, lr=lr, epochs=plan.epochs, batch_size=plan.batch_size,
+                          micro_batch_size=plan.batch_size, seed=seed)
+
+
+def train_method(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
+                 token_store=None, progress: bool = False):
+    """A calibrator of `method`'s spec trained on `sets` with the plan's objective and schedule.
+
+    Raises:
+        ATSError: if the method's spec is unknown, or it needs instruction tokens and `token_store` is None.
+    """
+    kind, tokens = parse_spec(plan.methods[method], field=f"answer plan method {method!r}")
+    if tokens and plan.token_weight > 0 and token_store is None:
+        raise ATSError(f"method {method!r} adds a token-level term: pass the instruction features "
+                       "(--token-features)")
+    return train_spec(backbone, sets, plan.pool, kind=kind, tokens=tokens, training=plan_training(plan, lr=lr, seed=seed),
+                      method=method, token_store=token_store, progress=progress)
+
+
+def trained_head(backbone, sets: list[AnswerSet], plan: AnswerPlan, method: str, *, lr: float, seed: int,
+                 folder: Path, token_store=None, progress: bool = False):
+    """`train_method`'s calibrator, saved in `folder`; reused from there when its training record matches.
+
+    Raises:
+        ATSError: if the folder holds a calibrator trained with other settings.
+    """
+    from ats.calibrators import load_calibrator
+
+    kind, tokens = parse_spec(plan.methods[method], field=f"answer plan method {method!r}")
+    record = answer_head_record(plan_training(plan, lr=lr, seed=seed), plan.pool, tokens, tasks=[s.name for s in sets])
+    if reusable_answer_head(folder, record, head_type=kind, max_scale=10.0, overwrite=False):
+        return load_calibrator(folder, backbone)
+    calibrator = train_method(backbone, sets, plan, method, lr=lr, seed=seed, token_store=token_store,
+                              progress=progress)
+    calibrator.save_pretrained(folder)
+    return calibrator
 
 
 def _pool_scores(sets: list[AnswerSet], calibrator, logits_fn) -> tuple[np.ndarray, np.ndarray]:
@@ -104,7 +168,7 @@ def baselines_on_answers(sets: list[AnswerSet], logits_fn, control, *, n_bins: i
     """
     from sklearn.isotonic import IsotonicRegression
 
-    from ..calibrators.binning import apply_bins, equal_mass_bins
+    from ats.calibrators.binning import apply_bins, equal_mass_bins
 
     conf, correct = _pool_scores(sets, None, logits_fn)
     isotonic = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(conf, correct.astype(float))
@@ -169,7 +233,8 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
         The results dict.
     """
     plan = plan or AnswerPlan()
-    needs_tokens = [m for m in plan.methods if method_spec(plan, m)[1] > 0]
+    needs_tokens = [m for m in plan.methods if parse_spec(plan.methods[m], field=f"answer plan method {m!r}")[1]
+                    and plan.token_weight > 0]
     if needs_tokens and token_features is None:
         raise ATSError(f"methods {needs_tokens} add a token-level term: pass the instruction features "
                        "(token_features / --token-features)")
@@ -181,15 +246,16 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
         raise ATSError(f"{results_path}: made with another plan; use another --out")
     results.update({"plan": plan_dict, "backbone": backbone.describe()})
     reported_by_name = reported if reported is not None else reported_tasks(plan)
-    pool = {name: cached_answers(backbone, task, out / "answers" / name, progress=progress)
-            for name, task in (pool if pool is not None else pool_tasks(plan)).items()}
+    pool = {name: prepare_answers(backbone, task, out / "answers" / name, progress=progress)
+            for name, task in (pool if pool is not None else pool_tasks(plan.pool_size,
+                                                                        plan.mmlu_pool_per_subject)).items()}
     results["pool"] = {n: {"questions": len(s), "kind": s.kind, "accuracy": float(np.mean(
         score_answers(None, s, backbone.logits)[1]))} for n, s in pool.items()}
     write_json(results_path, results)
     logits_fn = backbone.logits
     token_store = None
     if token_features is not None:
-        from ..training.features import FeatureStore
+        from ats.training.features import FeatureStore
 
         token_store = FeatureStore(Path(token_features) / "train")
         token_store.check_backbone(backbone)
@@ -207,7 +273,7 @@ def run_answers(backbone, out: str | Path, plan: AnswerPlan | None = None, *, in
         maps = baselines_on_answers(list(pool.values()), logits_fn, heads.get("control-answers", [None])[0])
         heads.update({name: [c] for name, c in (instruction_heads or {}).items()})
         for name, task in reported_by_name.items():
-            answers = cached_answers(backbone, task, out / "answers" / name, progress=progress)
+            answers = prepare_answers(backbone, task, out / "answers" / name, progress=progress)
             results["reported"] = {**results.get("reported", {}),
                                    name: evaluate_methods(heads, maps, answers, logits_fn, plan)}
             write_json(results_path, results)
@@ -268,10 +334,10 @@ def token_level(backbone, out: Path, plan: AnswerPlan, features: str | Path, ins
                 progress: bool = True) -> dict:
     """Held-out instruction-token calibration (ECE, mean confidence, accuracy) of every saved head (seed 0) and of
     the instruction-trained heads: does training on answers collapse token confidence?"""
-    from ..calibrators import load_calibrator
-    from ..calibrators.base import Uncalibrated
-    from ..evaluation.token_eval import token_confidences
-    from ..training.features import FeatureStore
+    from ats.calibrators import load_calibrator
+    from ats.calibrators.base import Uncalibrated
+    from ats.evaluation.token_eval import token_confidences
+    from ats.training.features import FeatureStore
 
     store = FeatureStore(Path(features) / "val")
     calibrators = {"uncalibrated": Uncalibrated(), **instruction_heads}

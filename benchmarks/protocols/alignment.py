@@ -11,16 +11,14 @@ import gc
 import logging
 from pathlib import Path
 
-from ..evaluation.report import TASK_LABELS, cell, jsonable, markdown_table
-from ..evaluation.tasks import build_tasks
-from ..io import atomic_file, write_json
-from ..model.backbone import load_backbone
-from ..training.config import TrainingConfig
-from ..training.data import DataConfig
-from .ablate import VAL_TASK, task_order
-from .plans import AlignmentPlan
-from .runner import HeadJob, Runner
-from .variants import Variant
+from ats.evaluation.report import TASK_LABELS, cell, jsonable, markdown_table
+from ats.evaluation.tasks import build_tasks
+from ats.io import atomic_file, write_json
+from ats.model.backbone import load_backbone
+from ats.training.config import TrainingConfig
+from ats.training.data import DataConfig
+from ats.workflows.ablate import VAL_TASK, task_order
+from ats.workflows.runner import HeadJob, Runner
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +50,7 @@ def run_alignment(models: list, out_dir: str | Path, *, tasks: list, task_limit=
                   n_bins: int = 15, seed: int = 0, task_options: dict | None = None, overwrite: bool = False,
                   progress: bool = True) -> dict:
     """Per backbone (an embedded name, a path or Hub id, or a loaded Backbone): uncalibrated vs. ATS on `tasks` and
-    on held-out tokens (`run_alignment_plan` with the plan's fields as options). Writes out_dir/alignment.md and
-    alignment.json.
+    on held-out tokens. Writes out_dir/alignment.md and alignment.json.
 
     Args:
         models: backbone names / paths / Hub ids, or loaded Backbones.
@@ -76,14 +73,7 @@ def run_alignment(models: list, out_dir: str | Path, *, tasks: list, task_limit=
     Raises:
         ATSError: if a step's stored results were made with other options (without `overwrite`) or a step fails.
     """
-    plan = AlignmentPlan(tasks=tasks, task_limit=task_limit, data=data, training=training or TrainingConfig(),
-                         n_bins=n_bins, seed=seed, task_options=task_options)
-    return run_alignment_plan(models, out_dir, plan, device=device, overwrite=overwrite, progress=progress)
-
-
-def run_alignment_plan(models: list, out_dir: str | Path, plan: AlignmentPlan, *, device: str | None = None,
-                       overwrite: bool = False, progress: bool = True) -> dict:
-    """`run_alignment` with its options as a plan (see there)."""
+    training = training or TrainingConfig()
     out_dir = Path(out_dir)
     results: dict = {}
     names = []
@@ -94,9 +84,9 @@ def run_alignment_plan(models: list, out_dir: str | Path, plan: AlignmentPlan, *
         logger.info("alignment: %s", name)
         runner = Runner(backbone, out_dir / Path(name).name.replace(":", "_"), overwrite=overwrite,
                         progress=progress)
-        arm = runner.arm(plan.data, [HeadJob.of(Variant("ats"), "head", plan.training)], n_bins=plan.n_bins)
-        built = build_tasks(plan.tasks, plan.task_limit, seed=plan.seed, task_options=plan.task_options)
-        per_model = runner.tasks(arm.calibrators, built, n_bins=plan.n_bins, seed=plan.seed)
+        arm = runner.arm(data, [HeadJob("ats", "head", training)], n_bins=n_bins)
+        built = build_tasks(tasks, task_limit, seed=seed, task_options=task_options)
+        per_model = runner.tasks(arm.calibrators, built, n_bins=n_bins, seed=seed)
         per_model[VAL_TASK] = arm.token_level
         results[name] = jsonable(per_model)
         del backbone, runner, arm
@@ -104,9 +94,8 @@ def run_alignment_plan(models: list, out_dir: str | Path, plan: AlignmentPlan, *
     table = format_alignment_table(results)
     with atomic_file(out_dir / "alignment.md") as f:
         f.write(f"## Calibration before / after ATS: aligned chat model vs. base model\n\n{table}\n")
-    summary = jsonable({"settings": {"models": names, "training": plan.training.to_dict(),
-                                     "task_limit": plan.task_limit, "seed": plan.seed,
-                                     "data": plan.data.to_dict() if plan.data else None},
+    summary = jsonable({"settings": {"models": names, "training": training.to_dict(), "task_limit": task_limit,
+                                     "seed": seed, "data": data.to_dict() if data else None},
                         "results": results})
     write_json(out_dir / "alignment.json", summary)
     return {**summary, "table": table}
