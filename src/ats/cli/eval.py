@@ -34,8 +34,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """Run `ats eval` with the parsed `args`; returns the exit code."""
     from ..calibrators.base import Uncalibrated
-    from ..evaluation.evaluate import evaluate, format_paired
-    from ..evaluation.report import format_table
+    from ..evaluation.evaluate import evaluate, results_markdown
     from ..evaluation.tasks import build_task
     from ..workflows.pipeline import fit_calibrators, prepare_features
 
@@ -66,9 +65,6 @@ def run(args) -> int:
     results = evaluate(backbone, calibrators, tasks, out, bootstrap=args.bootstrap,
                        references=tuple(args.reference or ["ats"]), overwrite=args.overwrite,
                        progress=not args.quiet)
-    print(format_table(results))
-    paired = format_paired(results)
-    if paired:
-        print("\n" + paired)
+    print(results_markdown(results))
     print(f"\nresults: {out / 'results.json'}, {out / 'results.md'}, figures in {out / 'figures'}")
     return 0
