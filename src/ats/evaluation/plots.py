@@ -33,6 +33,12 @@ _BAR = "#3b6ea8"
 _GAP = "#d62728"
 
 
+def _require_methods(results: dict) -> None:
+    """A figure of methods needs at least one; else ATSError."""
+    if not results:
+        raise ATSError("results: empty; need at least one method's (confidence, correct)")
+
+
 def plot_reliability(ax, stats: ReliabilityStats, *, title: str = "", count_ax=None) -> None:
     """Draw accuracy bars per confidence bin, the diagonal, the gap to mean confidence (red hatched) and the ECE.
 
@@ -91,8 +97,7 @@ def make_reliability_figure(results: dict[str, tuple[np.ndarray, np.ndarray]], *
     Raises:
         ATSError: if `results` is empty or a method's inputs are invalid.
     """
-    if not results:
-        raise ATSError("results: empty; need at least one method's (confidence, correct)")
+    _require_methods(results)
     stats = {name: reliability_bins(conf, corr, n_bins=n_bins) for name, (conf, corr) in results.items()}
     ncols = len(stats)
     with matplotlib.rc_context(STYLE):
@@ -177,8 +182,7 @@ def make_risk_coverage_figure(results: dict[str, tuple[np.ndarray, np.ndarray]],
     Raises:
         ATSError: if `results` is empty or a method's inputs are invalid.
     """
-    if not results:
-        raise ATSError("results: empty; need at least one method's (confidence, correct)")
+    _require_methods(results)
     curves = {name: risk_coverage(conf, corr) for name, (conf, corr) in results.items()}
     aurcs = {name: selective_metrics(conf, corr)["aurc"] for name, (conf, corr) in results.items()}
     first = next(iter(curves.values()))
