@@ -57,13 +57,20 @@ def test_eval_prints_one_block_per_task_and_each_method_once(model_dir, head_dir
     results = json.loads((out / "results.json").read_text())
     methods = ["uncalibrated", "ats", "selective-temperature", "temperature", "isotonic"]
     assert sorted(results) == ["mmlu", "truthfulqa_mc1"] and all(sorted(r) == sorted(methods) for r in results.values())
-    table, paired = printed.split("Paired differences")
+    table, rest = printed.split("Answer or abstain")
+    selective, paired = rest.split("Paired differences")
     for task, rows in blocks(table).items():  # the printed cells are the saved numbers
         name = {TASK_LABELS[t]: t for t in results}[task]
         assert [r[0] for r in rows] == methods  # each once, in the order given
         for row in rows:
             saved = results[name][row[0]]
             assert row[1].split(" [")[0] == f"{saved['accuracy']:.3f}" and row[2].startswith(f"{saved['ece']:.3f}")
+    assert list(blocks(selective)) == ["MMLU", "TruthfulQA MC1"]
+    for task, rows in blocks(selective).items():  # AURC, excess AURC, PRR, error AUPRC: the saved numbers too
+        name = {TASK_LABELS[t]: t for t in results}[task]
+        assert [r[0] for r in rows] == methods
+        for row in rows:
+            assert row[1].startswith(f"{results[name][row[0]]['aurc']:.3f}")
     assert list(blocks(paired)) == ["MMLU", "TruthfulQA MC1"]
     for task, rows in blocks(paired).items():  # the reference is ATS (the head's label); every other method once
         assert [r[0] for r in rows] == ["uncalibrated", "selective-temperature", "temperature", "isotonic"]

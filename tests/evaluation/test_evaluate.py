@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from ats.errors import ATSError
 from ats.evaluation.evaluate import evaluate, format_paired
 from ats.evaluation.metrics import summarize
 from ats.evaluation.report import format_table
+from ats.evaluation.selective import selective_metrics
 from ats.evaluation.tasks import MMLUTask, build_task
 
 from helpers import HalfTemperature
@@ -56,6 +58,7 @@ def test_evaluate_writes_everything_and_reuses_finished_tasks(tiny_backbone, tmp
         assert list(results[task]) == ["uncalibrated", "half"]
         for stem in ("png", "pdf"):
             assert (out / "figures" / f"{task}.{stem}").stat().st_size > 0
+            assert (out / "figures" / f"{task}_risk_coverage.{stem}").stat().st_size > 0
     stored = json.loads((out / "tasks" / "mmlu.json").read_text())
     assert stored["task"]["subjects"] == ["anatomy", "astronomy"]
     conf = np.array(stored["methods"]["half"]["confidence"])
@@ -66,7 +69,10 @@ def test_evaluate_writes_everything_and_reuses_finished_tasks(tiny_backbone, tmp
     assert results["mmlu"]["half"]["n"] == 2 and results["mc_my_quiz"]["uncalibrated"]["n"] == 3
     assert stored["methods"]["half"]["correct"] == stored["methods"]["uncalibrated"]["correct"]
     md = (out / "results.md").read_text()
-    assert md.strip() == format_table(results)
+    assert md.startswith(format_table(results) + "\n\nAnswer or abstain")
+    # the answer-or-abstain table holds the risk-coverage metrics of the stored per-example results
+    selective = [f"{v:.3f}" if math.isfinite(v) else "-" for v in selective_metrics(conf, correct).values()]
+    assert "| method | AURC | excess AURC | PRR | error AUPRC |" in md and f"| half | {' | '.join(selective)} |" in md
     assert md.startswith("### MMLU (n = 2)\n\n| method | Acc | ECE | Brier |\n|---|---:|---:|---:|\n| uncalibrated | ")
     assert "\n\n### mc_my_quiz (n = 3)\n\n| method | Acc | ECE | Brier |\n" in md
 

@@ -123,12 +123,14 @@ def test_summarize_keys_and_bootstrap():
     conf = rng.uniform(0.2, 1.0, size=400)
     correct = rng.uniform(size=400) < conf ** 2
     plain = summarize(conf, correct)
-    assert set(plain) == {"n", "accuracy", "mean_confidence", "ece", "adaptive_ece", "brier", "nll", "auroc"}
+    assert set(plain) == {"n", "accuracy", "mean_confidence", "ece", "adaptive_ece", "brier", "nll", "auroc",
+                          "aurc", "excess_aurc", "prr", "error_auprc"}
     assert plain["mean_confidence"] == pytest.approx(conf.mean())
     assert plain["n"] == 400 and plain["ece"] == pytest.approx(ece(conf, correct))
     out = summarize(conf, correct, bootstrap=200, seed=3)
     json.dumps(out)  # JSON-ready
-    for key in ("accuracy", "brier", "nll", "auroc", "ece", "adaptive_ece"):
+    for key in ("accuracy", "brier", "nll", "auroc", "ece", "adaptive_ece", "aurc", "excess_aurc", "prr",
+                "error_auprc"):
         lo, hi = out[f"{key}_ci"]
         assert lo <= out[key] <= hi, key
     assert summarize(conf, correct, bootstrap=200, seed=3) == out  # reproducible

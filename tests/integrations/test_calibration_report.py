@@ -11,10 +11,12 @@ import pytest
 import torch
 from lmeval_helpers import TASK, loglikelihoods, read_lines
 from netcal.metrics import ECE
+from sklearn.metrics import average_precision_score
 from torchmetrics.functional.classification import binary_auroc, multiclass_calibration_error
 
 from ats.cli.main import main
 from ats.evaluation import metrics
+from ats.evaluation.selective import selective_metrics
 from ats.integrations.calibration_report import calibration_report
 from ats.integrations.lm_eval_samples import parse_sample, read_samples
 
@@ -46,6 +48,11 @@ def test_report_metrics_are_ats_netcal_and_torchmetrics_on_the_same_confidences(
     assert row["adaptive_ece"] == pytest.approx(metrics.adaptive_ece(conf, correct), abs=1e-12)
     assert row["brier"] == pytest.approx(float(np.mean((conf - correct) ** 2)), abs=1e-12)
     assert row["ece_ci"][0] <= row["ece"] <= row["ece_ci"][1]
+    # the answer-or-abstain metrics on the same confidences; error AUPRC is sklearn's average precision of the errors
+    for key, value in selective_metrics(conf, correct).items():
+        assert row[key] == pytest.approx(value, abs=1e-12) and row[f"{key}_ci"][0] <= row[key] <= row[f"{key}_ci"][1]
+    assert row["error_auprc"] == pytest.approx(average_precision_score(1 - correct, 1 - conf), abs=1e-12)
+    assert "| task | model | n | AURC | excess AURC | PRR | error AUPRC |" in (tmp_path / "calibration.md").read_text()
     # the accuracy is lm-eval's own, for acc and for acc_norm (per-character log-likelihoods)
     lm_eval = json.loads(next(path.parent.glob("results_*.json")).read_text())["results"][TASK]
     assert row["accuracy"] == pytest.approx(lm_eval["acc,none"], abs=1e-12)
@@ -53,7 +60,8 @@ def test_report_metrics_are_ats_netcal_and_torchmetrics_on_the_same_confidences(
     probs_n, _ = independent(path, norm=True)
     assert norm["accuracy"] == pytest.approx(lm_eval["acc_norm,none"], abs=1e-12)
     assert norm["ece"] == pytest.approx(ECE(bins=15).measure(probs_n, gold), abs=1e-6)
-    for name in ("calibration.json", "calibration.md", f"figures/{TASK}.png", f"figures/{TASK}_acc_norm.pdf"):
+    for name in ("calibration.json", "calibration.md", f"figures/{TASK}.png", f"figures/{TASK}_acc_norm.pdf",
+                 f"figures/{TASK}_risk_coverage.png", f"figures/{TASK}_acc_norm_risk_coverage.pdf"):
         assert (tmp_path / name).stat().st_size > 0
     assert json.loads((tmp_path / "calibration.json").read_text())["files"][0]["lm_eval"]["acc"] == lm_eval["acc,none"]
 
@@ -66,7 +74,7 @@ def test_two_runs_of_a_task_are_compared_question_by_question(lm_eval_runs, tmp_
     report = json.loads((tmp_path / "calibration.json").read_text())
     labels = [f["label"] for f in report["files"]]
     assert labels[:2] == ["ats tiny-model0 calibrator=head", "ats tiny-model0 calibrator=none"]
-    assert labels[2] == "hf tiny-model0" and "Paired differences" in printed
+    assert labels[2] == "hf tiny-model0" and "Paired differences" in printed and "AURC (" in printed
     eces = {}
     for label, path in zip(labels, (head, none, hf)):
         probs, gold = independent(path)

@@ -47,8 +47,7 @@ def run(args) -> int:
     training = options.training_config(args) if to_fit else None
 
     from ..calibrators.base import Uncalibrated  # the library loads once the options are checked
-    from ..evaluation.evaluate import evaluate, format_paired
-    from ..evaluation.report import format_table
+    from ..evaluation.evaluate import evaluate, results_markdown
     from ..workflows.pipeline import fit_calibrators, prepare_features
 
     tasks = [build_task(t, limit=args.task_limit) for t in specs]  # task files read here, before the model loads
@@ -68,9 +67,6 @@ def run(args) -> int:
     results = evaluate(backbone, calibrators, tasks, out, bootstrap=args.bootstrap,
                        references=tuple(args.reference or ["ats"]), overwrite=args.overwrite,
                        progress=not args.quiet)
-    print(format_table(results))
-    paired = format_paired(results)
-    if paired:
-        print("\n" + paired)
+    print(results_markdown(results))
     print(f"\nresults: {out / 'results.json'}, {out / 'results.md'}, figures in {out / 'figures'}")
     return 0

@@ -3,10 +3,12 @@
     out_dir/tasks/<task>.json     per-example confidence / correct of every method, with the task's settings, the
                                   backbone and each calibrator's digest (what the results were computed with)
     out_dir/results.json          task -> method -> metrics (accuracy, mean confidence, ECE, adaptive ECE, Brier, NLL,
-                                  AUROC, bootstrap intervals) and, per reference method R, `paired[R]`: R minus this
-                                  method with a paired bootstrap 95% interval
-    out_dir/results.md            a table per task (methods x metrics), then the paired differences per task
+                                  AUROC, AURC, excess AURC, PRR, error AUPRC, bootstrap intervals) and, per reference
+                                  method R, `paired[R]`: R minus this method with a paired bootstrap 95% interval
+    out_dir/results.md            a table per task (methods x metrics), the answer-or-abstain (risk-coverage) table
+                                  per task, then the paired differences per task
     out_dir/figures/<task>.png/.pdf   reliability diagrams, methods side by side
+    out_dir/figures/<task>_risk_coverage.png/.pdf   risk-coverage curves, methods in one panel
 
 Each task runs the backbone once per example and applies every calibrator to that same forward. A finished task file
 is reused only for the same task settings, backbone and calibrator digests; results computed with anything else are
@@ -24,8 +26,8 @@ from ..errors import ATSError
 from ..fingerprint import refusal
 from ..io import atomic_file, read_json, write_json
 from .metrics import paired_differences, summarize
-from .plots import reliability_figure
-from .report import TASK_LABELS, cell, format_table, jsonable, markdown_table, task_heading
+from .plots import reliability_figure, risk_coverage_figure
+from .report import TASK_LABELS, cell, format_table, jsonable, markdown_table, selective_tables, task_heading
 from .tasks import Task, TaskResult, build_task
 
 logger = logging.getLogger(__name__)
@@ -124,7 +126,7 @@ def run_tasks(backbone, calibrators: dict[str, Calibrator], tasks: list[str | Ta
 def summarize_task(by_method: dict[str, TaskResult], *, references: tuple[str, ...] = ("ats",), n_bins: int = 15,
                    bootstrap: int = 0, seed: int = 0) -> dict:
     """method -> metrics of one task; with bootstrap > 0 also intervals and, for each reference method present,
-    `paired[reference]` = reference minus this method (ECE, Brier, AUROC, mean confidence) on the same examples.
+    `paired[reference]` = reference minus this method (the metrics of `PAIRED_KEYS`) on the same examples.
 
     Args:
         by_method: method -> per-example results, all on the same examples.
@@ -192,21 +194,35 @@ def evaluate(backbone, calibrators: dict[str, Calibrator], tasks: list[str | Tas
                                                 bootstrap=bootstrap, seed=seed)
         except ATSError as err:
             raise ATSError(f"task {task_name}: {err}") from None
-        reliability_figure({m: (r.confidence, r.correct) for m, r in by_method.items()},
-                           out_dir / "figures" / task_name, title=TASK_LABELS.get(task_name, task_name),
-                           n_bins=n_bins)
+        scored = {m: (r.confidence, r.correct) for m, r in by_method.items()}
+        title = TASK_LABELS.get(task_name, task_name)
+        reliability_figure(scored, out_dir / "figures" / task_name, title=title, n_bins=n_bins)
+        risk_coverage_figure(scored, out_dir / "figures" / f"{task_name}_risk_coverage", title=title)
     results = jsonable(results)
     write_json(out_dir / "results.json", results)
     with atomic_file(out_dir / "results.md") as f:
-        f.write(format_table(results) + "\n")
-        paired = format_paired(results)
-        if paired:
-            f.write("\n" + paired + "\n")
+        f.write(results_markdown(results) + "\n")
     return results
 
 
-def format_paired(results: dict, keys: tuple[tuple[str, str], ...] = (("ECE", "ece"), ("Brier", "brier"),
-                                                                       ("AUROC", "auroc"))) -> str:
+def results_markdown(results: dict) -> str:
+    """What results.md holds and `ats eval` prints: the calibration table per task, the answer-or-abstain table per
+    task, then the paired differences (when bootstrapped).
+
+    Args:
+        results: task -> method -> metrics, as `evaluate` returns them.
+
+    Returns:
+        The markdown sections, separated by blank lines.
+    """
+    return "\n\n".join(part for part in (format_table(results), selective_tables(results), format_paired(results))
+                        if part)
+
+
+PAIRED_COLUMNS = (("ECE", "ece"), ("Brier", "brier"), ("AUROC", "auroc"), ("AURC", "aurc"), ("PRR", "prr"))
+
+
+def format_paired(results: dict, keys: tuple[tuple[str, str], ...] = PAIRED_COLUMNS) -> str:
     """Markdown: one block per task, a row per compared method (each once) and, for each reference R, a column per
     metric with R - method and its 95% paired interval; a difference whose interval excludes 0 is marked with *.
     A reference's row shows "-" in its own columns. Empty when there are no paired differences.

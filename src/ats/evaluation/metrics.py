@@ -1,4 +1,5 @@
-"""Calibration metrics on top-1 confidence vs correctness: ECE, adaptive ECE, Brier, NLL, accuracy, AUROC.
+"""Calibration metrics on top-1 confidence vs correctness: ECE, adaptive ECE, Brier, NLL, accuracy, AUROC, and the
+risk-coverage metrics of answering only above a confidence (AURC, excess AURC, PRR, error AUPRC: selective.py).
 
 Every metric takes `confidence` (N,) in [0, 1] and `correct` (N,) in {0, 1} (numpy arrays, lists or torch tensors)
 and returns a plain float. `reliability_bins` computes what a reliability diagram draws (plots.py only draws it),
@@ -16,38 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ATSError
+from .inputs import check_pairs, to_array
+from .selective import SELECTIVE_KEYS, selective_metrics
 
 _EPS = 1e-12  # NLL clipping: a confident wrong answer costs -log(1e-12) ~ 27.6 nats instead of inf
 
-METRIC_KEYS = ("accuracy", "mean_confidence", "ece", "adaptive_ece", "brier", "nll", "auroc")
-PAIRED_KEYS = ("ece", "brier", "auroc", "mean_confidence")  # what `paired_differences` compares by default
-
-
-def _to_numpy(x, field: str) -> np.ndarray:
-    if hasattr(x, "detach"):  # torch tensor, without importing torch here
-        x = x.detach().cpu().float().numpy() if x.dtype.is_floating_point else x.detach().cpu().numpy()
-    try:
-        arr = np.asarray(x, dtype=np.float64).reshape(-1)  # (N,)
-    except (TypeError, ValueError):
-        raise ATSError(f"{field}: expected an array of numbers, got {type(x).__name__}") from None
-    return arr
-
-
-def _check(confidence, correct) -> tuple[np.ndarray, np.ndarray]:
-    """Validated float64 arrays (N,), (N,)."""
-    conf = _to_numpy(confidence, "confidence")
-    corr = _to_numpy(correct, "correct")
-    if conf.size == 0:
-        raise ATSError("confidence: empty; need at least one example")
-    if conf.shape != corr.shape:
-        raise ATSError(f"correct: length {corr.size} does not match confidence length {conf.size}")
-    bad = ~((conf >= 0.0) & (conf <= 1.0))  # also catches nan
-    if bad.any():
-        raise ATSError(f"confidence: value {conf[bad][0]!r} outside [0, 1]")
-    bad = ~((corr == 0.0) | (corr == 1.0))
-    if bad.any():
-        raise ATSError(f"correct: value {corr[bad][0]!r} is not 0/1 (or False/True)")
-    return conf, corr
+METRIC_KEYS = ("accuracy", "mean_confidence", "ece", "adaptive_ece", "brier", "nll", "auroc", *SELECTIVE_KEYS)
+# what `paired_differences` compares by default
+PAIRED_KEYS = ("ece", "brier", "auroc", "mean_confidence", "aurc", "prr", "error_auprc")
 
 
 def _check_bins(n_bins: int) -> None:
@@ -97,7 +74,7 @@ def reliability_bins(confidence, correct, *, n_bins: int = 15) -> ReliabilitySta
             outside [0, 1] (or nan), or a correctness value is not 0/1.
     """
     _check_bins(n_bins)
-    conf, corr = _check(confidence, correct)
+    conf, corr = check_pairs(confidence, correct)
     idx = bin_index(conf, n_bins)
     counts = np.bincount(idx, minlength=n_bins)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -142,7 +119,7 @@ def adaptive_ece(confidence, correct, *, n_bins: int = 15) -> float:
             outside [0, 1] (or nan), or a correctness value is not 0/1.
     """
     _check_bins(n_bins)
-    conf, corr = _check(confidence, correct)
+    conf, corr = check_pairs(confidence, correct)
     order = np.argsort(conf, kind="stable")
     total = 0.0
     for group in np.array_split(order, n_bins):
@@ -165,7 +142,7 @@ def brier_score(confidence, correct) -> float:
         ATSError: if the inputs are empty, differ in length, a confidence is outside [0, 1] (or nan), or a
             correctness value is not 0/1.
     """
-    conf, corr = _check(confidence, correct)
+    conf, corr = check_pairs(confidence, correct)
     return float(np.mean((conf - corr) ** 2))
 
 
@@ -183,7 +160,7 @@ def nll(confidence, correct) -> float:
         ATSError: if the inputs are empty, differ in length, a confidence is outside [0, 1] (or nan), or a
             correctness value is not 0/1.
     """
-    conf, corr = _check(confidence, correct)
+    conf, corr = check_pairs(confidence, correct)
     p = np.clip(conf, _EPS, 1.0 - _EPS)
     return float(-np.mean(corr * np.log(p) + (1.0 - corr) * np.log1p(-p)))
 
@@ -200,10 +177,10 @@ def accuracy(correct) -> float:
     Raises:
         ATSError: if `correct` is empty or holds a value other than 0/1.
     """
-    corr = _to_numpy(correct, "correct")
+    corr = to_array(correct, "correct")
     if corr.size == 0:
         raise ATSError("correct: empty; need at least one example")
-    _check(np.zeros_like(corr), corr)
+    check_pairs(np.zeros_like(corr), corr)
     return float(corr.mean())
 
 
@@ -223,7 +200,7 @@ def auroc(confidence, correct) -> float:
     """
     from sklearn.metrics import roc_auc_score  # sklearn loads in seconds: only where used
 
-    conf, corr = _check(confidence, correct)
+    conf, corr = check_pairs(confidence, correct)
     if corr.min() == corr.max():
         return math.nan
     return float(roc_auc_score(corr, conf))
@@ -241,7 +218,8 @@ _METRICS = {
 
 
 def _all_metrics(conf: np.ndarray, corr: np.ndarray, n_bins: int, keys=METRIC_KEYS) -> dict[str, float]:
-    return {key: _METRICS[key](conf, corr, n_bins) for key in keys}
+    selective = selective_metrics(conf, corr) if set(keys) & set(SELECTIVE_KEYS) else {}  # one sort for all four
+    return {key: selective[key] if key in SELECTIVE_KEYS else _METRICS[key](conf, corr, n_bins) for key in keys}
 
 
 def summarize(confidence, correct, *, n_bins: int = 15, bootstrap: int = 0, seed: int = 0) -> dict:
@@ -264,7 +242,7 @@ def summarize(confidence, correct, *, n_bins: int = 15, bootstrap: int = 0, seed
     _check_bins(n_bins)
     if not isinstance(bootstrap, (int, np.integer)) or isinstance(bootstrap, bool) or bootstrap < 0:
         raise ATSError(f"bootstrap: expected a non-negative integer, got {bootstrap!r}")
-    conf, corr = _check(confidence, correct)
+    conf, corr = check_pairs(confidence, correct)
     out: dict = {"n": int(conf.size), **_all_metrics(conf, corr, n_bins)}
     if bootstrap > 0:
         rng = np.random.default_rng(seed)
@@ -304,15 +282,15 @@ def paired_differences(a: tuple, b: tuple, *, n_bins: int = 15, bootstrap: int =
         ATSError: if `n_bins`, `bootstrap` or a key is invalid, the two differ in N, or an input is invalid.
     """
     _check_bins(n_bins)
-    conf_a, corr_a = _check(*a)
-    conf_b, corr_b = _check(*b)
+    conf_a, corr_a = check_pairs(*a)
+    conf_b, corr_b = check_pairs(*b)
     if conf_a.size != conf_b.size:
         raise ATSError(f"paired_differences: {conf_a.size} vs {conf_b.size} examples; pairs need the same examples")
     if isinstance(bootstrap, bool) or not isinstance(bootstrap, (int, np.integer)) or bootstrap < 1:
         raise ATSError(f"bootstrap: expected a positive integer, got {bootstrap!r}")
-    unknown = [k for k in keys if k not in _METRICS]
+    unknown = [k for k in keys if k not in METRIC_KEYS]
     if unknown:
-        raise ATSError(f"paired_differences: unknown metric {unknown[0]!r}; known: {', '.join(_METRICS)}")
+        raise ATSError(f"paired_differences: unknown metric {unknown[0]!r}; known: {', '.join(METRIC_KEYS)}")
     point_a, point_b = _all_metrics(conf_a, corr_a, n_bins, keys), _all_metrics(conf_b, corr_b, n_bins, keys)
     rng = np.random.default_rng(seed)
     draws = {key: np.empty(bootstrap) for key in keys}

@@ -1,9 +1,9 @@
 """Every figure (matplotlib, Agg): reliability diagrams (per-bin accuracy against the diagonal, the gap shaded,
-counts below), the evidence run's token-vs-task trade-off and the ablations' ECE against alpha.
+counts below), risk-coverage curves, the evidence run's token-vs-task trade-off and the ablations' ECE against alpha.
 
-The statistics come from `metrics.reliability_bins`; this file only draws them. Figures are built on a bare
-`matplotlib.figure.Figure` (no pyplot global state) and written atomically as PNG (dpi 200) and PDF (TrueType fonts,
-as publication venues require).
+The statistics come from `metrics.reliability_bins` and `selective.risk_coverage`; this file only draws them.
+Figures are built on a bare `matplotlib.figure.Figure` (no pyplot global state) and written atomically as PNG
+(dpi 200) and PDF (TrueType fonts, as publication venues require).
 """
 
 from __future__ import annotations
@@ -25,11 +25,18 @@ from matplotlib.patches import Patch  # noqa: E402
 from ..errors import ATSError  # noqa: E402
 from .metrics import ReliabilityStats, reliability_bins  # noqa: E402
 from .report import TASK_LABELS  # noqa: E402
+from .selective import oracle_aurc, risk_coverage, selective_metrics  # noqa: E402
 
 STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsize": 7.5,
           "pdf.fonttype": 42, "ps.fonttype": 42}
 _BAR = "#3b6ea8"
 _GAP = "#d62728"
+
+
+def _require_methods(results: dict) -> None:
+    """A figure of methods needs at least one; else ATSError."""
+    if not results:
+        raise ATSError("results: empty; need at least one method's (confidence, correct)")
 
 
 def plot_reliability(ax, stats: ReliabilityStats, *, title: str = "", count_ax=None) -> None:
@@ -90,8 +97,7 @@ def make_reliability_figure(results: dict[str, tuple[np.ndarray, np.ndarray]], *
     Raises:
         ATSError: if `results` is empty or a method's inputs are invalid.
     """
-    if not results:
-        raise ATSError("results: empty; need at least one method's (confidence, correct)")
+    _require_methods(results)
     stats = {name: reliability_bins(conf, corr, n_bins=n_bins) for name, (conf, corr) in results.items()}
     ncols = len(stats)
     with matplotlib.rc_context(STYLE):
@@ -159,6 +165,69 @@ def reliability_figure(results: dict[str, tuple[np.ndarray, np.ndarray]], path_s
         ATSError: if `results` is empty or a method's inputs are invalid.
     """
     return save_figure(make_reliability_figure(results, title=title, n_bins=n_bins), path_stem)
+
+
+def make_risk_coverage_figure(results: dict[str, tuple[np.ndarray, np.ndarray]], *, title: str = "") -> Figure:
+    """Risk (error rate among the answered) against coverage (fraction answered), one step curve per method whose
+    area is its AURC (ties answered together: one step per distinct confidence); when every method has the same
+    answers, the oracle ordering (dashed) and random abstention (dotted, the error rate) too.
+
+    Args:
+        results: method -> (confidence (N,), correct (N,)).
+        title: the axes' title; "" for none.
+
+    Returns:
+        The figure (not saved).
+
+    Raises:
+        ATSError: if `results` is empty or a method's inputs are invalid.
+    """
+    _require_methods(results)
+    curves = {name: risk_coverage(conf, corr) for name, (conf, corr) in results.items()}
+    aurcs = {name: selective_metrics(conf, corr)["aurc"] for name, (conf, corr) in results.items()}
+    first = next(iter(curves.values()))
+    answers = [np.asarray(corr, dtype=np.float64).reshape(-1) for _, corr in results.values()]  # each (N,)
+    shared = all(a.shape == answers[0].shape and np.array_equal(a, answers[0]) for a in answers)
+    with matplotlib.rc_context(STYLE):
+        fig = Figure(figsize=(4.2, 3.2), layout="constrained")
+        ax = fig.add_subplot()
+        for name, curve in curves.items():
+            ax.step(np.r_[0.0, curve.coverage], np.r_[curve.risk[0], curve.risk], where="pre", linewidth=1.2,
+                    label=f"{name} (AURC {aurcs[name]:.3f})")
+        if shared:
+            n, wrong = first.n, int(first.errors[-1])
+            i = np.arange(1, n + 1)  # (N,) answered, right answers first
+            best = np.maximum(0, i - (n - wrong)) / i  # (N,)
+            ax.step(np.r_[0.0, i / n], np.r_[best[0], best], where="pre", color="gray", linestyle="--",
+                    linewidth=1.0, label=f"oracle (AURC {oracle_aurc(n, wrong):.3f})")
+            ax.axhline(wrong / n, color="gray", linestyle=":", linewidth=1.0, label=f"random ({wrong / n:.3f})")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("Coverage (fraction answered)")
+        ax.set_ylabel("Risk (error rate of the answered)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", frameon=False)  # the curves rise from the left: the lower right is free
+        if title:
+            ax.set_title(title)
+    return fig
+
+
+def risk_coverage_figure(results: dict[str, tuple[np.ndarray, np.ndarray]], path_stem: str | Path, *,
+                         title: str = "") -> list[Path]:
+    """Risk-coverage curves of every method in one panel, written as `<stem>.png` and `<stem>.pdf`.
+
+    Args:
+        results: method -> (confidence (N,), correct (N,)).
+        path_stem: the path without suffix.
+        title: the figure's title; "" for none.
+
+    Returns:
+        [the .png path, the .pdf path].
+
+    Raises:
+        ATSError: if `results` is empty or a method's inputs are invalid.
+    """
+    return save_figure(make_risk_coverage_figure(results, title=title), path_stem)
 
 
 def tradeoff_figure(token_level: dict, tasks: dict, points: list[str], stem: str | Path) -> list[Path]:

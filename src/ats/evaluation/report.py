@@ -105,6 +105,23 @@ def format_table(results: dict, metrics=TABLE_METRICS) -> str:
     return "\n\n".join(blocks)
 
 
+SELECTIVE_METRICS = (("AURC", "aurc"), ("excess AURC", "excess_aurc"), ("PRR", "prr"), ("error AUPRC", "error_auprc"))
+SELECTIVE_TITLE = ("Answer or abstain, answering at confidence >= a threshold (lower AURC / excess AURC, higher PRR / "
+                   "error AUPRC are better):")
+
+
+def selective_tables(results: dict) -> str:
+    """`format_table` of the risk-coverage metrics (AURC, excess AURC, PRR, error AUPRC) under a title line.
+
+    Args:
+        results: task -> method -> metrics.
+
+    Returns:
+        The title, then a block per task.
+    """
+    return SELECTIVE_TITLE + "\n\n" + format_table(results, SELECTIVE_METRICS)
+
+
 def token_table(rows: dict[str, dict]) -> str:
     """Token-level calibration: method | Acc | ECE | Brier | NLL | mean confidence.
 

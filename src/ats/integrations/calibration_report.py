@@ -3,12 +3,13 @@
 For each question the confidence is the softmax over the choices of what lm-eval took the argmax of: the
 log-likelihoods (`acc`) or the log-likelihoods per character (`acc_norm`); the prediction is that argmax (so the
 accuracy is lm-eval's own) and it is correct when it is a gold choice. On these, `ats.evaluation` computes the same
-metrics, bootstrap intervals, paired differences and reliability diagrams as `ats eval`:
+metrics (calibration and answer-or-abstain), bootstrap intervals, paired differences and figures as `ats eval`:
 
     out_dir/calibration.json          files read, settings, and results: task variant -> model -> metrics
                                       (with `paired[first model]` when several files score the same task)
     out_dir/calibration.md            the tables
     out_dir/figures/<task>[_acc_norm].png/.pdf   reliability diagrams, models side by side
+    out_dir/figures/<task>[_acc_norm]_risk_coverage.png/.pdf   risk-coverage curves, models in one panel
 
 Files of the same task are compared on the questions they share (same `doc_id`; a different `doc_hash` for the same
 id is refused), so two methods are judged on identical questions.
@@ -25,8 +26,8 @@ import numpy as np
 
 from ..errors import ATSError
 from ..evaluation.evaluate import format_paired, summarize_task
-from ..evaluation.plots import reliability_figure
-from ..evaluation.report import cell, jsonable, markdown_table
+from ..evaluation.plots import reliability_figure, risk_coverage_figure
+from ..evaluation.report import SELECTIVE_METRICS, SELECTIVE_TITLE, cell, jsonable, markdown_table
 from ..evaluation.tasks.base import TaskResult
 from ..io import atomic_file, write_json
 from .lm_eval_samples import VARIANTS, SamplesFile
@@ -149,8 +150,9 @@ def calibration_report(files: Sequence[SamplesFile], out_dir: str | Path, *, n_b
             except ATSError as err:
                 raise ATSError(f"task {key}: {err}") from None
             stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{task}_{variant}" if variant != "acc" else task)
-            reliability_figure({label: (r.confidence, r.correct) for label, r in by_label.items()},
-                               out_dir / "figures" / stem, title=key, n_bins=n_bins)
+            scored = {label: (r.confidence, r.correct) for label, r in by_label.items()}
+            reliability_figure(scored, out_dir / "figures" / stem, title=key, n_bins=n_bins)
+            risk_coverage_figure(scored, out_dir / "figures" / f"{stem}_risk_coverage", title=key)
     report = jsonable({
         "settings": {"n_bins": n_bins, "bootstrap": bootstrap, "seed": seed},
         "files": [{"path": str(f.path), "task": f.task, "label": label, "n": len(f.samples),
@@ -174,8 +176,16 @@ def _recorded(file: SamplesFile) -> dict[str, float]:
     return out
 
 
+def _table(results: dict, columns: tuple[tuple[str, str], ...]) -> str:
+    """One row per task variant and model: task, model, n, then `columns` (metrics with 95% intervals)."""
+    rows = [[key, label, str(m.get("n", "-"))] + [cell(m, k) for _, k in columns]
+            for key, by_label in results.items() for label, m in by_label.items()]
+    return markdown_table(["task", "model", "n"] + [name for name, _ in columns], rows, text_columns=2)
+
+
 def format_report(report: dict) -> str:
-    """Markdown: one row per task variant and model (metrics with 95% intervals), then the paired differences.
+    """Markdown: the calibration table and the answer-or-abstain table, one row per task variant and model (metrics
+    with 95% intervals), then the paired differences.
 
     Args:
         report: what `calibration_report` returns.
@@ -183,8 +193,7 @@ def format_report(report: dict) -> str:
     Returns:
         The Markdown text.
     """
-    rows = [[key, label, str(m.get("n", "-"))] + [cell(m, k) for _, k in COLUMNS]
-            for key, by_label in report["results"].items() for label, m in by_label.items()]
-    text = markdown_table(["task", "model", "n"] + [name for name, _ in COLUMNS], rows, text_columns=2)
-    paired = format_paired(report["results"])
-    return text + ("\n\n" + paired if paired else "")
+    results = report["results"]
+    paired = format_paired(results)
+    return "\n\n".join(part for part in (_table(results, COLUMNS), SELECTIVE_TITLE,
+                                          _table(results, SELECTIVE_METRICS), paired) if part)
