@@ -20,6 +20,8 @@ from ats.integrations.vllm.export import export_for_vllm
 
 from conftest import calibrators, max_difference, reference, run_vllm
 
+pytestmark = pytest.mark.slow  # about 25 vLLM engines in one process: 1.5-2 min on 2 cores
+
 MAX_TOKENS, TOP = 10, 5
 CALIBRATORS = {"llama": ["transformer", "mlp", "linear", "selective-temperature", "selective-linear", "official",
                          "temperature", "vector"],

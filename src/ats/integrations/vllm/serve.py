@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,7 +49,7 @@ def server_argv(export: Path, *, served_model_name: str, host: str, port: int, d
 def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_name: str, host: str, port: int,
                     api_key: str | None = None, dtype: str | None = None, revision: str | None = None,
                     max_model_len: int | None = None, max_num_seqs: int | None = None,
-                    vllm_args: Sequence[str] = (), export: str | Path | None = None) -> int:
+                    vllm_args: Sequence[str] = (), export: str | Path | None = None) -> None:
     """Export (or reuse the export of) `model` with `calibrator`, then run vLLM's server on it until it exits.
 
     Args:
@@ -63,7 +62,7 @@ def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_n
         export: where to write the export (default: `export_cache`).
 
     Returns:
-        The server's exit status.
+        Nothing: this process becomes vLLM's server (exec), so signals and the exit status are the server's own.
 
     Raises:
         ATSError: a calibrator vLLM cannot run or made for another model (before anything starts).
@@ -75,4 +74,6 @@ def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_n
     logger.info("starting vLLM's OpenAI server on %s (calibrated by %s): http://%s:%d/v1", folder,
                 "none" if loaded is None else loaded.label, host, port)
     env = dict(os.environ, **({"VLLM_API_KEY": api_key} if api_key else {}))
-    return subprocess.call(argv, env=env)
+    for handler in logging.getLogger("ats").handlers:
+        handler.flush()
+    os.execve(argv[0], argv, env)
