@@ -127,19 +127,23 @@ def bench_model(model: str, args, clients: list[int], work: Path) -> dict:
                           f"errors {result['errors']}", file=sys.stderr, flush=True)
             finally:
                 server.stop()
+    pairs = {"vllm ats / vllm none": ("vllm:ats", "vllm:none"),
+             "vllm temperature / vllm none": ("vllm:temperature", "vllm:none"),
+             "vllm ats / ats serve ats": ("vllm:ats", "ats:ats"),
+             "vllm temperature / ats serve temperature": ("vllm:temperature", "ats:temperature"),
+             "vllm none / ats serve none": ("vllm:none", "ats:none")}
     rows = []
     for c in clients:
         tps = {arm: statistics.median(x["tokens_per_s"] for x in runs[arm][str(c)]) for arm in ARMS}
+        # each repeat's own ratio (its arms ran back to back): the spread a single ratio of medians hides
+        per_repeat = {name: [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[x][str(c)], runs[y][str(c)])]
+                      for name, (x, y) in pairs.items()}
         rows.append({"clients": c, "tokens_per_s": tps,
                      "p50_s": {arm: statistics.median(x["latency_p50_s"] or 0 for x in runs[arm][str(c)])
                                for arm in ARMS},
                      "errors": sum(x["errors"] for arm in ARMS for x in runs[arm][str(c)]),
-                     "ratios": {"vllm ats / vllm none": tps["vllm:ats"] / tps["vllm:none"],
-                                "vllm temperature / vllm none": tps["vllm:temperature"] / tps["vllm:none"],
-                                "vllm ats / ats serve ats": tps["vllm:ats"] / tps["ats:ats"],
-                                "vllm temperature / ats serve temperature":
-                                    tps["vllm:temperature"] / tps["ats:temperature"],
-                                "vllm none / ats serve none": tps["vllm:none"] / tps["ats:none"]},
+                     "ratios": {name: tps[x] / tps[y] for name, (x, y) in pairs.items()},
+                     "ratio_per_repeat": per_repeat,
                      "runs": {arm: runs[arm][str(c)] for arm in ARMS}})
     return {"model": model, "results": rows,
             "startup_s": {arm: statistics.median(v) for arm, v in startup.items()}}
@@ -184,11 +188,17 @@ def format_table(result: dict) -> str:
              "vLLM temp. / ats serve temp. | errors |", "|---|---:|" + "---:|" * 11]
     for model in result["models"]:
         for row in model["results"]:
-            t, r = row["tokens_per_s"], row["ratios"]
+            t, r, each = row["tokens_per_s"], row["ratios"], row["ratio_per_repeat"]
+
+            def spread(name: str, fmt: str) -> str:  # the ratio of medians, then each repeat's range
+                lo, hi = min(each[name]), max(each[name])
+                return f"{r[name]:{fmt}}" + (f" [{lo:{fmt}}, {hi:{fmt}}]" if len(each[name]) > 1 else "")
+
             lines.append(f"| {model['model']} | {row['clients']} | " + " | ".join(f"{t[a]:.1f}" for a in ARMS)
-                         + f" | {r['vllm ats / vllm none']:.3f} | {r['vllm temperature / vllm none']:.3f} | "
-                           f"{r['vllm ats / ats serve ats']:.2f}x | {r['vllm temperature / ats serve temperature']:.2f}x"
-                           f" | {row['errors']} |")
+                         + f" | {spread('vllm ats / vllm none', '.3f')} | "
+                           f"{spread('vllm temperature / vllm none', '.3f')} | "
+                           f"{spread('vllm ats / ats serve ats', '.2f')}x | "
+                           f"{spread('vllm temperature / ats serve temperature', '.2f')}x | {row['errors']} |")
     lines += ["", "| model | " + " | ".join(f"start-up {a} (s)" for a in ARMS) + " |", "|---|" + "---:|" * len(ARMS)]
     for model in result["models"]:
         lines.append(f"| {model['model']} | " + " | ".join(f"{model['startup_s'][a]:.0f}" for a in ARMS) + " |")
@@ -203,7 +213,8 @@ def format_markdown(result: dict, table: str) -> str:
         f"new tokens per request (greedy, ignore_eos, logprobs: true), one server at a time on the same cores, "
         f"{result['repeats']} repeat(s) (order rotating). vLLM {'with --enforce-eager' if result['eager'] else 'compiled'}"
         f", float32, --max-num-seqs {result['max_batch']}; ats serve --max-batch {result['max_batch']}. Tokens/s = "
-        f"generated tokens / wall time of the whole load. Targets (issue 30): vLLM ATS / vLLM none >= 0.95, vLLM "
+        f"generated tokens / wall time of the whole load, median over repeats; a ratio is the ratio of those medians, "
+        f"then in brackets the range of each repeat's own ratio (its arms ran minutes apart). Targets (issue 30): vLLM ATS / vLLM none >= 0.95, vLLM "
         f"temperature / vLLM none >= 0.99. Total benchmark time {result['wall_seconds']:.0f} s.",
         "",
         table,
