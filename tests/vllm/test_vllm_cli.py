@@ -5,6 +5,7 @@ calibrated logprobs of ats's decoding core."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,11 +14,15 @@ import time
 import httpx
 import pytest
 import torch
+from test_vllm_abstain import CERTIFIED
 
 from ats.calibrators import build_calibrator, load_calibrator
 from ats.cli.main import main
+from ats.evaluation.threshold import THRESHOLD_NAME
 from ats.generation.api import encode_prompts
 from ats.integrations.vllm import CONFIG_KEY
+from ats.integrations.vllm.abstain import AnswerDecider
+from ats.io import write_json
 
 from conftest import calibrators, max_difference, reference
 
@@ -60,6 +65,7 @@ def test_serve_engine_vllm_answers_the_openai_client_with_calibrated_logprobs(ti
 
     folder, backbone = tiny_models["llama"]
     head = calibrators(backbone, tmp_path, ["transformer"])["transformer"]
+    write_json(head / THRESHOLD_NAME, {"threshold": CERTIFIED.to_dict(), "tasks": {}, "fingerprint": {}})
     port = free_port()
     env = {**os.environ, "ATS_CACHE": str(tmp_path / "cache"), "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
@@ -88,7 +94,7 @@ def test_serve_engine_vllm_answers_the_openai_client_with_calibrated_logprobs(ti
         server.terminate()
         server.wait(timeout=60)
         log.close()
-    assert list((tmp_path / "cache" / "vllm").iterdir())  # the export, made on the fly under the cache
+    (export,) = (tmp_path / "cache" / "vllm").iterdir()  # the export, made on the fly under the cache
     tokens = out.choices[0].logprobs.content
     ids = encode_prompts(backbone, [prompt])[0][0].tolist()
     (want,) = reference(backbone, load_calibrator(head), [ids], 8, 5)
@@ -99,3 +105,10 @@ def test_serve_engine_vllm_answers_the_openai_client_with_calibrated_logprobs(ti
     got = {"tokens": [token_id(t.token) for t in tokens],
            "logprobs": [{token_id(a.token): a.logprob for a in [t, *t.top_logprobs]} for t in tokens]}
     assert max_difference(got, want, keys=("logprobs",)) <= 1e-3
+    # the client's answer-or-abstain decision: the mean calibrated probability of the 8 tokens (cut by the length
+    # limit, so all count), from ats's own decoding core, against the threshold the export carries
+    confidence = sum(math.exp(step[token]) for step, token in zip(want["logprobs"], want["tokens"])) / 8
+    decision = AnswerDecider.from_export(export).decide(out.choices[0])
+    assert decision["answer_confidence"] == pytest.approx(confidence, abs=1e-4)
+    assert decision == {**CERTIFIED.decide(decision["answer_confidence"]),
+                        "answer_confidence": decision["answer_confidence"]}

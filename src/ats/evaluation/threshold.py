@@ -128,6 +128,19 @@ class CertifiedThreshold(ConfigMixin):
             return np.zeros(conf.shape, dtype=bool)
         return conf >= self.threshold
 
+    def decide(self, confidence: float | None) -> dict:
+        """The decision on one answer as `ats serve`, `ats generate` and the vLLM client report it.
+
+        Args:
+            confidence: the answer's calibrated confidence; None or not finite (no answer tokens): abstain.
+
+        Returns:
+            {"answered": bool, "threshold", "target_risk" (alpha), "delta"}.
+        """
+        usable = confidence is not None and bool(np.isfinite(confidence))
+        return {"answered": usable and bool(self.answers([confidence])[0]), "threshold": self.threshold,
+                "target_risk": self.alpha, "delta": self.delta}
+
 
 def certify_threshold(confidence, correct, *, alpha: float, delta: float) -> CertifiedThreshold:
     """The lowest confidence threshold certified to keep the selective risk <= alpha with probability >= 1 - delta

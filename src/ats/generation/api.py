@@ -205,8 +205,8 @@ def generate_calibrated(
                for i, row in enumerate(rows)]
     if threshold is not None:
         for out in outputs:
-            out.threshold = threshold.threshold
-            out.answered = math.isfinite(out.answer_confidence) and bool(threshold.answers([out.answer_confidence])[0])
+            decision = threshold.decide(out.answer_confidence)
+            out.threshold, out.answered = decision["threshold"], decision["answered"]
     return outputs
 
 

@@ -93,9 +93,7 @@ def summary(tokens: list[TokenLogprob], info: dict | None = None,
                "mean_uncalibrated": _finite(sum(math.exp(x) for x in z) / len(z)),
                "product_uncalibrated": _finite(math.exp(sum(z)))}
     if threshold is not None:
-        confidence = out["answer_confidence"]
-        out.update(answered=confidence is not None and bool(threshold.answers([confidence])[0]),
-                   threshold=threshold.threshold, target_risk=threshold.alpha, delta=threshold.delta)
+        out.update(threshold.decide(out["answer_confidence"]))
     return out
 
 

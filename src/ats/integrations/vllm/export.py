@@ -2,7 +2,8 @@
 
     OUT/config.json         the base model's config, `architectures` = ["ATSCalibratedForCausalLM"], and
                             "ats_calibration": {base_architecture, calibrator, method, base_model, revision, ...}
-    OUT/calibrator/         the calibrator as `save_pretrained` writes it (absent for `none`)
+    OUT/calibrator/         the calibrator as `save_pretrained` writes it (absent for `none`), with the certified
+                            threshold.json of its folder when it has one (`ats certify`; `abstain.AnswerDecider`)
     OUT/*.safetensors ...   every other file of the base model folder, linked (or copied with `copy=True`)
     OUT/fingerprint.json    what made it: a rerun reuses the folder only for the same model and calibrator
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from ... import __version__
 from ...calibrators import Calibrator, load_calibrator
 from ...errors import ATSError
+from ...evaluation.threshold import THRESHOLD_NAME, read_threshold
 from ...fingerprint import check_reuse, make_fingerprint, stored_fingerprint, write_fingerprint
 from ...hub import MODEL_PATTERNS, resolve_folder
 from ...io import atomic_dir, read_json, write_json
@@ -99,7 +101,8 @@ def _place(source: Path, target: Path, copy: bool) -> None:
 
 
 def export_for_vllm(model: str, calibrator: str | Path | Calibrator | None, out: str | Path, *,
-                    revision: str | None = None, copy: bool = False, overwrite: bool = False) -> Path:
+                    revision: str | None = None, copy: bool = False, overwrite: bool = False,
+                    threshold_from: str | Path | None = None) -> Path:
     """Write (or reuse) the folder vLLM loads as `model` calibrated by `calibrator`.
 
     Args:
@@ -110,6 +113,8 @@ def export_for_vllm(model: str, calibrator: str | Path | Calibrator | None, out:
         revision: the Hub revision of `model`.
         copy: copy the base model's files instead of linking them (a folder that outlives the source).
         overwrite: replace an export made from another model or calibrator instead of refusing.
+        threshold_from: the calibrator folder whose certified threshold.json the export carries, when `calibrator`
+            is given loaded (a folder given as `calibrator` is that folder).
 
     Returns:
         `out`.
@@ -120,9 +125,11 @@ def export_for_vllm(model: str, calibrator: str | Path | Calibrator | None, out:
     """
     out = Path(out)
     if calibrator is None or str(calibrator) == "none":
-        calibrator = None
+        calibrator = threshold_from = None
     elif not isinstance(calibrator, Calibrator):
+        threshold_from = calibrator
         calibrator = load_calibrator(calibrator)
+    threshold = None if threshold_from is None else _threshold_file(threshold_from)
     if calibrator is not None:
         check_engine_calibrator(calibrator, f"{calibrator.label!r}")
     folder, facts, config = base_model(model, revision)
@@ -135,7 +142,8 @@ def export_for_vllm(model: str, calibrator: str | Path | Calibrator | None, out:
               "method": "none" if calibrator is None else calibrator.label, "library_version": __version__}
     fingerprint = make_fingerprint("vllm-export", base_model=facts.name, revision=facts.revision,
                                    source=str(folder.resolve()), copy=copy,
-                                   calibrator=None if calibrator is None else calibrator.digest())
+                                   calibrator=None if calibrator is None else calibrator.digest(),
+                                   threshold=None if threshold is None else read_json(threshold))
     if out.exists() and check_reuse(out, "vLLM export", stored_fingerprint(out), fingerprint, overwrite=overwrite):
         return out
     with atomic_dir(out) as tmp:
@@ -145,9 +153,21 @@ def export_for_vllm(model: str, calibrator: str | Path | Calibrator | None, out:
         write_json(tmp / "config.json", {**config, "architectures": [ARCHITECTURE], CONFIG_KEY: record})
         if calibrator is not None:
             calibrator.save_pretrained(tmp / CALIBRATOR_FOLDER)
+        if threshold is not None:
+            shutil.copyfile(threshold, tmp / CALIBRATOR_FOLDER / THRESHOLD_NAME)
         write_fingerprint(tmp, fingerprint)
     logger.info("exported %s calibrated by %s for vLLM to %s", facts.name, record["method"], out)
     return out
+
+
+def _threshold_file(calibrator: str | Path) -> Path | None:
+    """The certified threshold (`ats certify`) saved beside a local calibrator folder, which the export carries for
+    the client's answer-or-abstain decision (`abstain.AnswerDecider`); None for a Hub id or a folder without one."""
+    path = Path(calibrator) / THRESHOLD_NAME
+    if not path.is_file():
+        return None
+    read_threshold(path.parent)  # a record that does not parse is refused here, naming the file
+    return path
 
 
 def read_export(folder: str | Path) -> dict:

@@ -4,7 +4,8 @@ the fly under the cache and reused while they are the same (`export_for_vllm`'s 
 The server is vLLM's (`python -m vllm.entrypoints.openai.api_server`; the `vllm` script is not used because vLLM
 built for CPUs installs under another distribution name and the script fails there): its logprobs and
 top_logprobs are the calibrated ones, its sampling temperature applies on top. What it does not return is ats's
-`ats` field per choice (sequence and answer confidence, tau): that is `ats serve`'s own engine.
+`ats` field per choice (sequence and answer confidence, tau): that is `ats serve`'s own engine; the
+answer-or-abstain decision of a certified threshold is made by the client (`abstain.AnswerDecider`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ...calibrators import Calibrator, load_calibrator
+from ...evaluation.threshold import read_threshold
 from ...model.backbone import cache_dir
+from . import CALIBRATOR_FOLDER
 from .export import export_for_vllm
 
 logger = logging.getLogger(__name__)
@@ -68,11 +71,18 @@ def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_n
         ATSError: a calibrator vLLM cannot run or made for another model (before anything starts).
     """
     loaded = None if calibrator is None or str(calibrator) == "none" else load_calibrator(calibrator)
-    folder = export_for_vllm(model, loaded, export or export_cache(model, loaded), revision=revision)
+    folder = export_for_vllm(model, loaded, export or export_cache(model, loaded), revision=revision,
+                             overwrite=export is None, threshold_from=None if loaded is None else calibrator)
     argv = server_argv(folder, served_model_name=served_model_name, host=host, port=port, dtype=dtype,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, vllm_args=vllm_args)
     logger.info("starting vLLM's OpenAI server on %s (calibrated by %s): http://%s:%d/v1", folder,
                 "none" if loaded is None else loaded.label, host, port)
+    threshold = read_threshold(folder / CALIBRATOR_FOLDER)
+    if threshold is not None:
+        logger.info("the calibrator's certified threshold %s (target risk %g) travels with the export; vLLM's "
+                    "responses do not carry the answer-or-abstain field: clients decide with "
+                    "ats.integrations.vllm.abstain.AnswerDecider.from_export(%r)", threshold.threshold,
+                    threshold.alpha, str(folder))
     env = dict(os.environ, **({"VLLM_API_KEY": api_key} if api_key else {}))
     for handler in logging.getLogger("ats").handlers:
         handler.flush()

@@ -1,0 +1,94 @@
+"""Answer or abstain on vLLM's answers: the export carries the certified threshold of the calibrator's folder, and
+`AnswerDecider` turns a response's calibrated logprobs into `ats serve`'s decision fields (hand-computed here; the
+slow server test checks them on a real vLLM response)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ats.calibrators import build_calibrator
+from ats.errors import ATSError
+from ats.evaluation.threshold import THRESHOLD_NAME, CertifiedThreshold
+from ats.integrations.vllm import CALIBRATOR_FOLDER
+from ats.integrations.vllm.abstain import AnswerDecider
+from ats.integrations.vllm.export import export_for_vllm
+from ats.io import write_json
+
+CERTIFIED = CertifiedThreshold(threshold=0.6, alpha=0.2, delta=0.1, n=400, coverage=0.5, risk=0.12, bound=0.18)
+
+
+def saved_with_threshold(folder, threshold: CertifiedThreshold | None = CERTIFIED):
+    """A temperature-scaling calibrator saved in `folder`, with `threshold` written as `ats certify` writes it."""
+    cal = build_calibrator("temperature")
+    cal.temperature = 1.3
+    cal.save_pretrained(folder)
+    if threshold is not None:
+        write_json(folder / THRESHOLD_NAME, {"threshold": threshold.to_dict(), "tasks": {}, "fingerprint": {}})
+    return folder
+
+
+def test_export_carries_the_threshold_and_refuses_a_changed_one(tiny_models, tmp_path):
+    folder, backbone = tiny_models["llama"]
+    cal = saved_with_threshold(tmp_path / "cal")
+    out = export_for_vllm(str(folder), str(cal), tmp_path / "out")
+    assert json.loads((out / CALIBRATOR_FOLDER / THRESHOLD_NAME).read_text()) == \
+        json.loads((cal / THRESHOLD_NAME).read_text())
+    decider = AnswerDecider.from_export(out)
+    assert decider.threshold == CERTIFIED
+    eos = backbone.tokenizer.eos_token_id
+    assert {f"token_id:{eos}", backbone.tokenizer.eos_token} <= decider.end_tokens
+
+    other = CertifiedThreshold(threshold=0.7, alpha=0.1, delta=0.1, n=400, coverage=0.3, risk=0.05, bound=0.09)
+    saved_with_threshold(tmp_path / "cal", other)
+    with pytest.raises(ATSError, match="vLLM export"):
+        export_for_vllm(str(folder), str(cal), tmp_path / "out")
+    export_for_vllm(str(folder), str(cal), tmp_path / "out", overwrite=True)
+    assert AnswerDecider.from_export(tmp_path / "out").threshold == other
+
+
+def test_export_without_a_threshold_decides_nothing(tiny_models, tmp_path):
+    folder, _ = tiny_models["llama"]
+    out = export_for_vllm(str(folder), str(saved_with_threshold(tmp_path / "cal", None)), tmp_path / "out")
+    assert not (out / CALIBRATOR_FOLDER / THRESHOLD_NAME).exists()
+    choice = {"finish_reason": "length", "logprobs": {"content": [{"token": "a", "logprob": -0.2}]}}
+    assert AnswerDecider.from_export(out).decide(choice) == {"answer_confidence": pytest.approx(math.exp(-0.2))}
+
+
+def test_export_refuses_a_threshold_that_does_not_parse(tiny_models, tmp_path):
+    folder, _ = tiny_models["llama"]
+    cal = saved_with_threshold(tmp_path / "cal")
+    (cal / THRESHOLD_NAME).write_text(json.dumps({"tasks": {}}))
+    with pytest.raises(ATSError, match=f"{THRESHOLD_NAME}: missing key 'threshold'"):
+        export_for_vllm(str(folder), str(cal), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_decide_leaves_out_the_end_token_only_when_it_ended_the_answer():
+    decider = AnswerDecider(CERTIFIED, frozenset({"<eos>", "token_id:2"}))
+    content = [{"token": "Par", "logprob": -0.1}, {"token": "is", "logprob": -0.9},
+               {"token": "<eos>", "logprob": -0.01}]
+    # stopped by the end token: it is not part of the answer
+    stopped = decider.decide({"finish_reason": "stop", "logprobs": {"content": content}})
+    mean = (math.exp(-0.1) + math.exp(-0.9)) / 2  # 0.6558...
+    assert stopped == {"answer_confidence": pytest.approx(mean, abs=1e-12), "answered": True, "threshold": 0.6,
+                       "target_risk": 0.2, "delta": 0.1}
+    # cut by the length limit (ignore_eos): every token counts, and the mean falls below the threshold
+    cut = decider.decide({"finish_reason": "length", "logprobs": {"content": content[:2] + [
+        {"token": "token_id:2", "logprob": -2.0}]}})
+    assert cut["answer_confidence"] == pytest.approx((math.exp(-0.1) + math.exp(-0.9) + math.exp(-2.0)) / 3)
+    assert cut["answered"] is False
+    # the completions API's layout gives the same decision
+    completion = {"finish_reason": "stop", "logprobs": {"tokens": ["Par", "is", "<eos>"],
+                                                        "token_logprobs": [-0.1, -0.9, -0.01]}}
+    assert decider.decide(completion) == stopped
+    # an answer of the end token alone has no confidence: abstain
+    empty = decider.decide({"finish_reason": "stop", "logprobs": {"content": content[2:]}})
+    assert empty["answer_confidence"] is None and empty["answered"] is False
+
+
+def test_decide_refuses_a_choice_without_logprobs():
+    with pytest.raises(ATSError, match="logprobs=True"):
+        AnswerDecider(CERTIFIED, frozenset()).decide({"finish_reason": "stop", "logprobs": None})
