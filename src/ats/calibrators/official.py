@@ -26,12 +26,12 @@ from torch import Tensor, nn
 from ..errors import ATSError
 from ..model.backbone import Backbone
 from ..model.heads import HeadConfig
+from ..model.heads.config import MAX_SCALE  # the official max_temperature (not in config.json, never changed)
 from .ats import ATSCalibrator, ATSConfig
 
 OFFICIAL_CONFIG = "config.json"
 OFFICIAL_WEIGHTS = "calibration_head.safetensors"
 OFFICIAL_PICKLE = "calibration_head.bin"
-MAX_SCALE = 10.0  # the official BaseAdaptiveCalibrationHead's max_temperature (not in config.json, never changed)
 RMS_EPS = 1e-6  # the official DecoderLayer's rms_norm_eps (TransformerHead never passes another)
 ROPE_THETA = 10000.0  # the official SelfAttention's rope_theta (not in config.json)
 REQUIRED = ("calibration_type", "in_features", "intermediate_size", "num_attention_heads")

@@ -142,7 +142,7 @@ def mean_token_confidence(p: Tensor, valid: Tensor) -> Tensor:
 
 
 # --- answer confidence as the tasks compute it, differentiable in the scale ------------------------------------------
-def answer_confidence(answers: AnswerSet, questions: Tensor, row_scale: Tensor, position_log_p: Tensor,
+def questions_confidence(answers: AnswerSet, questions: Tensor, row_scale: Tensor, position_log_p: Tensor,
                       positions: Tensor) -> tuple[Tensor, Tensor]:
     """(confidence (Q_b,), correct (Q_b,) bool) of the questions `questions`, differentiable w.r.t. the scales.
 
@@ -260,7 +260,7 @@ def confidence_and_penalty(calibrator, answers: AnswerSet, questions: Tensor, lo
     else:
         h = t["hidden"][offsets[pos_row] + pos_in_row].float()  # (P_b, H)
         log_p = -scaled_cross_entropy(h, scale, t["pos_target"][p0:p1], logits_fn, chunk_size).ce_label
-    return (*answer_confidence(answers, questions, scale, log_p, positions), penalty)
+    return (*questions_confidence(answers, questions, scale, log_p, positions), penalty)
 
 
 @torch.no_grad()

@@ -24,8 +24,9 @@ Loss types:
 - "none": plain CE(q, y) on all tokens (NLL; the ablation without smoothing).
 - "full": label smoothing on every token, (1 - alpha) CE(q, y) + alpha CE(q, u).
 - "top-label": the log loss of the calibrated top-1 confidence p = softmax(q)[argmax z] as a forecast of whether the
-  top token is right, -[c log p + (1 - c) log(1 - p)]: a proper scoring rule for exactly the confidence that token-level
-  ECE measures (our objective beyond the paper; alpha is unused).
+  top token is right, -[c log p + (1 - c) log(1 - p)] (`ats.log_loss`, the clipping of every log loss here): a proper
+  scoring rule for exactly the confidence that token-level ECE measures (our objective beyond the paper; alpha is
+  unused).
 
 The answer losses score the confidence of a whole answer as the tasks compute it (`ats.training.answers`), against
 whether the answer is right (docs/method.md, "Heads trained on answers"): a proper scoring rule back-propagated
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from ..checks import check_choice, check_nonnegative_int, check_number, check_positive_int
 from ..errors import ATSError
+from ..log_loss import binary_log_loss, binary_log_loss_of_log
 from ..model.scale_summary import scaled_ce_from_summary
 from ..model.scaled_ce import LogitsFn, ScaledCE, scaled_cross_entropy
 from .config import ANSWER_LOSSES, LOSS_TYPES, WEIGHTINGS
@@ -61,21 +63,6 @@ class LossOutput:
 def _group_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of values[mask]; 0 (still in the graph) for an empty group."""
     return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
-def log_loss_of_top(log_p_top: Tensor, correct: Tensor) -> Tensor:
-    """Per-token binary log loss of the top-1 confidence exp(log_p_top) (N,) against correctness (N,) bool.
-
-    Args:
-        log_p_top: (N,) log of the calibrated top-1 confidence (clamped just below 0 so log(1 - p) is finite).
-        correct: (N,) bool, argmax z == y.
-
-    Returns:
-        (N,) -log p where correct, -log(1 - p) elsewhere.
-    """
-    log_p = log_p_top.clamp(max=-1e-7)  # p < 1, so log(1 - p) stays finite
-    log_not_p = torch.log(-torch.expm1(log_p))  # log(1 - p), accurate near p = 1
-    return -torch.where(correct, log_p, log_not_p)
 
 
 def reference_selective(ce_y: Tensor, ce_u: Tensor, correct: Tensor, alpha: float, ignored: int) -> Tensor:
@@ -171,7 +158,7 @@ def calibration_loss(
     elif loss_type == "full":
         loss = ((1 - a) * ce_y + a * ce_u).mean()
     elif loss_type == "top-label":
-        loss = log_loss_of_top(out.log_p_top, correct).mean()
+        loss = binary_log_loss_of_log(out.log_p_top, correct).mean()
     elif weighting == "token":
         loss = torch.where(correct, (1 - a) * ce_y, a * ce_u).mean()
     else:
@@ -193,10 +180,8 @@ def answer_loss(confidence: Tensor, correct: Tensor, loss_type: str) -> Tensor:
     Raises:
         ATSError: if the loss type is unknown.
     """
-    c = correct.to(confidence.dtype)
     if loss_type == "answer-log":
-        p = confidence.clamp(1e-7, 1 - 1e-7)
-        return -(c * torch.log(p) + (1 - c) * torch.log1p(-p)).mean()
+        return binary_log_loss(confidence, correct).mean().to(confidence.dtype)
     if loss_type == "answer-brier":
-        return ((confidence - c) ** 2).mean()
+        return ((confidence - correct.to(confidence.dtype)) ** 2).mean()
     raise ATSError(f"answer loss must be one of {', '.join(ANSWER_LOSSES)}, got {loss_type!r}")

@@ -22,7 +22,7 @@ from ..evaluation.answers import build_answer_set
 from ..fingerprint import check_reuse, refusal, stored_fingerprint, write_fingerprint
 from ..io import read_json, write_json
 from ..model.backbone import Backbone
-from ..model.heads import HeadConfig
+from ..model.heads import MAX_SCALE, HeadConfig
 from ..model.scale_summary import ScaleSummarySpec
 from ..training.answers import META_NAME as ANSWERS_META
 from ..training.answers import AnswerSet
@@ -214,7 +214,7 @@ def head_preset(method: str, head_type: str | None = None, label: str | None = N
 
 
 def fit_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, *, method: str = "ats",
-             head_type: str | None = None, max_scale: float = 10.0, training: TrainingConfig | None = None,
+             head_type: str | None = None, max_scale: float = MAX_SCALE, training: TrainingConfig | None = None,
              label: str | None = None, overwrite: bool = False, resume: bool = False, progress: bool = True,
              dist: Dist | None = None) -> tuple[ATSCalibrator, bool]:
     """Train an ATS-family head (`method`: ats, selective-temperature, selective-linear) and save it to `out_dir`.
@@ -287,7 +287,7 @@ def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, 
 
 
 def check_before_loading(features_dir: str | Path, head_dir: str | Path | None, data: DataConfig, *,
-                         head_type: str | None = None, max_scale: float = 10.0, method: str = "ats",
+                         head_type: str | None = None, max_scale: float = MAX_SCALE, method: str = "ats",
                          training: TrainingConfig | None = None, overwrite: bool = False) -> None:
     """Refuse, before the backbone loads, a rerun whose data or head options differ from those of the features and
     head already in the run folder. The head's fingerprint is `fit_head`'s, built from the stored features'
