@@ -1,11 +1,11 @@
 """Calibration losses for a head's per-token scale `s` (calibrated logits `q = z * s`), on N response tokens.
 
 The per-token quantities (CE to the label, CE to uniform, the calibrated top-1 log-probability, correctness) come from
-the tokens' scale summaries when the batch carries them (`ats.model.scale_summary`, no vocabulary-sized work), or
-else from one chunked pass over the logits, `ats.model.scaled_ce.scaled_cross_entropy` (the exact route), so (N, V)
-logits never exist at once. Both give the same `ScaledCE`, so every loss below is written once. A token is correct
-when argmax z == y (the same as argmax q, since s > 0). alpha is the smoothing weight (the reference code's
-`smooth_loss_weight`).
+the tokens' scale summaries when the caller passes them (the route `ats.model.token_ce.summary_route` chose; no
+vocabulary-sized work), or else from one chunked pass over the logits (the exact route), so (N, V) logits never exist
+at once (`ats.model.token_ce.token_ce`). Both give the same `ScaledCE`, so every loss below is written once. A token
+is correct when argmax z == y (the same as argmax q, since s > 0). alpha is the smoothing weight (the reference
+code's `smooth_loss_weight`).
 
 Loss types:
 - "selective" (the paper's): correct tokens get (1 - alpha) CE(q, y), wrong tokens alpha CE(q, u): sharpen where the
@@ -45,8 +45,8 @@ from torch import Tensor
 from ..checks import check_choice, check_nonnegative_int, check_number, check_positive_int
 from ..errors import ATSError
 from ..log_loss import binary_log_loss, binary_log_loss_of_log
-from ..model.scale_summary import scaled_ce_from_summary
-from ..model.scaled_ce import LogitsFn, ScaledCE, scaled_cross_entropy
+from ..model.scaled_ce import LogitsFn
+from ..model.token_ce import token_ce
 from .config import ANSWER_LOSSES, LOSS_TYPES, WEIGHTINGS
 
 
@@ -90,16 +90,6 @@ def reference_selective(ce_y: Tensor, ce_u: Tensor, correct: Tensor, alpha: floa
         return ce_y.sum() * 0.0
     smooth = (ce_u * (1 - c)).sum() / n_wrong.clamp(min=1)  # ignored positions add zeros to this mean
     return (w_c * _group_mean(ce_y, c) + w_w * smooth) / total
-
-
-def _scaled_ce(hidden: Tensor, scale: Tensor, labels: Tensor, logits_fn: LogitsFn, chunk_size: int,
-               summary: Tensor | None) -> ScaledCE:
-    """The per-token quantities of q = z * scale: from the summary rows when given, else by the exact route."""
-    if summary is None:
-        return scaled_cross_entropy(hidden, scale, labels, logits_fn, chunk_size)
-    if summary.dim() != 2 or summary.shape[0] != scale.shape[0]:
-        raise ATSError(f"calibration_loss: expected summary ({scale.shape[0]}, D), got {tuple(summary.shape)}")
-    return scaled_ce_from_summary(summary, scale)
 
 
 def calibration_loss(
@@ -151,7 +141,7 @@ def calibration_loss(
     if N == 0:
         return LossOutput(loss=scale.sum() * 0.0, n_correct=0, n_tokens=0, nll=0.0)
 
-    out = _scaled_ce(hidden, scale, labels, logits_fn, chunk_size, summary)  # (N,) each
+    out = token_ce(hidden, scale, labels, logits_fn, chunk_size=chunk_size, summary=summary)  # (N,) each
     ce_y, ce_u, correct = out.ce_label, out.ce_uniform, out.correct
     if loss_type == "none":
         loss = ce_y.mean()
