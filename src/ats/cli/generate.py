@@ -40,7 +40,10 @@ def run(args) -> int:
 
     import torch  # the library loads once the options are checked
 
+    from ..evaluation.threshold import read_threshold
     from ..generation import DecodingCalibration, generate_calibrated, print_stream
+
+    threshold = None if folder is None else read_threshold(folder)  # a bad threshold.json fails before the model
 
     backbone = options.backbone_from_args(args)
     calibrator = None if folder is None else options.load_calibrator_folder(folder, backbone)
@@ -49,10 +52,15 @@ def run(args) -> int:
     outputs = generate_calibrated(backbone, calibrator, [" ".join(args.prompt)], max_new_tokens=args.max_new_tokens,
                                   do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, stop_strings=args.stop,
-                                  chat_template=not args.no_chat_template, stream=print_stream)
+                                  chat_template=not args.no_chat_template, stream=print_stream, threshold=threshold)
     for out in outputs:
         print(f"\nsequence confidence: mean {out.mean_confidence:.3f}, product {out.product_confidence:.3g} "
               f"(uncalibrated mean {out.mean_uncalibrated:.3f})")
         kind = "through the calibrator's bins" if out.confidence_kind == "mapped" else "mean token probability"
         print(f"answer confidence: {out.answer_confidence:.3f} ({kind}, as ats eval scores answers)")
+        if threshold is not None:
+            rule = ("no threshold was certified" if threshold.threshold is None else
+                    f"certified threshold {threshold.threshold:.3f}: risk <= {threshold.alpha:g} with probability "
+                    f">= {1 - threshold.delta:g}")
+            print(f"{'answered' if out.answered else 'abstains'} ({rule})")
     return 0

@@ -3,6 +3,7 @@
     ats train    --model M --out DIR        (Thermometer on the model's own answers to a labelled QA pool)
     ats train    --model M --data alpaca_gpt4 --head transformer --loss selective --alpha 0.5 --out DIR   (the paper)
     ats eval     --model M --calibrator DIR|temperature|... --tasks mmlu,triviaqa,truthfulqa_mc1 --out DIR
+    ats certify  --model M --calibrator DIR --target-risk 0.1 --delta 0.1   (answer-or-abstain threshold)
     ats generate --model M --calibrator DIR "prompt"
     ats serve    --model M --calibrator DIR --port 8000      (OpenAI-compatible, calibrated logprobs)
     ats serve    --engine vllm --model M --calibrator DIR    (the same in vLLM's server; docs/vllm.md)
@@ -25,12 +26,12 @@ import os
 import sys
 
 from ..errors import ATSError, OptionError
-from . import ablate, calibration_report, convert, demo, eval, export, generate, lmeval, serve, train
+from . import ablate, calibration_report, certify, convert, demo, eval, export, generate, lmeval, serve, train
 
 # A command is one module: `add_parser(sub)` adds its options (from the torch-free configs and name tables) and
 # `run(args)` does the work, importing torch, transformers and the library inside. So `--help` and argument errors
 # answer without them (tests/cli/test_startup.py).
-COMMANDS = (train, eval, generate, ablate, demo, serve, export, lmeval, calibration_report, convert)
+COMMANDS = (train, eval, certify, generate, ablate, demo, serve, export, lmeval, calibration_report, convert)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -88,10 +88,12 @@ def run(args) -> int:
     try:
         import uvicorn
 
+        from ..evaluation.threshold import read_threshold
         from ..serving import Engine, create_app
     except ImportError as err:
         raise ATSError(f"ats serve needs the serve extra ({err.name} is missing): pip install 'ats[serve]'") from None
     _check_port_free(args.host, args.port)
+    threshold = None if folder is None else read_threshold(folder)  # a bad threshold.json fails before the model
     if args.threads is not None:
         import torch
 
@@ -102,7 +104,10 @@ def run(args) -> int:
                     max_model_len=args.max_model_len)
     logger.info("%s", engine.calibration.describe())
     name = args.served_model_name or args.model
-    app = create_app(engine, model_name=name, api_key=key)
+    if threshold is not None:
+        logger.info("answer-or-abstain: answered when the answer confidence is >= %s (certified: risk <= %g with "
+                    "probability >= %g)", threshold.threshold, threshold.alpha, 1 - threshold.delta)
+    app = create_app(engine, model_name=name, api_key=key, threshold=threshold)
     logger.info("serving %s (%s) on http://%s:%d/v1", name, engine.calibration.label, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
     return 0

@@ -160,3 +160,26 @@ def certify_threshold(confidence, correct, *, alpha: float, delta: float) -> Cer
     risk = float(curve.errors[k] / curve.answered[k])
     return CertifiedThreshold(threshold=float(curve.thresholds[k]), alpha=alpha, delta=delta, n=curve.n,
                               coverage=float(curve.answered[k] / curve.n), risk=risk, bound=float(bounds[k]))
+
+
+THRESHOLD_NAME = "threshold.json"  # a calibrator folder's certified threshold (`ats certify`), read by serve / generate
+
+
+def read_threshold(folder) -> CertifiedThreshold | None:
+    """The certified threshold saved in a calibrator folder (`threshold.json`, written by `ats certify`), or None
+    when the folder has none.
+
+    Raises:
+        ATSError: naming the file, if it is not a valid record.
+    """
+    from pathlib import Path
+
+    from ..io import read_json
+
+    path = Path(folder) / THRESHOLD_NAME
+    if not path.is_file():
+        return None
+    record = read_json(path)
+    if not isinstance(record, dict) or "threshold" not in record:
+        raise ATSError(f"{path}: missing key 'threshold' (write it with ats certify)")
+    return CertifiedThreshold.from_dict(record["threshold"], where=f"{path}: threshold")

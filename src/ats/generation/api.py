@@ -20,6 +20,7 @@ import torch
 
 from ..calibrators.base import Calibrator
 from ..errors import ATSError
+from ..evaluation.threshold import CertifiedThreshold
 from ..model.backbone import Backbone
 from .decoder import Decoder, Row
 from .logprobs import answer_confidence
@@ -54,6 +55,8 @@ class CalibratedGeneration:
     tokens: list[str] = field(default_factory=list)  # each token decoded on its own
     answer_confidence: float = float("nan")  # the answer's confidence as the evaluation tasks compute it
     confidence_kind: str = "probability"  # "mapped": through a binning calibrator's map
+    answered: bool | None = None  # with a certified threshold: answer_confidence >= it (None: no threshold)
+    threshold: float | None = None  # that threshold (None: none, or abstain always)
 
     @property
     def mean_confidence(self) -> float:
@@ -87,7 +90,7 @@ class CalibratedGeneration:
                 "uncalibrated": self.uncalibrated, "taus": self.taus, "mean_confidence": self.mean_confidence,
                 "product_confidence": self.product_confidence, "mean_uncalibrated": self.mean_uncalibrated,
                 "product_uncalibrated": self.product_uncalibrated, "answer_confidence": self.answer_confidence,
-                "confidence_kind": self.confidence_kind}
+                "confidence_kind": self.confidence_kind, "answered": self.answered, "threshold": self.threshold}
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -145,6 +148,7 @@ def generate_calibrated(
     stop_strings: str | Sequence[str] | None = None,
     chat_template: bool = True,
     stream: Callable[[StreamToken], None] | None = None,
+    threshold: CertifiedThreshold | None = None,
     **options,
 ) -> list[CalibratedGeneration]:
     """Generate from `backbone` with calibrated logits and per-token calibrated confidence.
@@ -164,6 +168,8 @@ def generate_calibrated(
         stop_strings: generation stops at the first one and the text is cut before it.
         chat_template: see `prompts`.
         stream: called with a `StreamToken` per generated token (use `print_stream` for coloured terminal output).
+        threshold: a certified answer-or-abstain threshold (`ats certify`; `read_threshold(folder)`): each output
+            then says whether it is answered (`answered`).
         **options: `num_return_sequences` (sequences per prompt), `min_new_tokens` (no end-of-sequence before),
             `logits_processor` (transformers processors, run on the calibrated logits before the warpers);
             `num_beams` must be 1.
@@ -195,8 +201,13 @@ def generate_calibrated(
     if streamer is not None:
         streamer.close()
     kind = decoder.calibration.confidence_kind
-    return [_output(backbone.tokenizer, row, prompts[i // repeats], texts[i // repeats], kind)
-            for i, row in enumerate(rows)]
+    outputs = [_output(backbone.tokenizer, row, prompts[i // repeats], texts[i // repeats], kind)
+               for i, row in enumerate(rows)]
+    if threshold is not None:
+        for out in outputs:
+            out.threshold = threshold.threshold
+            out.answered = math.isfinite(out.answer_confidence) and bool(threshold.answers([out.answer_confidence])[0])
+    return outputs
 
 
 def _check_options(max_new_tokens, options: dict) -> None:

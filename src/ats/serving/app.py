@@ -24,6 +24,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ATSError
+from ..evaluation.threshold import CertifiedThreshold
 from ..generation.sampling import SamplingParams
 from .api_errors import APIError, validation_error
 from .engine import ContextLengthExceeded, Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull
@@ -172,12 +173,14 @@ class Service:
     Args:
         engine: the engine serving the requests.
         model_name: the model name the API reports and accepts.
+        threshold: the calibrator's certified threshold, or None.
     """
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, threshold: CertifiedThreshold | None = None) -> None:
         self.engine, self.model_name, self.tok = engine, model_name, engine.tokenizer
         self.renderer = Renderer(self.tok, model_name, {"calibrator": engine.calibration.label,
-                                                        "confidence_kind": engine.calibration.confidence_kind})
+                                                        "confidence_kind": engine.calibration.confidence_kind},
+                                 threshold)
         self.started = int(time.time())
 
     def check_model(self, name: str) -> None:
@@ -408,7 +411,7 @@ async def _completion_stream(renderer: Renderer, run: Run, body: CompletionReque
                 base = bases[event.choice // body.n]
                 ats = extension(event.tokens, final=False)
                 if event.finish_reason is not None:
-                    ats.update(summary(collected.choices[event.choice].tokens, renderer.info))
+                    ats.update(summary(collected.choices[event.choice].tokens, renderer.info, renderer.threshold))
                 yield _data(chunk(event.choice, event.text, event.tokens, [t.offset + base for t in event.tokens],
                                   event.finish_reason, ats))
         if body.include_usage:
@@ -421,18 +424,21 @@ async def _completion_stream(renderer: Renderer, run: Run, body: CompletionReque
         run.cancel()
 
 
-def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
+               threshold: CertifiedThreshold | None = None) -> FastAPI:
     """The app serving `engine` as model `model_name`; with `api_key`, every route but /health needs it.
 
     Args:
         engine: the engine; started and stopped with the app.
         model_name: the model name the API reports and accepts.
         api_key: the key clients must send as `Authorization: Bearer KEY`; None: no key.
+        threshold: the calibrator's certified threshold (`ats certify`): every choice's `ats` field then says
+            whether it is answered; None: no decision.
 
     Returns:
         The FastAPI app.
     """
-    service = Service(engine, model_name)
+    service = Service(engine, model_name, threshold)
     app = FastAPI(title="ats: calibrated OpenAI-compatible server", lifespan=_lifespan(engine))
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)

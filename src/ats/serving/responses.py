@@ -18,6 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..evaluation.threshold import CertifiedThreshold
 from ..generation.logprobs import TokenLogprob, answer_confidence
 from .engine import Generated, PromptScored
 
@@ -64,32 +65,42 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def summary(tokens: list[TokenLogprob], info: dict | None = None) -> dict:
-    """The sequence figures of a choice's generated tokens (None when it has none).
+def summary(tokens: list[TokenLogprob], info: dict | None = None,
+            threshold: CertifiedThreshold | None = None) -> dict:
+    """The sequence figures of a choice's generated tokens (None when it has none), and with a certified
+    `threshold` the decision: answer (answer_confidence >= threshold) or abstain.
 
     Args:
         tokens: the choice's generated tokens.
         info: the served calibrator's {"calibrator", "confidence_kind"}, copied in.
+        threshold: the calibrator's certified threshold (`ats certify`), or None.
 
     Returns:
         {"answer_confidence", "mean_confidence", "product_confidence", "mean_uncalibrated", "product_uncalibrated"}
-        and `info`; a value that is not finite is None.
+        and `info`; with `threshold` also {"answered", "threshold", "target_risk", "delta"}; a value that is not
+        finite is None.
     """
     info = dict(info or {})
     if not tokens:
-        return {"answer_confidence": None, "mean_confidence": None, "product_confidence": None,
-                "mean_uncalibrated": None, "product_uncalibrated": None, **info}
-    q = [t.logprob for t in tokens]
-    z = [t.uncalibrated for t in tokens]
-    return {**info, "answer_confidence": _finite(answer_confidence(tokens)),
-            "mean_confidence": _finite(sum(math.exp(x) for x in q) / len(q)),
-            "product_confidence": _finite(math.exp(sum(q))),
-            "mean_uncalibrated": _finite(sum(math.exp(x) for x in z) / len(z)),
-            "product_uncalibrated": _finite(math.exp(sum(z)))}
+        out = {"answer_confidence": None, "mean_confidence": None, "product_confidence": None,
+               "mean_uncalibrated": None, "product_uncalibrated": None, **info}
+    else:
+        q = [t.logprob for t in tokens]
+        z = [t.uncalibrated for t in tokens]
+        out = {**info, "answer_confidence": _finite(answer_confidence(tokens)),
+               "mean_confidence": _finite(sum(math.exp(x) for x in q) / len(q)),
+               "product_confidence": _finite(math.exp(sum(q))),
+               "mean_uncalibrated": _finite(sum(math.exp(x) for x in z) / len(z)),
+               "product_uncalibrated": _finite(math.exp(sum(z)))}
+    if threshold is not None:
+        confidence = out["answer_confidence"]
+        out.update(answered=confidence is not None and bool(threshold.answers([confidence])[0]),
+                   threshold=threshold.threshold, target_risk=threshold.alpha, delta=threshold.delta)
+    return out
 
 
 def extension(tokens: list[TokenLogprob], *, final: bool, prompt: list[TokenLogprob] | None = None,
-              info: dict | None = None) -> dict:
+              info: dict | None = None, threshold: CertifiedThreshold | None = None) -> dict:
     """The `ats` field: per-token confidences, uncalibrated log-probabilities and taus, and with `final` the
     sequence figures.
 
@@ -97,7 +108,7 @@ def extension(tokens: list[TokenLogprob], *, final: bool, prompt: list[TokenLogp
         tokens: the tokens this body or chunk carries.
         final: add the sequence figures (`summary` of `tokens`).
         prompt: the scored prompt tokens (echo), or None.
-        info: as for `summary`.
+        info, threshold: as for `summary`.
 
     Returns:
         The field's dict.
@@ -107,7 +118,7 @@ def extension(tokens: list[TokenLogprob], *, final: bool, prompt: list[TokenLogp
     if prompt is not None:
         out.update(prompt_uncalibrated_logprobs=[t.uncalibrated for t in prompt], prompt_tau=[t.tau for t in prompt])
     if final:
-        out.update(summary(tokens, info))
+        out.update(summary(tokens, info, threshold))
     return out
 
 
@@ -118,10 +129,13 @@ class Renderer:
         tokenizer: decodes token ids.
         model_name: the model name in every body.
         info: the served calibrator's {"calibrator", "confidence_kind"}, copied into every sequence summary.
+        threshold: the calibrator's certified answer-or-abstain threshold, decided in every sequence summary.
     """
 
-    def __init__(self, tokenizer, model_name: str, info: dict | None = None) -> None:
+    def __init__(self, tokenizer, model_name: str, info: dict | None = None,
+                 threshold: CertifiedThreshold | None = None) -> None:
         self.tokenizer, self.model_name, self.info = tokenizer, model_name, dict(info or {})
+        self.threshold = threshold
         self._strings: dict[int, str] = {}
 
     def token(self, token_id: int) -> str:
@@ -179,7 +193,8 @@ class Renderer:
         """The `chat.completion` body of a finished request (`logprobs`: include them; `prompt_tokens`: for usage)."""
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self.chat_logprobs(c.tokens) if logprobs else None,
-                    "finish_reason": c.finish_reason, "ats": extension(c.tokens, final=True, info=self.info)}
+                    "finish_reason": c.finish_reason, "ats": extension(c.tokens, final=True, info=self.info,
+                                                                               threshold=self.threshold)}
                    for i, c in enumerate(collected.choices)]
         return {**self.envelope("chatcmpl", "chat.completion"), "choices": choices,
                 "usage": self.usage(prompt_tokens, collected.completion_tokens)}
@@ -206,7 +221,7 @@ class Renderer:
         if all_tokens is not None or tokens:
             choice["ats"] = extension(tokens, final=False)
             if finish_reason is not None:
-                choice["ats"].update(summary(all_tokens or [], self.info))
+                choice["ats"].update(summary(all_tokens or [], self.info, self.threshold))
         return {**envelope, "choices": [choice]}
 
     def completion_choice(self, index: int, text: str, tokens: list[TokenLogprob], offsets: list[int], *,
@@ -243,7 +258,7 @@ class Renderer:
             choices.append(self.completion_choice(i, text, tokens, offsets, logprobs=logprobs,
                                                   finish_reason=c.finish_reason,
                                                   ats=extension(c.tokens, final=True, prompt=scored,
-                                                                info=self.info)))
+                                                                info=self.info, threshold=self.threshold)))
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {**self.envelope("cmpl", "text_completion"), "choices": choices,
                 "usage": self.usage(prompt_tokens, collected.completion_tokens)}

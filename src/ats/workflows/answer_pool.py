@@ -47,6 +47,41 @@ def pool_tasks(pool_size: int, mmlu_per_subject: int) -> dict:
     return tasks
 
 
+FREE_FORM = ("nq_open", "triviaqa_pool")  # the pool's free-form tasks: answers scored as `ats serve` scores them
+
+
+def held_out_tasks(pool: AnswerPool, size: int, *, names: tuple[str, ...] = FREE_FORM) -> dict:
+    """name -> task of `size` questions of each pool task in `names` that the pool of `pool`'s sizes does not hold:
+    labelled answers a calibrator trained on that pool never saw (the certification split of `ats certify`). The
+    free-form tasks are the default, because served answers are free-form; their names end in "_held_out".
+
+    Raises:
+        ATSError: if a name is not a pool task.
+    """
+    from ..errors import ATSError
+    from ..evaluation.tasks import MMLUTask, MultipleChoiceTask, NQOpenTask, TriviaQATask
+    from ..evaluation.tasks.qa_pool import pool_path
+
+    known = pool_names(1)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ATSError(f"certification tasks: unknown {', '.join(unknown)}; the pool's tasks are {', '.join(known)}")
+    tasks = {}
+    for name in names:
+        if name == "nq_open":
+            task = NQOpenTask(limit=size, seed=0, offset=pool.pool_size)
+        elif name == "triviaqa_pool":
+            task = TriviaQATask(limit=size, seed=0, offset=TRIVIAQA_POOL_OFFSET + pool.pool_size)
+        elif name == "mmlu_validation":  # `size` per subject
+            task = MMLUTask(limit=size, seed=0, split="validation", held_out_from=pool.mmlu_per_subject)
+        else:
+            task = MultipleChoiceTask(pool_path(name[3:-len("_likelihood")]), "likelihood", limit=size, seed=0,
+                                      held_out_from=pool.pool_size)
+        task.name = f"{name}_held_out"
+        tasks[task.name] = task
+    return tasks
+
+
 def pool_names(mmlu_per_subject: int) -> list[str]:
     """The names of `pool_tasks`' tasks (and answer sets), in order, without reading any data."""
     names = [f"mc_{n}_likelihood" for n in POOL_MC] + ["nq_open", "triviaqa_pool"]

@@ -140,14 +140,18 @@ def chunks(items: Sequence, size: int) -> list[Sequence]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def seeded_subset(n: int, limit: int | None, seed: int, *, salt: str = "") -> list[int]:
-    """Sorted indices of a seeded random subset of `range(n)` of size `limit` (all of them when None).
+def seeded_subset(n: int, limit: int | None, seed: int, *, salt: str = "", held_out_from: int | None = None
+                  ) -> list[int]:
+    """Sorted indices of a seeded random subset of `range(n)` of size `limit` (all of them when None); with
+    `held_out_from`, a subset of the items NOT in the subset of that size (same seed and salt): questions a calibrator
+    trained on the first subset never saw (a certification split, `workflows/answer_pool.held_out_tasks`).
 
     Args:
         n: the number of items.
         limit: the subset's size; None or >= n: all.
         seed: the seed of the subset.
         salt: mixed into the seed, so different subjects or tasks get different subsets.
+        held_out_from: the size of the subset to leave out; None: leave nothing out.
 
     Returns:
         The indices, increasing.
@@ -155,6 +159,10 @@ def seeded_subset(n: int, limit: int | None, seed: int, *, salt: str = "") -> li
     Raises:
         ATSError: if `limit` < 0.
     """
+    if held_out_from is not None:
+        taken = set(seeded_subset(n, held_out_from, seed, salt=salt))
+        rest = [i for i in range(n) if i not in taken]
+        return [rest[i] for i in seeded_subset(len(rest), limit, seed, salt=salt + "/held-out")]
     if limit is None or limit >= n:
         return list(range(n))
     if limit < 0:

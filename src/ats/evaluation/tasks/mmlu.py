@@ -139,6 +139,7 @@ class MMLUTask(Task):
         subjects: a subject or a list of them; None: all.
         batch_size: questions per forward pass.
         split: the evaluated split ("test", "validation" or "dev").
+        held_out_from: per subject, questions outside the seeded subset of this size only; None: any.
 
     Raises:
         ATSError: if `n_shots` < 0.
@@ -147,7 +148,8 @@ class MMLUTask(Task):
     name = "mmlu"
 
     def __init__(self, *, limit: int | None = None, seed: int = 0, n_shots: int = 5,
-                 subjects: list[str] | str | None = None, batch_size: int = 8, split: str = "test") -> None:
+                 subjects: list[str] | str | None = None, batch_size: int = 8, split: str = "test",
+                 held_out_from: int | None = None) -> None:
         if n_shots < 0:
             raise ATSError(f"mmlu: n_shots must be >= 0, got {n_shots}")
         self.limit = limit
@@ -156,6 +158,7 @@ class MMLUTask(Task):
         self.subjects = [subjects] if isinstance(subjects, str) else (list(subjects) if subjects else None)
         self.batch_size = batch_size
         self.split = split
+        self.held_out_from = held_out_from
 
     def describe(self) -> dict:
         """The settings that determine the results.
@@ -163,8 +166,9 @@ class MMLUTask(Task):
         Returns:
             {"name", "limit", "seed", "n_shots", "subjects", "split"}.
         """
-        return {"name": self.name, "limit": self.limit, "seed": self.seed, "n_shots": self.n_shots,
-                "subjects": self.subjects, "split": self.split}
+        out = {"name": self.name, "limit": self.limit, "seed": self.seed, "n_shots": self.n_shots,
+               "subjects": self.subjects, "split": self.split}
+        return out if self.held_out_from is None else {**out, "held_out_from": self.held_out_from}
 
     def load(self) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
         """(questions per subject, few-shot examples per subject), subjects sorted, questions subsampled.
@@ -190,7 +194,8 @@ class MMLUTask(Task):
             names = [s for s in names if s in set(self.subjects)]
         questions, shots = {}, {}
         for s in names:
-            questions[s] = [test[s][i] for i in seeded_subset(len(test[s]), self.limit, self.seed, salt=s)]
+            questions[s] = [test[s][i] for i in seeded_subset(len(test[s]), self.limit, self.seed, salt=s,
+                                                              held_out_from=self.held_out_from)]
             shots[s] = dev[s][:self.n_shots]
             if len(shots[s]) < self.n_shots:
                 raise ATSError(f"mmlu: subject {s} has {len(shots[s])} dev examples, fewer than n_shots="

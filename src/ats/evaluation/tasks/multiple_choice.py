@@ -135,13 +135,14 @@ class MultipleChoiceTask(Task):
         limit: a seeded subset of this many questions; None: all.
         seed: the seed of the subset.
         batch_size: questions per forward pass (letters mode).
+        held_out_from: questions outside the seeded subset of this size only (`seeded_subset`); None: any.
 
     Raises:
         ATSError: if `mode` is unknown or the file is invalid.
     """
 
     def __init__(self, path: str | Path, mode: str = "letters", *, limit: int | None = None, seed: int = 0,
-                 batch_size: int = 8) -> None:
+                 batch_size: int = 8, held_out_from: int | None = None) -> None:
         if mode not in MODES:
             raise ATSError(f"mc task: unknown scoring {mode!r}; expected one of {', '.join(MODES)}")
         self.path = Path(path)
@@ -151,6 +152,8 @@ class MultipleChoiceTask(Task):
         self.batch_size = batch_size
         self.rows = read_mc_file(self.path)  # validate early, before any backbone work
         self.name = f"mc_{safe_stem(self.path)}" + ("" if mode == "letters" else f"_{mode}")
+        self.salt = self.name  # the subset's salt stays the file's when the task is renamed
+        self.held_out_from = held_out_from
 
     def describe(self) -> dict:
         """The settings that determine the results.
@@ -158,7 +161,8 @@ class MultipleChoiceTask(Task):
         Returns:
             {"name", "path", "mode", "limit", "seed"}.
         """
-        return {"name": self.name, "path": str(self.path), "mode": self.mode, "limit": self.limit, "seed": self.seed}
+        out = {"name": self.name, "path": str(self.path), "mode": self.mode, "limit": self.limit, "seed": self.seed}
+        return out if self.held_out_from is None else {**out, "held_out_from": self.held_out_from}
 
     def selected(self) -> list[dict]:
         """The evaluated rows: a seeded subset of `limit` rows, in file order.
@@ -166,7 +170,8 @@ class MultipleChoiceTask(Task):
         Returns:
             The rows {question, choices, answer}.
         """
-        return [self.rows[i] for i in seeded_subset(len(self.rows), self.limit, self.seed, salt=self.name)]
+        return [self.rows[i] for i in seeded_subset(len(self.rows), self.limit, self.seed, salt=self.salt,
+                                                    held_out_from=self.held_out_from)]
 
     def groups(self, tokenizer) -> list[ItemGroup]:
         """The selected questions as one group without a shared prefix, scored by `mode` (letters or likelihood)."""

@@ -79,12 +79,14 @@ class ATSCalibratedForCausalLM(nn.Module):
         self.calibrator = _load_exported_calibrator(vllm_config, record)
         self.dtype = vllm_config.model_config.dtype
         self.head: nn.Module | None = None
+        self.paged = False  # the head attends over earlier positions (the paper's transformer head)
         if self.calibrator is not None and self.calibrator.token_head:
             device = torch.get_default_device()
             if self.calibrator.config_.head.head_type == "transformer":
                 from .head import PagedTransformerHead
 
                 self.head = PagedTransformerHead(self.calibrator, vllm_config, hf_config.num_hidden_layers)
+                self.paged = True
                 self.head.final_norm.to(device)
                 self.head.proj.to(device)
             else:
@@ -102,7 +104,7 @@ class ATSCalibratedForCausalLM(nn.Module):
         hidden = self.base(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)  # (N, H)
         if self.head is None:
             return hidden
-        if hasattr(self.head, "layer"):  # the paged transformer head: attends over the KV cache
+        if self.paged:  # attends over the KV cache
             tau = self.head(positions, hidden)  # (N,)
         else:
             tau = self.calibrator.log_scale(hidden[None])[0]  # (N,)
@@ -125,7 +127,6 @@ class ATSCalibratedForCausalLM(nn.Module):
         """The base model's weights from the folder (vLLM's loader), then the head's from the calibrator."""
         loaded = {f"base.{name}" for name in self.base.load_weights(weights)}
         if self.head is not None:
-            names = self.head.load_layer_weights() if hasattr(self.head, "load_layer_weights") else \
-                {n for n, _ in self.head.named_parameters()}
+            names = self.head.load_layer_weights() if self.paged else {n for n, _ in self.head.named_parameters()}
             loaded |= {f"head.{name}" for name in names}
         return loaded
