@@ -166,8 +166,9 @@ def training_runs(backbone, n_examples: int) -> dict:
         y = torch.cat([labels for _, labels in train.response_tokens()])
         prompts = thermometer_prompts(train)
         t = time.perf_counter()
-        cal = Thermometer(hidden_size=backbone.hidden_size).fit_sketch(prompts, ExactRows(h, y, backbone.logits),
-                                                                       train.response_sequence_ids())
+        cal = Thermometer(hidden_size=backbone.hidden_size).fit_tokens(
+            prompts, train.response_sequence_ids(),
+            lambda rows, s: scaled_cross_entropy(h[rows], s, y[rows], backbone.logits).ce_label)
         out["fits"]["exact, same batches"] = {"thermometer": {
             "fit_s": time.perf_counter() - t, "mean_temperature": float(cal.temperature(prompts).mean()),
             **{k: v for k, v in validate(cal).items() if k in ("ece", "nll")}}}
@@ -184,23 +185,6 @@ def training_runs(backbone, n_examples: int) -> dict:
             row["selective-temperature"]["temperature"] = math.exp(-head.gain * float(head.tau.detach()))
             out[route] = row
     return out
-
-
-class ExactRows:
-    """Thermometer's per-token CE by the exact route (z = W h per batch) behind the `LogitSketch` interface that
-    `Thermometer.fit_sketch` reads, so that the exact route runs on the same batches as `fit_summary`."""
-
-    def __init__(self, hidden: torch.Tensor, labels: torch.Tensor, logits_fn) -> None:
-        self.hidden, self.labels, self.logits_fn = hidden, labels, logits_fn
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def select(self, rows: torch.Tensor) -> "ExactRows":
-        return ExactRows(self.hidden[rows], self.labels[rows], self.logits_fn)
-
-    def nll(self, s: torch.Tensor) -> torch.Tensor:
-        return scaled_cross_entropy(self.hidden, s, self.labels, self.logits_fn).ce_label
 
 
 def thermometer_prompts(store) -> torch.Tensor:
@@ -331,7 +315,7 @@ def render(results: dict) -> str:
                              f"{th['nll']:.4f} | {th['fit_s']:.1f} |")
             lines += ["", "(exact: Thermometer's `fit_sequences`, whose batches are drawn differently, so its "
                       "temperatures differ by the optimiser's path; exact, same batches: the exact CE on the batches "
-                      "`fit_summary` draws, which isolates the summary's own error.)"]
+                      "the summary route draws (`Thermometer.fit_tokens`), which isolates the summary's own error.)"]
     return "\n".join(lines) + "\n"
 
 

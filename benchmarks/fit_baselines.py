@@ -1,6 +1,6 @@
 """What fitting all six baselines costs, in full-vocabulary passes over the training tokens, by the shared-pass route
-(one `LogitSketch` pass feeds temperature, scaling-binning, histogram, isotonic and Thermometer; the fitting logits
-stay in memory for vector scaling's epochs) against the reference route (every method passes over the logits
+(temperature, scaling-binning, histogram, isotonic and Thermometer fit from the features' scale summary, no pass;
+the fitting logits stay in memory for vector scaling's epochs) against the reference route (every method passes over the logits
 itself), on the evidence run's features and token subsample, and how much the fitted calibrators differ.
 
     python benchmarks/fit_baselines.py --features runs/evidence/features --threads 1   # after evidence.py
@@ -112,10 +112,10 @@ def main(argv=None) -> int:
         f"`/ pass`: seconds over the time of one full-vocabulary pass over all training tokens. All six baselines: "
         f"{seconds['shared pass']['total'] / one_pass:.2f} passes by the shared route, "
         f"{seconds['reference']['total'] / one_pass:.2f} by the reference route ({speedup:.1f}x faster). The "
-        "shared route's sketch pass is counted in temperature scaling's time (the first method that uses it); vector "
-        "scaling replays the logits that pass kept in memory (identical values, so an identical fit). Temperature and "
-        "scaling-binning differ only by the sketch's approximation of the logsumexp; histogram binning and isotonic "
-        "regression read the same exact top-1 confidences. Thermometer differs by design: by the shared route it "
+        "shared route reads the features' scale summary (no pass) for every method but vector scaling, which replays "
+        "the logits kept in memory (identical values, so an identical fit). Temperature, scaling-binning, histogram "
+        "binning and isotonic regression differ only by the summary's approximation of logsumexp(s z) and of the top-1 "
+        "confidence. Thermometer differs by design: by the shared route it "
         "averages each sequence's loss over that sequence's tokens in the fitting subsample, by the reference route "
         "over all of its tokens (so it also fits on more data there). Times come from one run with 1 torch thread "
         "beside another job on the 2 cores; the ratios compare fits and passes of the same run.",

@@ -1,18 +1,42 @@
 """The prepared GPU check (benchmarks/gpu_check.py) runs end to end in its CPU smoke mode, as the GPU machine would run
-it: from the source tree (PYTHONPATH=src), offline, with `datasets`, `fastapi` and `uvicorn` absent."""
+it: from the source tree (PYTHONPATH=src), offline, with `datasets`, `fastapi` and `uvicorn` absent; and it measures
+what it says: the tokens of each variant (counted here by hand from the smoke sizes), the medians and ratios of its
+own runs, and a step with the head costing more than the same step's data alone."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ABSENT = ("datasets", "fastapi", "uvicorn")  # not installed on the GPU machine
 SHAPES = ("llama-2-7b-shape", "qwen2.5-7b-shape")
 STEPS = ("build", "extraction", "training_cached", "training_online", "scoring", "decoding")
+
+# the smoke sizes (TINY_SIZES) by hand: 8 sequences of 64, 62, ..., 50 tokens; 6 questions of 32 tokens, whose choice
+# rows are 4 x 16 context tokens + 4 + 5 + 6 + 7 choice tokens; 8 new tokens per decoded prompt, batches 1 and 4
+SEQUENCE_TOKENS = sum(64 - 2 * i for i in range(8))  # 456
+LETTER_TOKENS, CHOICE_TOKENS = 6 * 32, 6 * (4 * 16 + 4 + 5 + 6 + 7)
+EXPECTED_TOKENS = {
+    "extraction": dict.fromkeys(("forward only", "extract, no summary", "extract + summary"), SEQUENCE_TOKENS),
+    "training_cached": dict.fromkeys(("batches only", "train, summary route", "train, exact route"), SEQUENCE_TOKENS),
+    "training_online": dict.fromkeys(("online batches only", "train online"), SEQUENCE_TOKENS),
+    "scoring": {"letters, uncalibrated": LETTER_TOKENS, "letters, + ats": LETTER_TOKENS,
+                "choices, uncalibrated": CHOICE_TOKENS, "choices, + ats": CHOICE_TOKENS},
+    "decoding": {"plain, batch 1": 8, "calibrated, batch 1": 8, "plain, batch 4": 32, "calibrated, batch 4": 32},
+}
+# variants that do strictly more work than the one named (the same data plus the head's training, or the extraction's
+# writing): tens of times more on these sizes, so the order holds whatever the machine's noise
+COSTLIER = {("extraction", "extract + summary"): "forward only",
+            ("training_cached", "train, summary route"): "batches only",
+            ("training_cached", "train, exact route"): "batches only",
+            ("training_online", "train online"): "online batches only"}
 
 RUN = """
 import runpy, sys
@@ -35,12 +59,22 @@ def test_tiny_cpu_run_reports_every_step(tmp_path):
     for (model, step), entry in steps.items():
         assert entry["status"] == "ok", (model, step, entry.get("error"))
         assert entry["rows"], (model, step)
+        rows = {row["variant"]: row for row in entry["rows"]}
         for row in entry["rows"]:
             assert row["seconds"] > 0, (model, step, row["variant"])
-    # every step but the build is compared with the same step without the head
-    for (model, step), entry in steps.items():
-        if step != "build":
-            assert any(row["ratios"] for row in entry["rows"]), (model, step)
+        if step == "build":
+            continue
+        assert {name: row["tokens"] for name, row in rows.items()} == EXPECTED_TOKENS[step], (model, step)
+        for name, row in rows.items():
+            assert len(row["runs"]) == 1 and row["seconds"] == statistics.median(row["runs"]), (model, step, name)
+            assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"], rel=1e-12)
+            for other, ratio in row["ratios"].items():  # a ratio divides by the named variant's own median
+                assert ratio == pytest.approx(row["seconds"] / rows[other]["seconds"], rel=1e-12), (model, name)
+        # every step is compared with the same step without the head
+        assert any(row["ratios"] for row in entry["rows"]), (model, step)
+        for (costly_step, costly), cheaper in COSTLIER.items():
+            if costly_step == step:
+                assert rows[costly]["ratios"][cheaper] > 1.0, (model, step, costly, rows[costly]["ratios"])
     assert result["tiny"] and "CPU smoke run" in result["title"]
     markdown = out.with_suffix(".md").read_text()
     assert markdown.startswith("# CPU smoke run")

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ats.errors import ATSError
-from ats.evaluation.metrics import paired_differences, summarize
+from ats.evaluation.metrics import nll, paired_differences, summarize
 from ats.evaluation.tasks import MMLUTask, TriviaQATask, TruthfulQAGenTask, TruthfulQAMC1Task
 from ats.io import read_json, write_json
 from ats.training.answers import AnswerSet, score_answers
@@ -101,12 +101,6 @@ def split_holdout(answers: AnswerSet, fraction: float, seed: int = 0) -> tuple[A
 def leave_one_out_splits(names: list[str], left_out: tuple) -> list[tuple[str, list[str]]]:
     """[(left-out task, the training tasks)]: every training list lacks its left-out task."""
     return [(out, [n for n in names if n != out]) for out in left_out if out in names]
-
-
-def mean_log_loss(confidence: np.ndarray, correct: np.ndarray) -> float:
-    """The mean binary log loss of answer confidences."""
-    p = np.clip(confidence, 1e-7, 1 - 1e-7)
-    return float(-np.mean(np.where(correct, np.log(p), np.log1p(-p))))
 
 
 def plan_training(plan: AnswerPlan, *, lr: float, seed: int) -> TrainingConfig:
@@ -305,7 +299,7 @@ def choose_learning_rates(backbone, pool: dict, plan: AnswerPlan, results: dict,
             head = train_method(backbone, train_sets, plan, method, lr=lr, seed=0, token_store=token_store,
                                 progress=progress)
             conf, ok = _pool_scores([splits[n][1] for n in selection_tasks], head, backbone.logits)
-            rows.append({"lr": lr, "heldout_log_loss": mean_log_loss(conf, ok)})
+            rows.append({"lr": lr, "heldout_log_loss": nll(conf, ok)})
         best = min(rows, key=lambda r: r["heldout_log_loss"])
         selection[method] = {"grid": rows, "lr": best["lr"]}
         logger.info("%s: lr %.3g chosen", method, best["lr"])

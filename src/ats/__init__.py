@@ -19,7 +19,7 @@ _EXPORTS = {
     "HeadConfig": "ats.model.heads",
     "ATSCalibrator": "ats.calibrators.ats",
     "ATSConfig": "ats.calibrators.ats",
-    "CalibratedModel": "ats.calibrators.ats",
+    "CalibratedModel": "ats.calibrators.calibrated_model",
     "Calibrator": "ats.calibrators.base",
     "build_calibrator": "ats.calibrators",
     "load_calibrator": "ats.calibrators",

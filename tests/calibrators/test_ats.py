@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ats.calibrators import load_calibrator
-from ats.calibrators.ats import ATSCalibrator, CalibratedModel
+from ats.calibrators.ats import ATSCalibrator
+from ats.calibrators.calibrated_model import CalibratedModel
 from ats.errors import ATSError
 
 

@@ -23,6 +23,7 @@ from ats.calibrators import (
     names,
 )
 from ats.calibrators._fitting import collect_top1
+from ats.calibrators.base import ChunkSource
 from ats.calibrators.binning import equal_mass_bins
 from ats.errors import ATSError
 
@@ -146,8 +147,9 @@ def test_scaling_binning_values():
     mapped = sb.calibrate_confidence(np.sort(conf))
     assert mapped == pytest.approx(np.repeat([g.mean() for g in groups], 300), abs=1e-12)
     assert torch.allclose(sb.calibrate(z), z / t)
-    # Reusing an already fitted temperature (as fit_baselines does) gives the same bins without refitting T.
-    reused = ScalingBinning(n_bins=5).fit(chunked(z, y), temperature=t)
+    # Reusing the temperature fitted on the same source (as fit_calibrators does) gives the same bins.
+    reused = ScalingBinning(n_bins=5).fit(ChunkSource(chunked(z, y), fitted={"temperature": TemperatureScaling(
+        ).fit(chunked(z, y))}))
     assert reused.temperature == t and reused.values == pytest.approx(sb.values, abs=1e-9)
 
 

@@ -1,12 +1,16 @@
-"""Temperature scaling and Thermometer fitted from the features' scale summary against the exact route (the logits,
-recomputed from the stored hidden states), on a tiny model; the fit route recorded in the calibrators' fingerprints."""
+"""Temperature scaling, the binning methods and Thermometer fitted from the features' scale summary against the exact
+route (the logits, recomputed from the stored hidden states), on a tiny model; the fit route recorded in the
+calibrators' fingerprints."""
 
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+from ats.calibrators import build_calibrator
+from ats.calibrators._fitting import collect_top1, source_top1
 from ats.calibrators.temperature import TemperatureScaling, nll_derivatives, summary_derivatives
 from ats.calibrators.thermometer import Thermometer, prompt_states
 from ats.errors import ATSError
@@ -59,50 +63,53 @@ def test_temperature_from_the_summary_equals_the_exact_fit_to_1e_3(exact, labels
         y = torch.where(torch.arange(len(y)) % 5 == 0, y, z.argmax(-1))
     rows = summarize_logits(z, y, max_scale=10.0)
     reference = TemperatureScaling(tol=1e-8).fit(lambda: iter([(z, y)])).temperature
-    fitted = TemperatureScaling(tol=1e-8).fit_summary(rows)
-    assert fitted is not None
+    fitted = TemperatureScaling(tol=1e-8).fit(SimpleNamespace(summary=rows, logit_chunks=None))  # no chunk read
     assert fitted.temperature == pytest.approx(reference, rel=1e-3)
     assert abs(math.log(fitted.temperature / reference)) < 1e-5, (fitted.temperature, reference)  # seen: 2e-6
     if labels == "argmax-heavy":
         assert reference < 1.0
 
 
-def test_an_optimum_beyond_the_summary_goes_to_the_next_route(exact):
+def test_an_optimum_beyond_the_summary_is_fitted_on_the_chunks(exact):
     z, y = exact
     y = z.argmax(-1)  # every token right: the optimum is a large 1/T
     rows = summarize_logits(z, y, max_scale=1.5)
-    assert TemperatureScaling().fit_summary(rows) is None
     chunks = lambda: iter([(z, y)])  # noqa: E731
-    source = SimpleNamespace(summary=rows, sketch=None, logit_chunks=chunks)
-    assert TemperatureScaling().fit_source(source).temperature == TemperatureScaling().fit(chunks).temperature
+    source = SimpleNamespace(summary=rows, logit_chunks=chunks)
+    assert TemperatureScaling().fit(source).temperature == TemperatureScaling().fit(chunks).temperature
     assert 1.0 / TemperatureScaling().fit(chunks).temperature > 1.5
     with pytest.raises(ATSError, match="expected scale summary rows"):
-        TemperatureScaling().fit_summary(rows[:0])
+        TemperatureScaling().fit(SimpleNamespace(summary=rows[:0], logit_chunks=chunks))
 
 
-class ExactRows:
-    """The exact per-token CE behind `fit_sketch`'s interface: the same batches as `fit_summary`, with the CE
-    computed from the full logits (the exact route), so the two fits can be compared step for step."""
-
-    def __init__(self, z, y):
-        self.z, self.y = z, y
-
-    def __len__(self):
-        return len(self.y)
-
-    def select(self, rows):
-        return ExactRows(self.z[rows], self.y[rows])
-
-    def nll(self, s):
-        return scaled_cross_entropy(self.z, s, self.y, lambda h: h).ce_label
+def test_binning_from_the_summary_matches_the_exact_pass(exact):
+    """The summary's top-1 confidence (-G(s) of its quintic) and correctness against the logits' own, at T = 1 and
+    at a fitted T; the binning maps fitted on either agree to the confidences' difference."""
+    z, y = exact
+    rows = summarize_logits(z, y, max_scale=10.0)
+    chunks = lambda: iter([(z, y)])  # noqa: E731
+    for temperature in (1.0, 0.7):
+        by_summary = source_top1(SimpleNamespace(summary=rows, logit_chunks=None), temperature)
+        by_logits = collect_top1(chunks, transform=lambda logits: logits / temperature)
+        np.testing.assert_allclose(by_summary[0], by_logits[0], rtol=0, atol=5e-5)  # seen: 2.6e-5
+        np.testing.assert_array_equal(by_summary[1], by_logits[1])
+    grid = np.linspace(0, 1, 201)
+    for name in ("histogram", "isotonic", "scaling-binning"):
+        a = build_calibrator(name).fit(SimpleNamespace(summary=rows, logit_chunks=None, fitted={}))
+        b = build_calibrator(name).fit(chunks)
+        np.testing.assert_allclose(a.map_confidence(grid), b.map_confidence(grid), rtol=0, atol=1e-3, err_msg=name)
 
 
 def test_thermometer_from_the_summary_follows_the_exact_route(store, exact, tiny_backbone):
+    """`fit` on the summary against `fit_tokens` with each token's CE computed from the full logits (the exact
+    route) on the same batches, so the two fits can be compared step for step."""
     z, y = exact
     prompts, ids = prompt_states(store), store.response_sequence_ids()
     options = dict(hidden_size=tiny_backbone.hidden_size, mlp_hidden=16, epochs=4, lr=1e-2, batch_size=4)
-    by_summary = Thermometer(**options).fit_summary(prompts, store.response_summary(), ids)
-    by_exact = Thermometer(**options).fit_sketch(prompts, ExactRows(z, y), ids)
+    source = SimpleNamespace(summary=store.response_summary(), sequence_ids=ids, store=store)
+    by_summary = Thermometer(**options).fit(source)
+    by_exact = Thermometer(**options).fit_tokens(
+        prompts, ids, lambda rows, s: scaled_cross_entropy(z[rows], s, y[rows], lambda h: h).ce_label)
     assert by_summary.beyond_summary_ == 0
     t_summary, t_exact = by_summary.temperature(prompts), by_exact.temperature(prompts)
     assert (t_exact - 1).abs().max() > 0.01  # the fit moved the temperatures
@@ -110,21 +117,22 @@ def test_thermometer_from_the_summary_follows_the_exact_route(store, exact, tiny
     for a, b in zip(by_summary.history, by_exact.history):
         assert a["nll"] == pytest.approx(b["nll"], rel=1e-5)
     with pytest.raises(ATSError, match="2 summary rows but sequence_ids"):
-        Thermometer(**options).fit_summary(prompts, store.response_summary()[:2], ids)
+        Thermometer(**options).fit(SimpleNamespace(summary=store.response_summary()[:2], sequence_ids=ids,
+                                                   store=store))
 
 
-def test_fit_source_takes_the_summary_and_records_the_route(tiny_backbone, tmp_path):
+def test_fit_takes_the_summary_and_records_the_route(tiny_backbone, tmp_path):
     data = DataConfig(limit=16, max_length=64, shard_sequences=4)
     train, _ = prepare_features(tiny_backbone, tmp_path / "f", data, progress=False)
     source = FeatureSource(tiny_backbone, train)
     assert source.summary is not None and len(source.summary) == train.meta["response_tokens"]
-    assert FeatureSource(tiny_backbone, train, use_summary=False).summary is None
+    assert FeatureSource(tiny_backbone, train, exact=True).summary is None
     fitted = fit_calibrators(tiny_backbone, train, tmp_path / "cal", ("temperature", "thermometer", "histogram"),
                              progress=False)
     spec = ScaleSummarySpec().describe()
     prints = {name: stored_fingerprint(tmp_path / "cal" / name) for name in fitted}
     assert prints["temperature"]["scale_summary"] == spec and prints["thermometer"]["scale_summary"] == spec
-    assert "scale_summary" not in prints["histogram"] and "sketch" in prints["histogram"]
+    assert prints["histogram"]["scale_summary"] == spec
     exact = fit_calibrators(tiny_backbone, train, tmp_path / "ref", ("temperature",), shared_pass=False,
                             progress=False)["temperature"]
     assert "scale_summary" not in stored_fingerprint(tmp_path / "ref" / "temperature")

@@ -1,6 +1,7 @@
 """Thermometer baseline: Gamma prior, one temperature per prompt, argmax kept, fitting lowers NLL, save/load."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def test_unfitted_and_fit_refused():
     cal = Thermometer(hidden_size=8)
     with pytest.raises(ATSError, match="not fitted"):
         cal.calibrate(torch.randn(2, 1, 5), torch.randn(2, 3, 8), index=torch.zeros(2, 1, dtype=torch.long))
-    with pytest.raises(ATSError, match="fit_sequences"):
+    with pytest.raises(ATSError, match="needs the source's store"):
         cal.fit(lambda: iter([]))
     cal.fitted = True
     with pytest.raises(ATSError, match="hidden states"):
@@ -143,22 +144,21 @@ def test_sequence_ids_and_prompt_states_align_with_the_sequences(store):
     torch.testing.assert_close(torch.cat([h for h, _ in store.response_tokens(max_tokens=40)]), all_hidden[subset])
 
 
-def test_fit_on_sketch_lowers_nll_like_fit_on_sequences(store, tiny_backbone):
-    from ats.calibrators.sketch import LogitSketch
-
-    sketch = LogitSketch.from_chunks(store.logit_chunks(tiny_backbone.logits))
+def test_fit_on_the_summary_lowers_nll_like_fit_on_sequences(store, tiny_backbone):
     before = _nll(store, tiny_backbone, None)
     fitted = {}
-    for route in ("sequences", "sketch"):
+    summary = SimpleNamespace(summary=store.response_summary(), sequence_ids=store.response_sequence_ids(),
+                              store=store)
+    for route in ("sequences", "summary"):
         cal = Thermometer(hidden_size=tiny_backbone.hidden_size, mlp_hidden=32, epochs=6, lr=1e-2, batch_size=4)
-        if route == "sketch":
-            cal.fit_sketch(prompt_states(store), sketch, store.response_sequence_ids())
+        if route == "summary":
+            cal.fit(summary)
         else:
-            cal.fit_sequences(store, tiny_backbone.logits)
+            cal.fit(SimpleNamespace(summary=None, store=store, logits_fn=tiny_backbone.logits))
         fitted[route] = _nll(store, tiny_backbone, cal)
         assert len(cal.history) == 6 and cal.history[-1]["nll"] < cal.history[0]["nll"]
-    assert fitted["sketch"] < before - 0.05, (before, fitted)
-    assert fitted["sketch"] == pytest.approx(fitted["sequences"], abs=0.05)
-    with pytest.raises(ATSError, match="sketch rows"):
-        Thermometer(hidden_size=tiny_backbone.hidden_size).fit_sketch(prompt_states(store), sketch,
-                                                                      torch.zeros(3, dtype=torch.long))
+    assert fitted["summary"] < before - 0.05, (before, fitted)
+    assert fitted["summary"] == pytest.approx(fitted["sequences"], abs=0.05)
+    with pytest.raises(ATSError, match="summary rows but sequence_ids"):
+        Thermometer(hidden_size=tiny_backbone.hidden_size).fit(
+            SimpleNamespace(summary=summary.summary, sequence_ids=torch.zeros(3, dtype=torch.long), store=store))

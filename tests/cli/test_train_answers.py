@@ -23,11 +23,14 @@ def ats(*argv):
     return proc.returncode, proc.stdout, [line for line in proc.stderr.splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def data_dir():
-    if not os.environ.get("ATS_DATA_DIR"):
-        pytest.skip("the QA pool is read from ATS_DATA_DIR (../shared/data), which is not set")
-    return os.environ["ATS_DATA_DIR"]
+@pytest.fixture()
+def data_dir(shared_data):
+    """The real data sets (the `shared_data` fixture sets ATS_DATA_DIR to them for this test: the subprocesses inherit
+    it); the pool's multiple-choice sets and TriviaQA must be there, else the test skips saying which is missing."""
+    missing = [name for name in ("qa_pool", "triviaqa") if not (shared_data / name).is_dir()]
+    if missing:
+        pytest.skip(f"the answer pool reads {', '.join(missing)} from the real data sets, absent in {shared_data}")
+    return shared_data
 
 
 def test_train_on_answers_reuse_and_refusals(data_dir, tmp_path):

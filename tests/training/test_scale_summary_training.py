@@ -79,7 +79,10 @@ def test_every_loss_from_the_summary_equals_the_exact_route(tiny_backbone, store
     (exact, exact_grad, n_exact), (approx, approx_grad, n_approx) = results
     assert n_exact == n_approx
     assert approx == pytest.approx(exact, rel=1e-5)
-    assert torch.allclose(approx_grad, exact_grad, rtol=1e-4, atol=1e-6 * exact_grad.abs().max().item())
+    # top-label: a wrong token here has p_top = 1 - 2.5e-11, whose gradient (~1 / log p, kept since the clip moved to
+    # 1 - 1e-12 in ats.log_loss) carries the summary's relative error on log p there, 7.7e-5: seen 1.1e-4 apart
+    rtol = 2e-4 if loss_type == "top-label" else 1e-4
+    assert torch.allclose(approx_grad, exact_grad, rtol=rtol, atol=1e-6 * exact_grad.abs().max().item())
 
 
 def _train(tiny_backbone, store, **options):

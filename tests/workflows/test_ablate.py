@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import ats.workflows.feature_source
+import ats.workflows.pipeline
 from ats.errors import ATSError
 from ats.training.config import TrainingConfig
 from ats.training.data import load_instructions, tokenize_instructions
@@ -55,14 +55,14 @@ def test_run_ablations_writes_tables_json_figure_and_reuses_heads(tiny_backbone,
             {"question": "Is water wet?", "choices": ["yes", "no"], "answer": 0}]
     quiz.write_text("".join(json.dumps(r) + "\n" for r in rows))
     trained = []
-    real_train = ats.workflows.feature_source.train_ats
+    real_train = ats.workflows.pipeline.train_ats
 
     def counting(calibrator, *args, **kwargs):
         config = kwargs["config"]
         trained.append(f"{calibrator.config_.head.head_type}/{config.loss_type}/{config.alpha:g}")
         return real_train(calibrator, *args, **kwargs)
 
-    monkeypatch.setattr(ats.workflows.feature_source, "train_ats", counting)
+    monkeypatch.setattr(ats.workflows.pipeline, "train_ats", counting)
     train, val = stores
     out = tmp_path / "ablations"
     training = TrainingConfig(lr=1e-3, epochs=1, batch_size=4, micro_batch_size=4)

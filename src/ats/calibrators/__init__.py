@@ -1,7 +1,7 @@
 """The calibrator registry: every method, ATS included, under a name; classes are imported only when used.
 
     build_calibrator("temperature")                    # a fresh, unfitted calibrator
-    calibrator_for("selective-temperature", source)    # sized for a FitSource (then .fit_source(source))
+    calibrator_for("thermometer", source)              # sized for a FitSource (then .fit(source))
     load_calibrator("runs/smol/head")                  # any saved calibrator, by the "type" in its config
 
 A name maps to a class and preset options: `selective-temperature` and `selective-linear` are ATS with a constant
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ATSError
 from ..lazy import load
-from .saving import CONFIG_NAME, read_config
+from .saving import CONFIG_NAME, OFFICIAL_LAYOUT, saved_type
 
 if TYPE_CHECKING:
     from .base import Calibrator, FitSource
@@ -138,7 +138,7 @@ def _construct(name: str, options: dict, make) -> Calibrator:
 
 
 def calibrator_for(name: str, source: FitSource, **options) -> Calibrator:
-    """As `build_calibrator`, but sized for the data of `source` (fit it with `.fit_source(source)`).
+    """As `build_calibrator`, but sized for the data of `source` (fit it with `.fit(source)`).
 
     Args:
         name: a registered name.
@@ -154,39 +154,37 @@ def calibrator_for(name: str, source: FitSource, **options) -> Calibrator:
     return _construct(name, options, lambda cls, merged: cls.for_source(source, **merged))
 
 
-# types that load from a saved folder but are not names to fit: the paper's released heads, converted
+# types that load from a saved folder but are not names to fit: the paper's released heads, converted (and in their
+# own layout, `saving.OFFICIAL_LAYOUT`)
 SAVED_TYPES: dict[str, Entry] = {"ats-official": Entry(".official:OfficialATSCalibrator",
                                                         help="the paper's released heads (docs/official_heads.md)")}
+SAVED_TYPES[OFFICIAL_LAYOUT] = SAVED_TYPES["ats-official"]
 
 
 def saved_class(directory: Path) -> type[Calibrator]:
     """The class of the calibrator saved in `directory`, by the "type" of its calibrator_config.json; a folder in
-    the layout of the paper's code (config.json with "calibration_type") is an `OfficialATSCalibrator`.
+    the layout of the paper's code (`saving.saved_type`) is an `OfficialATSCalibrator`.
 
     Args:
         directory: a local calibrator folder.
 
     Returns:
-        The class whose `from_pretrained` (or, for the paper's layout, `from_official`) reads it.
+        The class whose `from_pretrained` reads it.
 
     Raises:
         ATSError: if the config is missing or invalid or its "type" is not a class name in the registry.
     """
-    if not (directory / CONFIG_NAME).exists():
-        from .official import OfficialATSCalibrator, is_official_folder
-
-        if is_official_folder(directory):
-            return OfficialATSCalibrator
-    kind = read_config(directory).get("type")
+    kind = saved_type(directory)
     loadable = {**{n: e for n, e in REGISTRY.items() if not e.preset}, **SAVED_TYPES}
     if kind not in loadable:
-        raise ATSError(f"{directory / CONFIG_NAME}: field 'type' is {kind!r}; known: {', '.join(loadable)}")
+        known = [k for k in loadable if k != OFFICIAL_LAYOUT]
+        raise ATSError(f"{directory / CONFIG_NAME}: field 'type' is {kind!r}; known: {', '.join(known)}")
     return loadable[kind].load()
 
 
 def load_calibrator(directory: str | Path, backbone=None) -> Calibrator:
-    """Load any saved calibrator, dispatching on the "type" field of its calibrator_config.json (`saved_class`);
-    with `backbone`, check that it matches.
+    """Load any saved calibrator, of the class its folder names (`saved_class`); with `backbone`, check that it
+    matches.
 
     A folder in the layout of the paper's code (config.json with "calibration_type" + calibration_head.safetensors)
     is read as an `OfficialATSCalibrator`. A name that is not a local folder but has the shape owner/name is a Hub
@@ -203,13 +201,7 @@ def load_calibrator(directory: str | Path, backbone=None) -> Calibrator:
         ATSError: if the config is missing or invalid, its "type" is not a class name in the registry, the weights
             do not match, the calibrator was fitted for another backbone, or a Hub id cannot be resolved.
     """
-    from ..hub import resolve_folder
-
-    directory = resolve_folder(directory)
-    cls = saved_class(directory)
-    if not (directory / CONFIG_NAME).exists():  # the paper's layout (saved_class checked it)
-        return cls.from_official(directory, backbone=backbone)
-    return cls.from_pretrained(directory, backbone=backbone)
+    return load(".base:Calibrator", __name__).from_pretrained(directory, backbone=backbone)
 
 
 def __getattr__(name: str):  # the classes, imported on first use: `from ats.calibrators import TemperatureScaling`

@@ -1,14 +1,17 @@
-"""What the token-level fitters share: one validated pass over logit chunks, and the top-1 confidences of a pass."""
+"""What the token-level fitters share: one validated pass over logit chunks, and the top-1 confidences of the fitting
+tokens at a scale s, from the source's scale summary when it has one (no pass), else from a pass over its chunks."""
 
 from __future__ import annotations
 
 from typing import Callable, Iterator
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from ..errors import ATSError
 from ..model.labels import IGNORE_INDEX
+from ..model.scale_summary import SummaryView, scaled_ce_from_summary
 from .base import LogitChunks, top1_confidence
 
 
@@ -70,3 +73,28 @@ def collect_top1(chunks: LogitChunks, transform: Callable[[Tensor], Tensor] | No
     if not confs:
         raise ATSError("chunks: no fitting tokens (every chunk was empty)")
     return np.concatenate(confs), np.concatenate(corrects)
+
+
+def source_top1(source, temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Top-1 confidence (N,) and correctness (N,), float64, of softmax(z / T) for every fitting token of `source`:
+    from its scale summary rows when it has them and 1 / T is within their range (log p_top = -G(1 / T),
+    correctness from the header: no pass over the vocabulary), else from one pass over its logit chunks
+    (`collect_top1`).
+
+    Args:
+        source: a `FitSource`.
+        temperature: T.
+
+    Returns:
+        (confidence in [0, 1], correct 1.0 / 0.0).
+
+    Raises:
+        ATSError: if a chunk is malformed or there is no fitting token.
+    """
+    summary = source.summary
+    s = 1.0 / temperature
+    if summary is not None and summary.shape[0] and s <= SummaryView(summary).spec.max_scale:
+        rows = summary.double()
+        log_p = scaled_ce_from_summary(rows, torch.full((rows.shape[0],), s, dtype=torch.float64)).log_p_top
+        return log_p.exp().clamp(0.0, 1.0).numpy(), SummaryView(rows).correct.double().numpy()
+    return collect_top1(source.logit_chunks, transform=None if temperature == 1.0 else (lambda z: z / temperature))

@@ -17,21 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import ATSError
-from ..hub import resolve_folder
 from ..model.backbone import Backbone
 from ..model.heads import HeadConfig, build_head, tau_at
 from .ats_config import ATSConfig
-from .base import CONFIG_NAME, Calibrator, FitSource, read_config
-from .calibrated_model import CalibratedModel
+from .base import Calibrator, FitSource
 from .saving import load_module
 
-__all__ = ["ATSCalibrator", "ATSConfig", "CalibratedModel"]
+__all__ = ["ATSCalibrator", "ATSConfig"]
 
 
 class ATSCalibrator(Calibrator):
@@ -44,7 +41,6 @@ class ATSCalibrator(Calibrator):
     name = "ats"
     Config = ATSConfig
     needs_hidden = True
-    trains_head = True
     token_head = True
     weights_metadata = {"format": "pt"}
 
@@ -126,6 +122,16 @@ class ATSCalibrator(Calibrator):
         return self.head(hidden.to(param.device, param.dtype), attention_mask, cache=cache)
 
     # --- training (`ats.training`: the one loop trains `trainable` on `scales_at`, then `record_training`) -------
+    def _fit(self, source: FitSource) -> None:
+        """Refuse: an ATS-family head is trained with the run's training config by `ats.training` (`train_ats` on
+        instruction features, `train_on_answers` on answers; `ats train`), not fitted on a source.
+
+        Raises:
+            ATSError: always.
+        """
+        raise ATSError(f"{self.label}: a head is trained, not fitted: use ats.training.train_ats (ats train) or "
+                       "ats.workflows.pipeline.fit_head")
+
     @property
     def trainable(self) -> torch.nn.Module:
         """The module training updates: the head."""
@@ -245,30 +251,3 @@ class ATSCalibrator(Calibrator):
             ATSError: if the weights are missing or do not match the config.
         """
         load_module(self.head, tensors)
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, backbone: Backbone | None = None) -> "ATSCalibrator":
-        """Load a saved head; with `backbone`, check that it matches. `ATSCalibrator.from_pretrained` also reads the
-        paper's released heads (the official layout, or their conversion of type "ats-official"), as the subclass
-        `OfficialATSCalibrator`.
-
-        Args:
-            directory: the head's folder, or a Hub repo id (owner/name) when no such folder exists.
-            backbone: the backbone it will read, or None to skip the check.
-
-        Returns:
-            The calibrator, its head in eval mode.
-
-        Raises:
-            ATSError: if the config is missing or invalid, its "type" is not "ats", the weights do not match the
-                config, or the backbone does not match.
-        """
-        directory = resolve_folder(directory)
-        if cls is ATSCalibrator:
-            from .official import OfficialATSCalibrator, is_official_folder
-
-            if not (directory / CONFIG_NAME).exists() and is_official_folder(directory):
-                return OfficialATSCalibrator.from_official(directory, backbone=backbone)
-            if read_config(directory).get("type") == OfficialATSCalibrator.name:
-                return OfficialATSCalibrator.from_pretrained(directory, backbone=backbone)
-        return super().from_pretrained(directory, backbone=backbone)

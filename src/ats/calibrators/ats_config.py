@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .. import __version__
 from ..config import ConfigMixin, option
 from ..errors import ATSError
-from ..model.heads.config import HeadConfig
+from ..model.heads.config import MAX_SCALE, HeadConfig
 
 
 @dataclass
@@ -17,7 +17,7 @@ class ATSConfig(ConfigMixin):
     """Everything needed to rebuild an ATS calibrator and to check it against a backbone."""
 
     head: HeadConfig = option(HeadConfig, "the head's type and sizes", cli=False)
-    max_scale: float = option(10.0, "clamp on exp(tau), the factor applied to the logits (the reference code's 10)",
+    max_scale: float = option(MAX_SCALE, "clamp on exp(tau), the factor applied to the logits (the reference code's)",
                               low=0, low_open=True)
     base_model: str = option("unknown", "backbone name", cli=False)
     revision: str = option("unknown", "backbone revision", cli=False)

@@ -18,10 +18,8 @@ from torch import Tensor
 
 from ..checks import check_positive_float
 from ..config import ConfigMixin, option
-from ._fitting import collect_top1
-from .base import LogitChunks
+from ._fitting import source_top1
 from .confidence_map import ConfidenceMap
-from .sketch import LogitSketch
 from .temperature import TemperatureScaling
 
 
@@ -108,52 +106,26 @@ class ScalingBinning(_Binning):
     """Temperature scaling, then equal-mass bins on the scaled confidence mapped to their mean scaled confidence.
 
     Options: `BinningConfig` (n_bins). Its temperature is that of temperature scaling on the same source when one is
-    fitted there (`builds_on`), else fitted as temperature scaling fits it (from the scale summary when there is one).
+    fitted there (`source.fitted`), else fitted as temperature scaling fits it (from the scale summary when there is
+    one).
     """
 
     name = "scaling-binning"
-    builds_on = "temperature"
-    fits_on_summary = True  # through its temperature: temperature scaling's route
     fitted_keys = ("temperature",)
     temperature: float | None = None
 
-    def fit(self, chunks: LogitChunks, *, temperature: float | None = None) -> "ScalingBinning":
-        """Fit the temperature (unless given), then the bins on the scaled confidences.
-
-        Args:
-            chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
-            temperature: reuse an already fitted temperature (same data) instead of fitting it again.
-
-        Returns:
-            self, fitted.
-
-        Raises:
-            ATSError: if a chunk is malformed or there is no fitting token.
-        """
-        self.temperature = temperature if temperature is not None else TemperatureScaling().fit(chunks).temperature
-        conf, _ = collect_top1(chunks, transform=lambda z: z / self.temperature)
-        return self.fit_top1(conf, conf)
+    def _fit(self, source) -> None:
+        """The temperature (temperature scaling's on the same source, `source.fitted`, else fitted here as it fits),
+        then the bins of the scaled confidences (`source_top1` at that temperature)."""
+        done = source.fitted.get("temperature")
+        self.temperature = done.temperature if done is not None else TemperatureScaling().fit(source).temperature
+        conf, _ = source_top1(source, self.temperature)
+        self.fit_top1(conf, conf)
 
     def fit_top1(self, conf: np.ndarray, target: np.ndarray) -> "ScalingBinning":
         """The bins of the scaled confidences (N,), each bin's value the mean of `target` (the confidence itself)."""
         self.upper_edges, self.values = equal_mass_bins(conf, target, self.n_bins)
         return self
-
-    def fit_source_sketch(self, source, sketch: LogitSketch) -> "ScalingBinning":
-        """The shared-sketch route: the scaled confidences from the sketch, no pass over the logits."""
-        self.temperature = self._source_temperature(source)
-        conf = sketch.top1_confidence(1.0 / self.temperature).numpy()
-        return self.fit_top1(conf, conf)
-
-    def fit_source_data(self, source) -> "ScalingBinning":
-        """Without a sketch: the reused temperature (if any) and one pass over the logit chunks."""
-        done = self.prerequisite(source)
-        return self.fit(source.logit_chunks, temperature=done.temperature if done is not None else None)
-
-    def _source_temperature(self, source) -> float:
-        """The temperature of the source's temperature-scaling fit, or fitted here by its route."""
-        done = self.prerequisite(source)
-        return done.temperature if done is not None else TemperatureScaling().fit_source(source).temperature
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:

@@ -1,6 +1,7 @@
 """What the methods that map the top-1 confidence share (histogram and scaling-binning, isotonic regression): the
-fit on (confidence, correct) pairs from the shared sketch or one pass over the logits, and a fitted map held as two
-float64 vectors (bin edges and values, isotonic thresholds) saved as tensors; the logits pass unchanged."""
+fit on (confidence, correct) pairs from the source's scale summary or one pass over the logits (`source_top1`), and
+a fitted map held as two float64 vectors (bin edges and values, isotonic thresholds) saved as tensors; the logits
+pass unchanged."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import torch
 from torch import Tensor
 
 from ..errors import ATSError
-from ._fitting import collect_top1
-from .base import Calibrator, LogitChunks
-from .sketch import LogitSketch
+from ._fitting import source_top1
+from .base import Calibrator
 
 
 def vector_pair(tensors: dict[str, Tensor], first: str, second: str) -> tuple[np.ndarray, np.ndarray]:
@@ -45,30 +45,16 @@ class ConfidenceMap(Calibrator):
     names in model.safetensors); subclasses define `fit_top1` and `calibrate_confidence`."""
 
     maps_confidence = True
-    fits_on_sketch = True
+    fits_on_summary = True
     fitted_attributes: ClassVar[tuple[str, str]]
 
     def fit_top1(self, conf: np.ndarray, correct: np.ndarray) -> "ConfidenceMap":
         """Fit the map on top-1 confidences (N,) and their correctness (N,) (both float64); returns self."""
         raise NotImplementedError
 
-    def fit(self, chunks: LogitChunks) -> "ConfidenceMap":
-        """Fit on the uncalibrated top-1 confidences and correctness of one pass over `chunks`.
-
-        Args:
-            chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
-
-        Returns:
-            self, fitted.
-
-        Raises:
-            ATSError: if a chunk is malformed or there is no fitting token.
-        """
-        return self.fit_top1(*collect_top1(chunks))
-
-    def fit_source_sketch(self, source, sketch: LogitSketch) -> "ConfidenceMap":
-        """The shared-sketch route: the sketch's exact top-1 confidences and correctness, no pass."""
-        return self.fit_top1(sketch.confidence.numpy(), sketch.correct.numpy())
+    def _fit(self, source) -> None:
+        """Fit on the uncalibrated top-1 confidences and correctness of the fitting tokens (`source_top1`)."""
+        self.fit_top1(*source_top1(source))
 
     def calibrate(self, logits: Tensor, hidden: Tensor | None = None, *, attention_mask: Tensor | None = None,
                   index: Tensor | None = None) -> Tensor:

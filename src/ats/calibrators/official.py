@@ -26,12 +26,12 @@ from torch import Tensor, nn
 from ..errors import ATSError
 from ..model.backbone import Backbone
 from ..model.heads import HeadConfig
+from ..model.heads.config import MAX_SCALE  # the official max_temperature (not in config.json, never changed)
 from .ats import ATSCalibrator, ATSConfig
+from .saving import OFFICIAL_CONFIG, OFFICIAL_LAYOUT, saved_type
 
-OFFICIAL_CONFIG = "config.json"
 OFFICIAL_WEIGHTS = "calibration_head.safetensors"
 OFFICIAL_PICKLE = "calibration_head.bin"
-MAX_SCALE = 10.0  # the official BaseAdaptiveCalibrationHead's max_temperature (not in config.json, never changed)
 RMS_EPS = 1e-6  # the official DecoderLayer's rms_norm_eps (TransformerHead never passes another)
 ROPE_THETA = 10000.0  # the official SelfAttention's rope_theta (not in config.json)
 REQUIRED = ("calibration_type", "in_features", "intermediate_size", "num_attention_heads")
@@ -49,17 +49,6 @@ KEY_MAP = {
     "linear_head.weight": "proj.weight",
     "linear_head.bias": "proj.bias",
 }
-
-
-def is_official_folder(directory: Path) -> bool:
-    """Whether `directory` holds a head in the official layout (a config.json with "calibration_type")."""
-    path = directory / OFFICIAL_CONFIG
-    if not path.is_file():
-        return False
-    try:
-        return "calibration_type" in json.loads(path.read_text())
-    except (OSError, ValueError, TypeError):
-        return False
 
 
 def read_official_config(directory: Path) -> dict:
@@ -173,6 +162,14 @@ class OfficialATSCalibrator(ATSCalibrator):
             raise ATSError(f"ats-official: head_type must be 'transformer', got {config.head.head_type!r}")
         super().__init__(config)
         self.head.final_norm = nn.Identity()  # the official linear head reads the layer's output directly
+
+    @classmethod
+    def read_folder(cls, directory: Path, backbone: Backbone | None = None) -> "OfficialATSCalibrator":
+        """A folder in the paper's layout (`from_official`: the backbone's hidden size checked before the weights
+        are read), or its conversion saved by `save_pretrained`."""
+        if saved_type(directory) == OFFICIAL_LAYOUT:
+            return cls.from_official(directory, backbone=backbone)
+        return super().read_folder(directory, backbone)
 
     @classmethod
     def from_official(cls, directory: str | Path, backbone: Backbone | None = None) -> "OfficialATSCalibrator":

@@ -4,11 +4,10 @@ The fit never holds all logits: it runs exact Newton steps on s = 1/T, one pass 
 the loss is logsumexp(s z) - s z_y, so dL/ds = E_p[z] - z_y and d2L/ds2 = Var_p[z] >= 0 (p = softmax(s z)); the loss
 is convex in s, and a bracket [lo, hi] on the root of dL/ds guards every step (bisection when Newton leaves it).
 
-Three routes give the same Newton steps: the logit chunks (exact, one full-vocabulary pass per step), a `LogitSketch`
-(`fit_sketch`) and the features' scale summary (`fit_summary`: per token the loss is G(s) + s (z_top - z_y), G from
-the summary's piecewise quintic, no pass over the vocabulary at all). `fit_source` takes the summary when the source
-has one, else the sketch, else the chunks. The summary covers 0 < s <= its max_scale (T >= 1 / max_scale, 0.1 by
-default); an optimum beyond it is fitted by the next route instead.
+Two routes give the same Newton steps: the source's scale summary (per token the loss is G(s) + s (z_top - z_y), G
+from the summary's piecewise quintic, no pass over the vocabulary at all) when it has one, else the logit chunks
+(exact, one full-vocabulary pass per step). The summary covers 0 < s <= its max_scale (T >= 1 / max_scale, 0.1 by
+default); an optimum beyond it is fitted on the chunks instead.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from ..errors import ATSError
 from ..model.scale_summary import SummaryView, scaled_ce_from_summary
 from ._fitting import iter_chunks
 from .base import Calibrator, LogitChunks
-from .sketch import LogitSketch
 
 S_MIN, S_MAX = 1e-2, 1e2  # 1/T stays in [0.01, 100]: T in [0.01, 100]
 
@@ -66,23 +64,6 @@ def nll_derivatives(chunks: LogitChunks, s: float) -> tuple[float, float, float,
     return loss / n, grad / n, hess / n, n
 
 
-def sketch_derivatives(sketch: LogitSketch, s: float) -> tuple[float, float]:
-    """Mean dNLL/ds and d2NLL/ds2 at inverse temperature s, from a `LogitSketch` (in float64).
-
-    Args:
-        sketch: the per-token summaries.
-        s: the inverse temperature 1/T.
-
-    Returns:
-        (mean dNLL/ds, mean d2NLL/ds2).
-    """
-    s_t = torch.tensor(float(s), dtype=torch.float64, requires_grad=True)
-    loss = (sketch.logsumexp(s_t) - s_t * sketch.label_logit.double()).mean()  # terms in float64
-    (grad,) = torch.autograd.grad(loss, s_t, create_graph=True)
-    (hess,) = torch.autograd.grad(grad, s_t)
-    return float(grad.detach()), float(hess)
-
-
 def summary_derivatives(summary: Tensor, s: float) -> tuple[float, float]:
     """Mean dNLL/ds and d2NLL/ds2 at inverse temperature s, from scale summary rows (in float64).
 
@@ -120,67 +101,37 @@ class TemperatureScaling(Calibrator):
 
     name = "temperature"
     Config = TemperatureConfig
-    fits_on_sketch = True
     fits_on_summary = True
     fitted_keys = ("temperature",)
     fitted_attributes = ("temperature",)
     temperature: float | None = None  # T, once fitted
     passes_: int = 0  # Newton steps of the last fit
 
-    def fit(self, chunks: LogitChunks) -> "TemperatureScaling":
-        """Fit T by NLL (see the module docstring); T stays in [0.01, 100]. Each Newton step is one pass.
-
-        Args:
-            chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
-
-        Returns:
-            self, with `temperature` and the number of passes `passes_` set.
+    def _fit(self, source) -> None:
+        """Fit T by NLL (see the module docstring; T stays in [0.01, 100]): from the source's scale summary when it has
+        one and the optimum lies within it, else on its logit chunks (one pass per Newton step). `passes_` counts the
+        Newton steps.
 
         Raises:
-            ATSError: if a chunk is malformed or there is no fitting token.
+            ATSError: if a chunk is malformed, there is no fitting token, or the summary is not summary rows.
         """
-        return self._newton(lambda s: nll_derivatives(chunks, s)[1:3])
+        summary = source.summary
+        if summary is None or not self._fit_summary(summary):
+            chunks = source.logit_chunks
+            self._newton(lambda s: nll_derivatives(chunks, s)[1:3])
 
-    def fit_sketch(self, sketch: LogitSketch) -> "TemperatureScaling":
-        """Fit T as `fit` does, every Newton step computed from a `LogitSketch` (no pass over the logits).
-
-        Args:
-            sketch: the per-token summaries of the fitting tokens.
-
-        Returns:
-            self, with `temperature` set (`passes_` counts the Newton steps, none of which reads the logits).
-        """
-        return self._newton(lambda s: sketch_derivatives(sketch, s))
-
-    def fit_summary(self, summary: Tensor) -> "TemperatureScaling | None":
-        """Fit T as `fit` does, every Newton step computed from scale summary rows (no pass over the vocabulary).
-
-        Args:
-            summary: (N, D) the scale summary rows of the fitting tokens (`summarize_logits`).
-
-        Returns:
-            self, with `temperature` set; None (self unchanged) when the optimum lies beyond the summary's range
-            (1/T > max_scale), where only another route can fit it.
-
-        Raises:
-            ATSError: if there is no row or the rows are not a scale summary.
-        """
+    def _fit_summary(self, summary: Tensor) -> bool:
+        """Newton's steps from scale summary rows (N, D); False (self unchanged) when the optimum lies beyond the
+        summary's range (1/T > max_scale), where only the chunks can fit it."""
         if summary.dim() != 2 or summary.shape[0] == 0:
             raise ATSError(f"temperature scaling: expected scale summary rows (N, D), N > 0, got "
                            f"{tuple(summary.shape)}")
         rows = summary.double()
         upper = min(S_MAX, SummaryView(rows).spec.max_scale)
         if summary_derivatives(rows, upper)[0] < 0:  # the loss still falls at the summary's largest scale
-            return None
-        return self._newton(lambda s: summary_derivatives(rows, s), upper=upper)
-
-    def fit_source_summary(self, source, summary: Tensor) -> "TemperatureScaling | None":
-        """The scale-summary route (`fit_summary`); None when the optimum lies beyond the summary's range."""
-        return self.fit_summary(summary)
-
-    def fit_source_sketch(self, source, sketch: LogitSketch) -> "TemperatureScaling":
-        """The shared-sketch route (`fit_sketch`)."""
-        return self.fit_sketch(sketch)
+            return False
+        self._newton(lambda s: summary_derivatives(rows, s), upper=upper)
+        return True
 
     def _newton(self, derivatives, upper: float = S_MAX) -> "TemperatureScaling":
         """Guarded Newton on s = 1/T in [S_MIN, upper]; `derivatives(s)` -> (dNLL/ds, d2NLL/ds2)."""

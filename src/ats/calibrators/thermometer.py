@@ -57,7 +57,6 @@ class Thermometer(ThermometerFit, Calibrator):
     Config = ThermometerConfig
     needs_hidden = True
     prompt_hidden = True
-    fits_on_sketch = True
     fits_on_summary = True
     fitted_keys = ("fitted", "history")
 

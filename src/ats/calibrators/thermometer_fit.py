@@ -1,5 +1,6 @@
-"""How Thermometer is fitted: per prompt, the mean cross-entropy of its response tokens at the prompt's 1/T plus the
-Gamma prior on T, minimised by the shared AdamW loop (`fit_loop`), from one of three views of the same tokens.
+"""How Thermometer is fitted on instruction tokens: per prompt, the mean cross-entropy of its response tokens at the
+prompt's 1/T plus the Gamma prior on T, minimised by the one loop (`fit_loop.FitLoop`), from the source's scale
+summary or from its sequences.
 
     loss = mean over sequences i of [ mean over i's response tokens CE(z_t / T_i, y_t)  +  lambda * R(T_i) ]
     R(T) = -log Gamma(T; alpha0, beta0) = -(alpha0 - 1) log T + T / beta0 + lgamma(alpha0) + alpha0 log beta0
@@ -7,14 +8,12 @@ Gamma prior on T, minimised by the shared AdamW loop (`fit_loop`), from one of t
 (our token-level setting; the paper fits per-task temperatures on multiple-choice answer tokens, and regularises one
 task-level temperature per batch where we regularise each prompt's.) Logits are never built for the whole data:
 
-- `fit_sequences` recomputes them from hidden states in chunks (`ats.model.scaled_ce.scaled_cross_entropy`, exact
-  gradient w.r.t. the per-token scale), one full-vocabulary pass per epoch;
-- `fit_summary` (what `fit_source` uses when the features carry a scale summary) reads each token's summary row:
-  CE = G(s) + s (z_top - z_y) with G from the summary's piecewise quintic, no pass over the vocabulary at all (the
-  summary covers s <= its max_scale, T >= 0.1 by default: a prompt whose 1/T goes beyond it is evaluated at
-  max_scale, and counted as `beyond_summary_`);
-- `fit_sketch` (what `fit_source` uses otherwise, when the source has a sketch) reads each token's `LogitSketch`:
-  after the sketch's one shared pass, every epoch costs K + B terms per token instead of V.
+- with the source's scale summary (`fit_tokens` on its rows): CE = G(s) + s (z_top - z_y) with G from the summary's
+  piecewise quintic, no pass over the vocabulary at all (the summary covers s <= its max_scale, T >= 0.1 by default:
+  a prompt whose 1/T goes beyond it is evaluated at max_scale, and counted as `beyond_summary_`);
+- without it (`fit_sequences`): the logits recomputed from the hidden states in chunks
+  (`ats.model.scaled_ce.scaled_cross_entropy`, exact gradient w.r.t. the per-token scale), one full-vocabulary pass
+  per epoch.
 """
 
 from __future__ import annotations
@@ -30,43 +29,43 @@ from ..errors import ATSError
 from ..model.labels import IGNORE_INDEX
 from ..model.scale_summary import SummaryView, scaled_ce_from_summary
 from ..model.scaled_ce import scaled_cross_entropy
-from .fit_loop import fit_loop
+from .fit_loop import BatchObjective, FitLoop
 from .thermometer_net import prompt_positions, prompt_states
 
 logger = logging.getLogger(__name__)
 
 
 class ThermometerFit:
-    """The fitting routes of `Thermometer` (mixed into it: it uses `net`, `inverse_temperature`, `prior` and the
-    options of `ThermometerConfig`)."""
+    """The fitting of `Thermometer` (mixed into it: it uses `net`, `inverse_temperature`, `prior` and the options of
+    `ThermometerConfig`)."""
 
-    # --- the routes `fit_source` takes (`Calibrator.fit_source`) ---------------------------------------------------
-    def fit_source_summary(self, source, summary: Tensor) -> "ThermometerFit":
-        """The scale-summary route: `fit_summary` on the source's prompts and summary rows."""
-        return self.fit_summary(prompt_states(source.store), summary, source.sequence_ids)
+    def _fit(self, source) -> None:
+        """The source's scale summary when it has one (`fit_tokens`), else its sequences (`fit_sequences`)."""
+        summary = source.summary
+        if summary is None:
+            self.fit_sequences(source.store, source.logits_fn)
+            return
+        if summary.dim() != 2 or summary.shape[0] == 0:
+            raise ATSError(f"Thermometer: expected scale summary rows (N, D), N > 0, got {tuple(summary.shape)}")
+        sequence_ids = source.sequence_ids
+        if sequence_ids.shape != (summary.shape[0],):
+            raise ATSError(f"Thermometer: {summary.shape[0]} summary rows but sequence_ids of shape "
+                           f"{tuple(sequence_ids.shape)}")
+        max_scale = SummaryView(summary).spec.max_scale
+        self.beyond_summary_ = 0
 
-    def fit_source_sketch(self, source, sketch) -> "ThermometerFit":
-        """The shared-sketch route: `fit_sketch` on the source's prompts and sketch."""
-        return self.fit_sketch(prompt_states(source.store), sketch, source.sequence_ids)
+        def nll(rows: Tensor, s: Tensor) -> Tensor:
+            self.beyond_summary_ += int((s.detach() > max_scale).sum())
+            return scaled_ce_from_summary(summary[rows], s.clamp(max=max_scale)).ce_label
 
-    def fit_source_data(self, source) -> "ThermometerFit":
-        """Without summary or sketch: `fit_sequences` on the source's hidden states."""
-        return self.fit_sequences(source.store, source.logits_fn)
-
-    def fit(self, chunks) -> "ThermometerFit":
-        """Not supported: Thermometer trains on whole sequences.
-
-        Args:
-            chunks: ignored.
-
-        Raises:
-            ATSError: always; use `fit_sequences` (or `fit_source`).
-        """
-        raise ATSError("Thermometer predicts a temperature per prompt and trains on whole sequences: use "
-                       "fit_sequences(feature_store, backbone.logits)")
+        self.fit_tokens(prompt_states(source.store), sequence_ids, nll)
+        if self.beyond_summary_:
+            logger.warning("Thermometer: %d token evaluations had 1/T above the scale summary's max_scale %g and "
+                           "were evaluated at it; fit on the sequences (the exact route) for temperatures below %g",
+                           self.beyond_summary_, max_scale, 1 / max_scale)
 
     # --- the loss ----------------------------------------------------------------------------------------------
-    def prompt_loss(self, nll: Tensor, row: Tensor, counts: Tensor, s: Tensor) -> tuple[Tensor, dict, int]:
+    def prompt_loss(self, nll: Tensor, row: Tensor, counts: Tensor, s: Tensor) -> tuple[Tensor, dict]:
         """The module docstring's loss for B prompts from the CE of their tokens at their 1/T.
 
         Args:
@@ -76,23 +75,22 @@ class ThermometerFit:
             s: (B,) each prompt's 1/T.
 
         Returns:
-            (loss, {"nll": mean NLL per prompt, "temperature": mean T}, B).
+            (loss, {"nll": mean NLL per prompt, "temperature": mean T, "sequences": B}).
         """
         per_seq = torch.zeros(len(counts), dtype=nll.dtype, device=nll.device).index_add(0, row, nll) / counts
         temperature = 1.0 / s
         loss = per_seq.mean() + self.prior_weight * self.prior(temperature.to(per_seq.dtype)).mean()
-        return loss, {"nll": float(per_seq.detach().mean()), "temperature": float(temperature.detach().mean())}, \
-            len(counts)
+        return loss, {"nll": float(per_seq.detach().mean()), "temperature": float(temperature.detach().mean()),
+                      "sequences": len(counts)}
 
     def _sequence_step(self, hidden: Tensor, labels: Tensor, logits_fn: Callable[[Tensor], Tensor]
-                       ) -> tuple[Tensor, dict, int]:
-        """One `fit_loop` step on a padded batch hidden (B, T, H), labels (B, T) (-100 off the response): (the
-        module docstring's loss, differentiable; {"nll": mean NLL per sequence, "temperature": mean T}; sequences
-        kept). Rows without a response label are dropped; with none kept, a zero that keeps the graph, {}, 0."""
+                       ) -> tuple[Tensor, dict] | None:
+        """The loss of a padded batch hidden (B, T, H), labels (B, T) (-100 off the response), differentiable; rows
+        without a response label are dropped, and a batch without any gives None (no step)."""
         pos = prompt_positions(labels)  # (B,)
         keep = pos >= 0
         if not bool(keep.any()):
-            return next(self.net.parameters()).sum() * 0.0, {}, 0
+            return None
         hidden, labels, pos = hidden[keep], labels[keep], pos[keep]
         B = hidden.shape[0]
         s = self.inverse_temperature(hidden[torch.arange(B, device=hidden.device), pos])  # (B,)
@@ -102,10 +100,10 @@ class ThermometerFit:
         ce_y = scaled_cross_entropy(hidden[select], scale, labels[select], logits_fn, self.chunk_size).ce_label
         return self.prompt_loss(ce_y, row, select.sum(dim=1).to(ce_y.dtype), s)
 
-    # --- the three routes --------------------------------------------------------------------------------------
+    # --- the two routes ----------------------------------------------------------------------------------------
     def fit_sequences(self, store, logits_fn: Callable[[Tensor], Tensor], *, device=None,
                       progress: bool = False) -> "ThermometerFit":
-        """Fit on a FeatureStore's sequences; `logits_fn` = backbone.logits. Returns self.
+        """Fit on a FeatureStore's sequences (the exact route); `logits_fn` = backbone.logits. Returns self.
 
         The per-epoch mean loss / NLL / temperature go to `self.history`.
 
@@ -128,43 +126,22 @@ class ThermometerFit:
         if device is None:
             owner = getattr(logits_fn, "__self__", None)
             device = getattr(owner, "device", torch.device("cpu"))
-        return self._fit(
-            lambda epoch: store.batches(self.batch_size, shuffle=True, seed=self.seed * 1000 + epoch),
-            lambda batch: self._sequence_step(batch.hidden.to(device), batch.labels.to(device), logits_fn),
-            math.ceil(len(store) / self.batch_size), device, progress)
+        objective = BatchObjective(
+            "Thermometer", lambda epoch: store.batches(self.batch_size, shuffle=True, seed=self.seed * 1000 + epoch),
+            lambda batch: self._sequence_step(batch.hidden.to(device), batch.labels.to(device), logits_fn))
+        return self._run(objective, device, progress)
 
-    def fit_sketch(self, prompts: Tensor, sketch, sequence_ids: Tensor, *, progress: bool = False) -> "ThermometerFit":
-        """Fit as `fit_sequences` does, each sequence's mean cross-entropy computed from the `LogitSketch` rows of
-        its response tokens (all of them, or the fitting subset's: then the mean over the sampled ones).
-
-        Args:
-            prompts: (S, H) each sequence's prompt feature (`prompt_states`).
-            sketch: the `LogitSketch` of the fitting tokens.
-            sequence_ids: (N,) the sequence of each sketch row, in [0, S).
-
-        Returns:
-            self, fitted, the network in eval mode (on the CPU).
-
-        Raises:
-            ATSError: if the sizes disagree, a loss is not finite, or no sequence has a fitting token.
-        """
-        return self._fit_tokens(prompts, len(sketch), sequence_ids, lambda rows, s: sketch.select(rows).nll(s),
-                                "sketch", progress)
-
-    def fit_summary(self, prompts: Tensor, summary: Tensor, sequence_ids: Tensor, *,
-                    progress: bool = False) -> "ThermometerFit":
-        """Fit as `fit_sequences` does, each sequence's mean cross-entropy computed from the scale summary rows of
-        its response tokens (all of them, or the fitting subset's: then the mean over the sampled ones); the
-        gradient w.r.t. each prompt's 1/T is that of the summary's piecewise quintic.
-
-        A token whose prompt's 1/T exceeds the summary's max_scale (T below 0.1 by default) is evaluated at
-        max_scale (the loss is flat beyond it); `beyond_summary_` counts such token evaluations over the fit (with a
-        warning when there are any).
+    def fit_tokens(self, prompts: Tensor, sequence_ids: Tensor, nll_of: Callable[[Tensor, Tensor], Tensor], *,
+                   progress: bool = False) -> "ThermometerFit":
+        """Fit on per-token rows (the summary route's shape): batches of sequences, each token's CE at its prompt's
+        1/T from `nll_of(rows (n,), s (n,)) -> (n,)`, each sequence's loss the mean over its rows (all its response
+        tokens, or the fitting subset's).
 
         Args:
             prompts: (S, H) each sequence's prompt feature (`prompt_states`).
-            summary: (N, D) the scale summary rows of the fitting tokens (`summarize_logits`).
             sequence_ids: (N,) the sequence of each row, in [0, S).
+            nll_of: rows, their prompts' s -> their CE, differentiable in s.
+            progress: show a progress bar.
 
         Returns:
             self, fitted, the network in eval mode (on the CPU).
@@ -172,31 +149,11 @@ class ThermometerFit:
         Raises:
             ATSError: if the sizes disagree, a loss is not finite, or no sequence has a fitting token.
         """
-        if summary.dim() != 2 or summary.shape[0] == 0:
-            raise ATSError(f"Thermometer: expected scale summary rows (N, D), N > 0, got {tuple(summary.shape)}")
-        max_scale = SummaryView(summary).spec.max_scale
-        self.beyond_summary_ = 0
-
-        def nll(rows: Tensor, s: Tensor) -> Tensor:
-            self.beyond_summary_ += int((s.detach() > max_scale).sum())
-            return scaled_ce_from_summary(summary[rows], s.clamp(max=max_scale)).ce_label
-
-        self._fit_tokens(prompts, summary.shape[0], sequence_ids, nll, "summary", progress)
-        if self.beyond_summary_:
-            logger.warning("Thermometer: %d token evaluations had 1/T above the scale summary's max_scale %g and "
-                           "were evaluated at it; fit on the sketch or the sequences for temperatures below %g",
-                           self.beyond_summary_, max_scale, 1 / max_scale)
-        return self
-
-    def _fit_tokens(self, prompts: Tensor, n_rows: int, sequence_ids: Tensor, nll_of: Callable, what: str,
-                    progress: bool) -> "ThermometerFit":
-        """`fit_sketch` / `fit_summary`: batches of sequences, each token's CE at its prompt's 1/T from
-        `nll_of(rows (n,), s (n,))` -> (n,), over `n_rows` per-token rows of the fitting tokens."""
         if prompts.dim() != 2 or prompts.shape[1] != self.hidden_size:
             raise ATSError(f"Thermometer: prompts must be (S, {self.hidden_size}), got {tuple(prompts.shape)}")
-        if sequence_ids.shape != (n_rows,):
-            raise ATSError(f"Thermometer: {n_rows} {what} rows but sequence_ids of shape "
-                           f"{tuple(sequence_ids.shape)}")
+        if sequence_ids.dim() != 1 or (len(sequence_ids) and int(sequence_ids.max()) >= prompts.shape[0]):
+            raise ATSError(f"Thermometer: sequence_ids of shape {tuple(sequence_ids.shape)} must index the "
+                           f"{prompts.shape[0]} prompts")
         counts = torch.bincount(sequence_ids, minlength=prompts.shape[0])  # (S,) fitting tokens per sequence
         rows = torch.argsort(sequence_ids, stable=True)  # the rows grouped by sequence
         starts = torch.cumsum(counts, 0) - counts
@@ -212,13 +169,28 @@ class ThermometerFit:
             s = self.inverse_temperature(prompts[batch])  # (b,)
             return self.prompt_loss(nll_of(picked, s[local]), local, counts[batch], s)
 
-        return self._fit(batches, step, math.ceil(len(present) / self.batch_size), torch.device("cpu"), progress)
+        objective = BatchObjective("Thermometer", batches, step, math.ceil(len(present) / self.batch_size))
+        return self._run(objective, torch.device("cpu"), progress)
 
-    def _fit(self, epoch_batches: Callable, step: Callable, steps_per_epoch: int, device,
-             progress: bool) -> "ThermometerFit":
-        """The shared loop (`fit_loop`) with the options; the history goes to `self.history`."""
-        self.history = fit_loop(self.net, epoch_batches, step, epochs=self.epochs, lr=self.lr,
-                                weight_decay=self.weight_decay, steps_per_epoch=steps_per_epoch, device=device,
-                                what="Thermometer", progress=progress)
+    def _run(self, objective: BatchObjective, device, progress: bool) -> "ThermometerFit":
+        """The one loop (`FitLoop`, AdamW at a constant rate) on `objective`; the per-epoch means of its steps'
+        statistics, weighted by their sequences, go to `self.history`.
+
+        Raises:
+            ATSError: if a loss is not finite or an epoch had no sequence to fit on.
+        """
+        steps = FitLoop(self.net.to(device), objective, lr=self.lr, weight_decay=self.weight_decay,
+                        epochs=self.epochs, seed=self.seed, progress=progress).run()
+        self.history = []
+        for epoch in range(self.epochs):
+            rows = [row for row in steps if row["epoch"] == epoch]
+            seen = sum(row["sequences"] for row in rows)
+            if seen == 0:
+                raise ATSError("Thermometer: no sequence with response tokens to fit on")
+            means = {}
+            for row in rows:
+                for key in ("loss", "nll", "temperature"):
+                    means[key] = means.get(key, 0.0) + row[key] * row["sequences"]
+            self.history.append({"epoch": epoch, "sequences": seen, **{k: v / seen for k, v in means.items()}})
         self.fitted = True
         return self

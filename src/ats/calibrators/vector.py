@@ -8,17 +8,19 @@ every parameter back to the identity map unless the data clearly move it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..checks import check_positive_int
 from ..config import ConfigMixin, option
 from ..errors import ATSError
 from ._fitting import iter_chunks
-from .base import Calibrator, LogitChunks
+from .base import Calibrator
+from .fit_loop import BatchObjective, FitLoop
 
 
 @dataclass
@@ -26,10 +28,19 @@ class VectorConfig(ConfigMixin):
     """Vector scaling's options: minibatch Adam over the chunks, and the penalty pulling the map to the identity."""
 
     epochs: int = option(5, "passes over the chunks", low=1)
-    lr: float = option(1e-2, "Adam's learning rate", low=0, low_open=True)
+    lr: float = option(1e-2, "Adam's learning rate (the one loop's AdamW, without decay)", low=0, low_open=True)
     weight_decay: float = option(1e-4, "the weight of the penalty pulling (a, b) back to (1, 0)", low=0)
     batch_size: int = option(512, "tokens per Adam step (minibatches are drawn within a chunk)", low=1)
     seed: int = option(0, "the seed of the shuffling")
+
+
+class _AffineMap(nn.Module):
+    """The parameters fitted: a (V,) from ones, b (V,) from zeros (vectors: no weight decay in `decay_groups`)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(vocab))
+        self.bias = nn.Parameter(torch.zeros(vocab))
 
 
 class VectorScaling(Calibrator):
@@ -45,45 +56,45 @@ class VectorScaling(Calibrator):
     scale: Tensor | None = None  # (V,) a
     bias: Tensor | None = None  # (V,) b
 
-    def fit(self, chunks: LogitChunks) -> "VectorScaling":
-        """Fit a (V,) and b (V,) from the identity; V comes from the first chunk.
-
-        Args:
-            chunks: a `LogitChunks` callable yielding logits (N, V) and labels (N,).
-
-        Returns:
-            self, with `scale` and `bias` set (on the CPU).
+    def _fit(self, source) -> None:
+        """Fit a (V,) and b (V,) from the identity through the one loop (`FitLoop`: Adam, minibatches drawn within
+        each chunk); V and the device come from the first chunk.
 
         Raises:
             ATSError: if a chunk is malformed, chunks differ in V, or there is no fitting token.
         """
+        chunks = source.logit_chunks
+        first_pass = iter_chunks(chunks)  # epoch 0's pass: its first chunk sizes the map
+        first = next(first_pass, None)
+        if first is None:
+            raise ATSError("chunks: no fitting tokens (every chunk was empty)")
+        vocab, device = first[0].shape[1], first[0].device
+        maps = _AffineMap(vocab).to(device)
         gen = torch.Generator().manual_seed(self.seed)
-        a = b = opt = None
-        for _ in range(self.epochs):
+
+        def batches(epoch: int):
             seen = 0
-            for logits, labels in iter_chunks(chunks):
-                if a is None:  # vocabulary size and device come from the first chunk
-                    a = torch.ones(logits.shape[1], device=logits.device, requires_grad=True)
-                    b = torch.zeros(logits.shape[1], device=logits.device, requires_grad=True)
-                    opt = torch.optim.Adam([a, b], lr=self.lr)
-                if logits.shape[1] != a.numel():
-                    raise ATSError(f"chunks: vocabulary size {logits.shape[1]} differs from the first chunk's "
-                                   f"{a.numel()}")
+            for logits, labels in itertools.chain([first], first_pass) if epoch == 0 else iter_chunks(chunks):
+                if logits.shape[1] != vocab:
+                    raise ATSError(f"chunks: vocabulary size {logits.shape[1]} differs from the first chunk's {vocab}")
                 order = torch.randperm(labels.numel(), generator=gen).to(logits.device)  # shuffle within the chunk
                 for batch in order.split(self.batch_size):
-                    z = logits[batch].float()  # (n, V)
-                    loss = F.cross_entropy(z * a + b, labels[batch])
-                    if self.weight_decay:
-                        loss = loss + self.weight_decay * ((a - 1).square().sum() + b.square().sum())
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
+                    yield logits[batch], labels[batch]
                 seen += labels.numel()
             if seen == 0:
                 raise ATSError("chunks: no fitting tokens (every chunk was empty)")
-        self.scale = a.detach().cpu().clone()
-        self.bias = b.detach().cpu().clone()
-        return self
+
+        def loss(batch) -> tuple[Tensor, dict]:
+            logits, labels = batch
+            out = F.cross_entropy(logits.float() * maps.scale + maps.bias, labels)  # (n, V) -> ()
+            if self.weight_decay:
+                out = out + self.weight_decay * ((maps.scale - 1).square().sum() + maps.bias.square().sum())
+            return out, {}
+
+        FitLoop(maps, BatchObjective("vector scaling", batches, loss), lr=self.lr, weight_decay=0.0,
+                epochs=self.epochs, seed=self.seed).run()
+        self.scale = maps.scale.detach().cpu().clone()
+        self.bias = maps.bias.detach().cpu().clone()
 
     @property
     def vocab_size(self) -> int:

@@ -144,17 +144,14 @@ def calibrator_folder(name: str | Path) -> Path:
     Raises:
         ATSError: if the folder, its config or the Hub id is missing or invalid (one line).
     """
-    from ..calibrators.saving import CONFIG_NAME, read_config
+    from ..calibrators.saving import OFFICIAL_LAYOUT, saved_type
     from ..hub import resolve_folder
 
     folder = resolve_folder(name)
-    if folder.is_dir() and not (folder / CONFIG_NAME).exists():  # the paper's layout?
-        from ..calibrators.official import is_official_folder, read_official_config
+    if saved_type(folder) == OFFICIAL_LAYOUT:
+        from ..calibrators.official import read_official_config
 
-        if is_official_folder(folder):
-            read_official_config(folder)
-            return folder
-    read_config(folder)
+        read_official_config(folder)
     return folder
 
 

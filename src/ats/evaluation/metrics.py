@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ATSError
+from ..log_loss import binary_log_loss
 from .inputs import check_pairs, to_array
 from .selective import SELECTIVE_KEYS, selective_metrics
-
-_EPS = 1e-12  # NLL clipping: a confident wrong answer costs -log(1e-12) ~ 27.6 nats instead of inf
 
 METRIC_KEYS = ("accuracy", "mean_confidence", "ece", "adaptive_ece", "brier", "nll", "auroc", *SELECTIVE_KEYS)
 # what `paired_differences` compares by default
@@ -147,7 +146,8 @@ def brier_score(confidence, correct) -> float:
 
 
 def nll(confidence, correct) -> float:
-    """Binary negative log-likelihood of correctness under the confidence (clipped to [1e-12, 1 - 1e-12]).
+    """Binary negative log-likelihood of correctness under the confidence (`ats.log_loss`: clipped to
+    [1e-12, 1 - 1e-12]).
 
     Args:
         confidence: (N,) top-1 confidences in [0, 1] (array, list or tensor; flattened).
@@ -161,8 +161,7 @@ def nll(confidence, correct) -> float:
             correctness value is not 0/1.
     """
     conf, corr = check_pairs(confidence, correct)
-    p = np.clip(conf, _EPS, 1.0 - _EPS)
-    return float(-np.mean(corr * np.log(p) + (1.0 - corr) * np.log1p(-p)))
+    return float(np.mean(binary_log_loss(conf, corr)))
 
 
 def accuracy(correct) -> float:

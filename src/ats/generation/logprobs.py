@@ -24,11 +24,11 @@ class TokenLogprob:
     """One token of a prompt or a completion with its probabilities.
 
     logprob: calibrated log-probability (None for a prompt's first token, which nothing predicts); uncalibrated: the
-    backbone's own; tau: the head's log-temperature at the position that predicted it; top: the most likely tokens
-    there with their calibrated log-probabilities, best first (empty unless asked for); offset: where the token's
-    text starts in the generated text (characters; set when it is released); confidence: the reported confidence
-    (the calibrated probability, through a binning calibrator's map); answer: whether it counts in the answer's
-    confidence (not the end-of-sequence token).
+    backbone's own; tau: the head's log-scale (log s = -log T) at the position that predicted it; top: the most
+    likely tokens there with their calibrated log-probabilities, best first (empty unless asked for); offset: where
+    the token's text starts in the generated text (characters; set when it is released); confidence: the reported
+    confidence (the calibrated probability, through a binning calibrator's map); answer: whether it counts in the
+    answer's confidence (not the end-of-sequence token).
     """
 
     token: int
@@ -74,7 +74,7 @@ def records(tokens: list[int], logp_q: Tensor, logp_z: Tensor, tau: Tensor | Non
         tokens: the N token ids.
         logp_q: (N,) calibrated log-probabilities.
         logp_z: (N,) uncalibrated log-probabilities.
-        tau: (N,) the head's log-temperatures, or None.
+        tau: (N,) the head's log-scales, or None.
         top_ids: (N, k) the most likely tokens.
         top_logp: (N, k) their calibrated log-probabilities.
         confidence: the N reported confidences (`DecodingCalibration.confidence`).
@@ -97,7 +97,7 @@ def prompt_logprobs(backbone, calibration: DecodingCalibration, hidden: Tensor, 
         backbone: its output layer gives the logits.
         calibration: the decoding calibration.
         hidden: (P, H) hidden states of the prompt's positions.
-        tau: (P,) the head's log-temperatures (head and none modes), else None.
+        tau: (P,) the head's log-scales (head and none modes), else None.
         state: (H,) the prompt's state (prompt mode), else None.
         ids: the P prompt token ids.
         k: the most likely tokens reported per position.

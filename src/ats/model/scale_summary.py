@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ATSError
+from .heads.config import MAX_SCALE as DEFAULT_MAX_SCALE
 from .scaled_ce import ScaledCE
 
 __all__ = ["SUMMARY_VERSION", "ScaleSummarySpec", "SummaryView", "scaled_ce_from_summary", "summarize_logits",
@@ -69,7 +70,7 @@ class ScaleSummarySpec:
         version: the summary's format version.
     """
 
-    max_scale: float = 10.0
+    max_scale: float = DEFAULT_MAX_SCALE
     intervals: int = DEFAULT_INTERVALS
     knee: float = DEFAULT_KNEE
     version: int = SUMMARY_VERSION

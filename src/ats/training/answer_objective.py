@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..errors import ATSError
 from ..model.labels import IGNORE_INDEX
+from ..model.token_ce import summary_route
 from .answers import AnswerSet, confidence_and_penalty
 from .config import TOKEN_MAX, TOKEN_WINDOW, TrainingConfig, training_record
 from .losses import ANSWER_LOSSES, answer_loss, calibration_loss
@@ -37,13 +37,14 @@ def answer_batches(sets: list[AnswerSet], batch_size: int, *, seed: int, epoch: 
 
 
 def token_term(calibrator, batch, logits_fn, *, chunk_size: int, max_tokens: int | None = None,
-               window: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+               window: int | None = None, generator: torch.Generator | None = None, summarised: bool = True) -> Tensor:
     """The top-label log loss of the head's calibrated top-1 confidence on one batch of instruction sequences
     (`ats.training.features.SequenceBatch`): the token-level proper term that keeps token calibration honest.
 
     The head reads the sequences' first `window` positions (None: all; a causal head's output there is exactly its
     output on the whole sequence); with `max_tokens`, the loss is the mean over a random subset of that many of
-    their response tokens (unbiased, and the exact route then builds logits for those tokens only)."""
+    their response tokens (unbiased, and the exact route then builds logits for those tokens only). `summarised`: the
+    batch's summary rows are used (the route `summary_route` chose for the store)."""
     T = batch.hidden.shape[1] if window is None else min(window, batch.hidden.shape[1])
     select_all = batch.labels != IGNORE_INDEX  # (B, T_full)
     in_window = torch.zeros_like(select_all)
@@ -54,7 +55,7 @@ def token_term(calibrator, batch, logits_fn, *, chunk_size: int, max_tokens: int
     tau = calibrator.log_scale(hidden_w, batch.attention_mask[:, :T].to(device))
     select = select_all[:, :T]  # (B, T)
     hidden, scale, labels = hidden_w[select], calibrator.scale(tau.float().cpu())[select], batch.labels[:, :T][select]
-    summary = batch.summary[keep_rows] if batch.summary is not None else None  # (N_w, D), same order, or None
+    summary = batch.summary[keep_rows] if summarised and batch.summary is not None else None  # (N_w, D) or None
     if max_tokens is not None and labels.numel() > max_tokens:
         keep = torch.randperm(labels.numel(), generator=generator)[:max_tokens]  # (max_tokens,)
         hidden, scale, labels = hidden[keep], scale[keep], labels[keep]
@@ -103,12 +104,17 @@ class AnswerObjective:
             raise ATSError(f"answer loss must be one of {', '.join(ANSWER_LOSSES)}, got {config.loss_type!r}")
         if not sets or not any(len(s) for s in sets):
             raise ATSError("training on answers: no answers to train on")
+        if not hasattr(calibrator, "trainable"):
+            raise ATSError(f"calibrator {calibrator.name!r} has no trainable module: it cannot learn from answers")
         if token_weight > 0 and (token_store is None or not calibrator.token_head):
             raise ATSError("training on answers: token_weight > 0 needs an instruction feature store and an "
                            "ATS-family head")
         self.calibrator, self.sets, self.logits_fn, self.config = calibrator, sets, logits_fn, config
         self.token_weight, self.token_max, self.token_window = token_weight, token_max, token_window
         self.tokens = cycled_batches(token_store, config.seed) if token_weight > 0 else None
+        self.summarised = token_weight > 0 and summary_route(
+            getattr(token_store, "scale_summary", None), exact=config.exact_loss,
+            max_scale=calibrator.config_.max_scale, where=f"the features in {getattr(token_store, 'directory', '?')}")
         self.generator = torch.Generator().manual_seed(config.seed)
 
     def steps(self, epoch: int) -> int:
@@ -130,7 +136,8 @@ class AnswerObjective:
         stats = {"answer_loss": loss.item()}
         if self.tokens is not None:
             term = token_term(self.calibrator, next(self.tokens), self.logits_fn, chunk_size=self.config.chunk_size,
-                              max_tokens=self.token_max, window=self.token_window, generator=self.generator)
+                              max_tokens=self.token_max, window=self.token_window, generator=self.generator,
+                              summarised=self.summarised)
             stats["token_loss"] = term.item()
             loss = loss + self.token_weight * term
         return loss, stats
@@ -170,26 +177,3 @@ def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: Tr
     objective = AnswerObjective(calibrator, sets, logits_fn, config, token_store=token_store,
                                 token_weight=token_weight, token_max=token_max, token_window=token_window)
     return Trainer(calibrator, objective, config, progress=progress).run()
-
-
-@dataclass
-class AnswerSource:
-    """What a calibrator learns from when it trains on answers (`Calibrator.fit_source`): the answer sets, the output
-    layer, the training options and the token term; every learned calibrator trains on it through the one loop."""
-
-    sets: list[AnswerSet]
-    logits_fn: object
-    training: TrainingConfig
-    hidden_size: int
-    token_store: object = None
-    token_weight: float = 0.0
-    token_max: int | None = TOKEN_MAX
-    token_window: int | None = TOKEN_WINDOW
-    progress: bool = True
-    trains_calibrators = True  # `fit_source` hands every calibrator with a trainable module to `train`
-
-    def train(self, calibrator) -> None:
-        """Train `calibrator` on the answers (`train_on_answers`)."""
-        train_on_answers(calibrator, self.sets, self.logits_fn, config=self.training, token_store=self.token_store,
-                         token_weight=self.token_weight, token_max=self.token_max, token_window=self.token_window,
-                         progress=self.progress)

@@ -40,8 +40,8 @@ from torch import Tensor
 
 from ..errors import ATSError
 from ..io import atomic_file, read_json, write_json
-from ..model.scale_summary import scaled_ce_from_summary
-from ..model.scaled_ce import scaled_cross_entropy
+from ..model.scale_summary import ScaleSummarySpec, SummaryView
+from ..model.token_ce import summary_route, token_ce
 
 FORMAT_VERSION = 1
 KINDS = ("letters", "choices", "free")
@@ -63,6 +63,12 @@ class AnswerSet:
 
     def __len__(self) -> int:
         return int(self.tensors["answer"].numel())
+
+    @property
+    def scale_summary(self) -> ScaleSummarySpec | None:
+        """The settings of the scored tokens' scale summary (read from its rows), or None without one."""
+        rows = self.tensors.get("summary")
+        return SummaryView(rows).spec if rows is not None and rows.shape[0] else None
 
     def subset(self, questions: list[int]) -> "AnswerSet":
         """The set of only `questions` (increasing indices), rows and positions re-indexed; meta notes the subset."""
@@ -142,7 +148,7 @@ def mean_token_confidence(p: Tensor, valid: Tensor) -> Tensor:
 
 
 # --- answer confidence as the tasks compute it, differentiable in the scale ------------------------------------------
-def answer_confidence(answers: AnswerSet, questions: Tensor, row_scale: Tensor, position_log_p: Tensor,
+def questions_confidence(answers: AnswerSet, questions: Tensor, row_scale: Tensor, position_log_p: Tensor,
                       positions: Tensor) -> tuple[Tensor, Tensor]:
     """(confidence (Q_b,), correct (Q_b,) bool) of the questions `questions`, differentiable w.r.t. the scales.
 
@@ -255,12 +261,12 @@ def confidence_and_penalty(calibrator, answers: AnswerSet, questions: Tensor, lo
     scale, penalty = position_scales(calibrator, t, (r0, r1), (p0, p1))
     if answers.kind == "letters":
         log_p = torch.zeros_like(scale)
-    elif "summary" in t and not exact:
-        log_p = -scaled_ce_from_summary(t["summary"][p0:p1], scale).ce_label
     else:
-        h = t["hidden"][offsets[pos_row] + pos_in_row].float()  # (P_b, H)
-        log_p = -scaled_cross_entropy(h, scale, t["pos_target"][p0:p1], logits_fn, chunk_size).ce_label
-    return (*answer_confidence(answers, questions, scale, log_p, positions), penalty)
+        summary = t["summary"][p0:p1] if summary_route(answers.scale_summary, exact=exact) else None
+        h = t["hidden"][offsets[pos_row] + pos_in_row].float() if summary is None else None  # (P_b, H)
+        log_p = -token_ce(h, scale, t["pos_target"][p0:p1], logits_fn, chunk_size=chunk_size,
+                          summary=summary).ce_label
+    return (*questions_confidence(answers, questions, scale, log_p, positions), penalty)
 
 
 @torch.no_grad()

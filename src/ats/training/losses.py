@@ -1,11 +1,11 @@
 """Calibration losses for a head's per-token scale `s` (calibrated logits `q = z * s`), on N response tokens.
 
 The per-token quantities (CE to the label, CE to uniform, the calibrated top-1 log-probability, correctness) come from
-the tokens' scale summaries when the batch carries them (`ats.model.scale_summary`, no vocabulary-sized work), or
-else from one chunked pass over the logits, `ats.model.scaled_ce.scaled_cross_entropy` (the exact route), so (N, V)
-logits never exist at once. Both give the same `ScaledCE`, so every loss below is written once. A token is correct
-when argmax z == y (the same as argmax q, since s > 0). alpha is the smoothing weight (the reference code's
-`smooth_loss_weight`).
+the tokens' scale summaries when the caller passes them (the route `ats.model.token_ce.summary_route` chose; no
+vocabulary-sized work), or else from one chunked pass over the logits (the exact route), so (N, V) logits never exist
+at once (`ats.model.token_ce.token_ce`). Both give the same `ScaledCE`, so every loss below is written once. A token
+is correct when argmax z == y (the same as argmax q, since s > 0). alpha is the smoothing weight (the reference
+code's `smooth_loss_weight`).
 
 Loss types:
 - "selective" (the paper's): correct tokens get (1 - alpha) CE(q, y), wrong tokens alpha CE(q, u): sharpen where the
@@ -24,8 +24,9 @@ Loss types:
 - "none": plain CE(q, y) on all tokens (NLL; the ablation without smoothing).
 - "full": label smoothing on every token, (1 - alpha) CE(q, y) + alpha CE(q, u).
 - "top-label": the log loss of the calibrated top-1 confidence p = softmax(q)[argmax z] as a forecast of whether the
-  top token is right, -[c log p + (1 - c) log(1 - p)]: a proper scoring rule for exactly the confidence that token-level
-  ECE measures (our objective beyond the paper; alpha is unused).
+  top token is right, -[c log p + (1 - c) log(1 - p)] (`ats.log_loss`, the clipping of every log loss here): a proper
+  scoring rule for exactly the confidence that token-level ECE measures (our objective beyond the paper; alpha is
+  unused).
 
 The answer losses score the confidence of a whole answer as the tasks compute it (`ats.training.answers`), against
 whether the answer is right (docs/method.md, "Heads trained on answers"): a proper scoring rule back-propagated
@@ -43,8 +44,9 @@ from torch import Tensor
 
 from ..checks import check_choice, check_nonnegative_int, check_number, check_positive_int
 from ..errors import ATSError
-from ..model.scale_summary import scaled_ce_from_summary
-from ..model.scaled_ce import LogitsFn, ScaledCE, scaled_cross_entropy
+from ..log_loss import binary_log_loss, binary_log_loss_of_log
+from ..model.scaled_ce import LogitsFn
+from ..model.token_ce import token_ce
 from .config import ANSWER_LOSSES, LOSS_TYPES, WEIGHTINGS
 
 
@@ -61,21 +63,6 @@ class LossOutput:
 def _group_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of values[mask]; 0 (still in the graph) for an empty group."""
     return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
-def log_loss_of_top(log_p_top: Tensor, correct: Tensor) -> Tensor:
-    """Per-token binary log loss of the top-1 confidence exp(log_p_top) (N,) against correctness (N,) bool.
-
-    Args:
-        log_p_top: (N,) log of the calibrated top-1 confidence (clamped just below 0 so log(1 - p) is finite).
-        correct: (N,) bool, argmax z == y.
-
-    Returns:
-        (N,) -log p where correct, -log(1 - p) elsewhere.
-    """
-    log_p = log_p_top.clamp(max=-1e-7)  # p < 1, so log(1 - p) stays finite
-    log_not_p = torch.log(-torch.expm1(log_p))  # log(1 - p), accurate near p = 1
-    return -torch.where(correct, log_p, log_not_p)
 
 
 def reference_selective(ce_y: Tensor, ce_u: Tensor, correct: Tensor, alpha: float, ignored: int) -> Tensor:
@@ -103,16 +90,6 @@ def reference_selective(ce_y: Tensor, ce_u: Tensor, correct: Tensor, alpha: floa
         return ce_y.sum() * 0.0
     smooth = (ce_u * (1 - c)).sum() / n_wrong.clamp(min=1)  # ignored positions add zeros to this mean
     return (w_c * _group_mean(ce_y, c) + w_w * smooth) / total
-
-
-def _scaled_ce(hidden: Tensor, scale: Tensor, labels: Tensor, logits_fn: LogitsFn, chunk_size: int,
-               summary: Tensor | None) -> ScaledCE:
-    """The per-token quantities of q = z * scale: from the summary rows when given, else by the exact route."""
-    if summary is None:
-        return scaled_cross_entropy(hidden, scale, labels, logits_fn, chunk_size)
-    if summary.dim() != 2 or summary.shape[0] != scale.shape[0]:
-        raise ATSError(f"calibration_loss: expected summary ({scale.shape[0]}, D), got {tuple(summary.shape)}")
-    return scaled_ce_from_summary(summary, scale)
 
 
 def calibration_loss(
@@ -164,14 +141,14 @@ def calibration_loss(
     if N == 0:
         return LossOutput(loss=scale.sum() * 0.0, n_correct=0, n_tokens=0, nll=0.0)
 
-    out = _scaled_ce(hidden, scale, labels, logits_fn, chunk_size, summary)  # (N,) each
+    out = token_ce(hidden, scale, labels, logits_fn, chunk_size=chunk_size, summary=summary)  # (N,) each
     ce_y, ce_u, correct = out.ce_label, out.ce_uniform, out.correct
     if loss_type == "none":
         loss = ce_y.mean()
     elif loss_type == "full":
         loss = ((1 - a) * ce_y + a * ce_u).mean()
     elif loss_type == "top-label":
-        loss = log_loss_of_top(out.log_p_top, correct).mean()
+        loss = binary_log_loss_of_log(out.log_p_top, correct).mean()
     elif weighting == "token":
         loss = torch.where(correct, (1 - a) * ce_y, a * ce_u).mean()
     else:
@@ -193,10 +170,8 @@ def answer_loss(confidence: Tensor, correct: Tensor, loss_type: str) -> Tensor:
     Raises:
         ATSError: if the loss type is unknown.
     """
-    c = correct.to(confidence.dtype)
     if loss_type == "answer-log":
-        p = confidence.clamp(1e-7, 1 - 1e-7)
-        return -(c * torch.log(p) + (1 - c) * torch.log1p(-p)).mean()
+        return binary_log_loss(confidence, correct).mean().to(confidence.dtype)
     if loss_type == "answer-brier":
-        return ((confidence - c) ** 2).mean()
+        return ((confidence - correct.to(confidence.dtype)) ** 2).mean()
     raise ATSError(f"answer loss must be one of {', '.join(ANSWER_LOSSES)}, got {loss_type!r}")

@@ -15,25 +15,22 @@ and ends with the same weights as an uninterrupted run, because the data order d
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from ..calibrators.ats import ATSCalibrator
-from ..calibrators.fit_loop import decay_groups
+from ..calibrators.fit_loop import FitLoop, Objective
 from ..errors import ATSError
 from ..model.backbone import Backbone
 from ..model.labels import IGNORE_INDEX
+from ..model.token_ce import summary_route
 from .checkpoint import checkpoint_and_prune, latest_checkpoint, load_checkpoint
 from .config import TrainingConfig, training_record
 from .distributed import SINGLE, Dist
@@ -50,28 +47,6 @@ class TrainResult:
 
     history: list[dict] = field(default_factory=list)  # one row per optimizer step
     epochs: list[dict] = field(default_factory=list)  # validation metrics after each epoch
-
-
-class Objective(Protocol):
-    """What the trainer minimises.
-
-    what: its name on the progress bar; accumulation: micro-batches per optimizer step; steps(epoch): the optimizer
-    steps of an epoch (a last partial one counts); micro_batches(epoch, rank=, world_size=, start=): this process's
-    micro-batches of the epoch (global micro-batch m goes to rank m % world_size; the first `start` are skipped);
-    loss(batch, model): (the loss, {statistic: value}) of one micro-batch, `model` the data-parallel module (None on
-    one process); record(lr, steps): the training record the calibrator keeps.
-    """
-
-    what: str
-    accumulation: int
-
-    def steps(self, epoch: int) -> int: ...
-
-    def micro_batches(self, epoch: int, *, rank: int, world_size: int, start: int) -> Iterator: ...
-
-    def loss(self, batch, model) -> tuple[Tensor, dict]: ...
-
-    def record(self, lr: float, steps: int) -> dict: ...
 
 
 def micro_per_epoch(store, config: TrainingConfig) -> int:
@@ -101,30 +76,15 @@ def steps_per_epoch(store, config: TrainingConfig) -> int:
 
 
 def uses_summary(store, config: TrainingConfig, calibrator: ATSCalibrator) -> bool:
-    """Whether the loss is computed from the features' scale summaries (else by the exact full-vocabulary route).
-
-    The summary route is taken when the store carries a summary and `config.exact_loss` is off; online features
-    carry none.
-
-    Args:
-        store: a FeatureStore or OnlineFeatures.
-        config: the training settings.
-        calibrator: the calibrator trained (its max_scale must be covered by the summary).
-
-    Returns:
-        True for the summary route.
+    """Whether the loss is computed from the features' scale summaries (`summary_route`: when the store carries a
+    summary and `config.exact_loss` is off; online features carry none).
 
     Raises:
         ATSError: if the head's max_scale exceeds the summary's.
     """
-    spec = getattr(store, "scale_summary", None)
-    if spec is None or config.exact_loss:
-        return False
-    if calibrator.config_.max_scale > spec.max_scale:
-        raise ATSError(f"the head's max_scale {calibrator.config_.max_scale:g} exceeds the scale summary's "
-                       f"{spec.max_scale:g} of the features in {getattr(store, 'directory', '?')}; train with "
-                       "--exact-loss or extract the features with a larger summary max_scale")
-    return True
+    where = f"the features in {getattr(store, 'directory', '?')}"
+    return summary_route(getattr(store, "scale_summary", None), exact=config.exact_loss,
+                         max_scale=calibrator.config_.max_scale, where=where)
 
 
 class TokenObjective:
@@ -183,14 +143,14 @@ class TokenObjective:
         return training_record(self.config, lr=lr, optimizer_steps=steps, lr_automatic=self.config.lr is None)
 
 
-class Trainer:
-    """Trains `calibrator.trainable` in place on `objective`; `run()` returns the loss history and per-epoch
-    validation metrics.
+class Trainer(FitLoop):
+    """Trains `calibrator.trainable` in place on `objective` through the one loop (`FitLoop`: AdamW, accumulation,
+    clipping, the cosine schedule with warmup); `run()` returns the loss history and per-epoch validation metrics.
 
     Construction builds the optimizer and schedule (the learning rate and the training record go to the calibrator's
     `record_training`) and, with `resume`, restores the last checkpoint. torch's global RNG is never seeded or drawn
     from: the data order comes from (seed, epoch), and each epoch runs on a forked RNG seeded from (seed, epoch)
-    (`_epoch_rng`), so any randomness is reproducible and leaves the caller's RNG as it was.
+    (`FitLoop.epoch_rng`), so any randomness is reproducible and leaves the caller's RNG as it was.
 
     Every optimizer step takes `objective.accumulation` micro-batches through `Accelerator.accumulate` (the loss
     divided by the accumulation, no gradient all-reduce before the step's last). With W processes the global
@@ -218,42 +178,39 @@ class Trainer:
                  validate: Validator | None = None, out_dir: str | Path | None = None, resume: bool = False,
                  progress: bool = True, on_step: Callable[[int], None] | None = None, dist: Dist | None = None
                  ) -> None:
-        self.calibrator, self.objective, self.config = calibrator, objective, config
+        self.calibrator, self.config = calibrator, config
         self.validate, self.on_step, self.dist = validate, on_step, dist or SINGLE
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.progress = progress and self.dist.is_main
         if objective.accumulation % self.dist.world_size:
             raise ATSError(f"batch_size {config.batch_size} must be a multiple of micro_batch_size "
                            f"{config.micro_batch_size} x {self.dist.world_size} processes")
-        self.local_accumulation = objective.accumulation // self.dist.world_size
-        self.result = TrainResult()
-        self._setup(resume)
-
-    # --- setup ------------------------------------------------------------------------------------------------------
-    def _setup(self, resume: bool) -> None:
-        config = self.config
-        self.module = module = self.calibrator.trainable.train()
-        self.steps = [self.objective.steps(epoch) for epoch in range(config.epochs)]
-        total = sum(self.steps)
-        self.lr = config.learning_rate(total)
+        total = sum(objective.steps(epoch) for epoch in range(config.epochs))
+        lr = config.learning_rate(total)
         if config.lr is None:
-            logger.info("learning rate %.3g, the default for %d optimizer steps (set --lr to choose)", self.lr, total)
-        self.record = self.objective.record(self.lr, total)
+            logger.info("learning rate %.3g, the default for %d optimizer steps (set --lr to choose)", lr, total)
+        warmup = round(config.warmup_ratio * total)
+        super().__init__(calibrator.trainable, objective, lr=lr, weight_decay=config.weight_decay,
+                         epochs=config.epochs, seed=config.seed, max_grad_norm=config.max_grad_norm,
+                         schedule=lambda opt: get_cosine_schedule_with_warmup(opt, warmup, total),
+                         progress=progress and self.dist.is_main)
+        self.local_accumulation = objective.accumulation // self.dist.world_size
+        self.distributed = self.dist.distributed
+        self.failure_note = f"; the last good checkpoint is kept in {self.out_dir}"
+        self.record = objective.record(lr, total)
         self.calibrator.record_training(self.record)
-        self.optimizer = torch.optim.AdamW(decay_groups(module, config.weight_decay), lr=self.lr)
-        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, round(config.warmup_ratio * total), total)
-        self.start = self._resume() if resume else (0, 0)  # (epoch, step in epoch)
+        self.result = TrainResult(history=self.history)
+        if resume:
+            self.start = self._resume()
         if self.dist.accelerator is not None:
             self.accelerator = self.dist.accelerator
         else:
             from accelerate import Accelerator
 
-            self.accelerator = Accelerator(cpu=next(module.parameters()).device.type == "cpu")
+            self.accelerator = Accelerator(cpu=next(self.module.parameters()).device.type == "cpu")
         self.accelerator.gradient_accumulation_steps = self.local_accumulation
         self.accelerator.step = 0  # the micro-batch count of `accumulate`: a new run starts a new step
-        self.model = None
-        if self.dist.distributed:  # only the trained module is data-parallel; the frozen backbone is never wrapped
-            self.model, self.optimizer = self.accelerator.prepare(module, self.optimizer)
+        if self.distributed:  # only the trained module is data-parallel; the frozen backbone is never wrapped
+            self.model, self.optimizer = self.accelerator.prepare(self.module, self.optimizer)
 
     def _resume(self) -> tuple[int, int]:
         """(epoch, step in epoch) of the last checkpoint, its state restored; (0, 0) if there is none."""
@@ -261,7 +218,8 @@ class Trainer:
         if ckpt is None:
             return 0, 0
         trainer = load_checkpoint(ckpt, self.calibrator, self.optimizer, self.scheduler)
-        self.result.history, self.result.epochs = trainer.get("history", []), trainer.get("epochs", [])
+        self.history[:] = trainer.get("history", [])
+        self.result.epochs = trainer.get("epochs", [])
         logger.info("resuming from %s (epoch %d, step %d)", ckpt, trainer["epoch"], trainer["step_in_epoch"])
         return trainer["epoch"], trainer["step_in_epoch"]
 
@@ -270,78 +228,49 @@ class Trainer:
             return
         checkpoint_and_prune(self.out_dir, f"epoch{epoch}-step{step_in_epoch}", self.calibrator, self.optimizer,
                              self.scheduler, {"epoch": epoch, "step_in_epoch": step_in_epoch,
-                                              "history": self.result.history, "epochs": self.result.epochs})
+                                              "history": self.history, "epochs": self.result.epochs})
 
-    # --- one optimizer step -----------------------------------------------------------------------------------------
-    def _step(self, batches: list, where: str) -> tuple[float, dict] | None:
-        """One optimizer step on this rank's micro-batches of it (at most the local accumulation; the rest are
-        zero-weighted): forward and backward of each in `Accelerator.accumulate`, then the mean logged loss over
-        ranks, clipping and the update. Returns (mean loss, mean statistics)."""
-        losses, stats = [], {}
-        for k in range(self.local_accumulation):
-            batch = batches[k] if k < len(batches) else None
-            with self.accelerator.accumulate(*([self.model] if self.model is not None else [])):
-                if batch is not None:
-                    loss, extra = self.objective.loss(batch, self.model)
-                    if not self.dist.distributed and not torch.isfinite(loss):  # distributed: checked over all ranks
-                        raise ATSError(f"non-finite loss {loss.item()} at {where}; the last good checkpoint is kept "
-                                       f"in {self.out_dir}")
-                    self.accelerator.backward(loss)
-                    losses.append(loss.item())
-                    for key, value in extra.items():
-                        stats[key] = stats.get(key, 0.0) + value / len(batches)
-                    self.last_batch = batch
-                elif self.model is not None and self.accelerator.sync_gradients:
-                    # this rank has no micro-batch left in the step: it joins the gradient all-reduce with zeros
-                    self.accelerator.backward(self.objective.loss(self._any_batch(), self.model)[0] * 0.0)
-        total, count = self.dist.all_sum([sum(losses), len(losses)])
-        loss = total / count
-        if not math.isfinite(loss):
-            raise ATSError(f"non-finite loss {loss} at {where}; the last good checkpoint is kept in {self.out_dir}")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
-        if not torch.isfinite(grad_norm):
-            raise ATSError(f"non-finite gradient at {where}; the last good checkpoint is kept in {self.out_dir}")
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss, stats
+    # --- the loop's hooks -------------------------------------------------------------------------------------------
+    def accumulate(self):
+        """`Accelerator.accumulate`: no gradient all-reduce before a step's last micro-batch."""
+        return self.accelerator.accumulate(*([self.model] if self.model is not None else []))
+
+    def backward(self, loss: Tensor) -> None:
+        """`Accelerator.backward`: the loss divided by the local accumulation."""
+        self.accelerator.backward(loss)
+
+    def idle_backward(self) -> None:
+        """A rank without a micro-batch left in the step joins the gradient all-reduce with a zero-weighted one."""
+        if self.model is not None and self.accelerator.sync_gradients:
+            self.accelerator.backward(self.objective.loss(self._any_batch(), self.model)[0] * 0.0)
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        """Sums over the processes."""
+        return self.dist.all_sum(values)
 
     def _any_batch(self):
         """A micro-batch for a zero-weighted pass: the last this rank saw, else the epoch's first."""
-        if getattr(self, "last_batch", None) is None:
+        if self.last_batch is None:
             self.last_batch = next(iter(self.objective.micro_batches(0, rank=0, world_size=1, start=0)))
         return self.last_batch
 
-    # --- epochs -----------------------------------------------------------------------------------------------------
-    def _epoch(self, epoch: int, skip_steps: int, bar) -> None:
-        """One pass over this rank's micro-batches, starting after `skip_steps` optimizer steps (resuming)."""
-        config, dist = self.config, self.dist
-        self.module.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        batches = iter(self.objective.micro_batches(epoch, rank=dist.rank, world_size=dist.world_size,
-                                                    start=skip_steps * self.objective.accumulation))
-        done = sum(self.steps[:epoch])
-        for step_in_epoch in range(skip_steps + 1, self.steps[epoch] + 1):
-            loss, stats = self._step(list(islice(batches, self.local_accumulation)),
-                                     f"epoch {epoch}, step {step_in_epoch - 1}")
-            self.result.history.append({"epoch": epoch, "step": step_in_epoch, **stats, "loss": loss,
-                                        "lr": self.scheduler.get_last_lr()[0]})
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", **self._val_postfix())
-            if config.save_every and step_in_epoch % config.save_every == 0:
-                self._checkpoint(epoch, step_in_epoch)
-            if self.on_step is not None:
-                self.on_step(done + step_in_epoch)
+    def after_step(self, epoch: int, step_in_epoch: int, step: int) -> None:
+        """A checkpoint every `save_every` steps; `on_step`."""
+        if self.config.save_every and step_in_epoch % self.config.save_every == 0:
+            self._checkpoint(epoch, step_in_epoch)
+        if self.on_step is not None:
+            self.on_step(step)
 
-    @contextlib.contextmanager
-    def _epoch_rng(self, epoch: int):
-        """A forked torch RNG (CPU and the module's GPU) seeded from (seed, epoch), restored afterwards."""
-        device = next(self.module.parameters()).device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(self.config.seed * 1000 + epoch)
-            yield
+    def after_epoch(self, epoch: int, bar) -> None:
+        """Validation (logged in `result.epochs`), the epoch's checkpoint, a barrier."""
+        if self.validate is not None:
+            self.result.epochs.append({"epoch": epoch, **self.validate(self.calibrator)})
+            bar.set_postfix(loss=f"{self.history[-1]['loss']:.4f}" if self.history else "-", **self.postfix())
+        self._checkpoint(epoch + 1, 0)
+        self.dist.barrier()
 
-    def _val_postfix(self) -> dict:
+    def postfix(self) -> dict:
+        """The last validation's ECE on the progress bar."""
         return {"val_ece": f"{self.result.epochs[-1]['ece']:.4f}"} if self.result.epochs and \
             "ece" in self.result.epochs[-1] else {}
 
@@ -355,24 +284,9 @@ class Trainer:
         Raises:
             ATSError: on a non-finite loss or gradient (the last good checkpoint is kept).
         """
-        start_epoch, skip_steps = self.start
-        bar = tqdm(total=sum(self.steps), initial=sum(self.steps[:start_epoch]) + skip_steps,
-                   desc=self.objective.what, disable=not self.progress)
-        for epoch in range(start_epoch, self.config.epochs):
-            with self._epoch_rng(epoch):
-                self._epoch(epoch, skip_steps, bar)
-            skip_steps = 0
-            self.module.eval()
-            if self.validate is not None:
-                self.result.epochs.append({"epoch": epoch, **self.validate(self.calibrator)})
-                bar.set_postfix(loss=f"{self.result.history[-1]['loss']:.4f}" if self.result.history else "-",
-                                **self._val_postfix())
-            self._checkpoint(epoch + 1, 0)
-            self.dist.barrier()
-        bar.close()
-        self.module.eval()
-        if self.result.history:
-            self.calibrator.record_training(self.record, final_loss=self.result.history[-1]["loss"])
+        super().run(rank=self.dist.rank, world_size=self.dist.world_size)
+        if self.history:
+            self.calibrator.record_training(self.record, final_loss=self.history[-1]["loss"])
         return self.result
 
 

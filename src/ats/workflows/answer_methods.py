@@ -10,7 +10,8 @@ from ..calibrators.base import CONFIG_NAME
 from ..errors import ATSError
 from ..fingerprint import check_reuse
 from ..io import read_json
-from ..training.answer_objective import AnswerSource, answer_record
+from ..model.heads.config import MAX_SCALE
+from ..training.answer_objective import answer_record, train_on_answers
 from ..training.answers import AnswerSet
 from ..training.config import TrainingConfig
 from .answer_pool import AnswerPool, pool_names, pool_tasks
@@ -35,7 +36,7 @@ def parse_spec(spec: str, *, field: str) -> tuple[str, bool]:
     return kind, bool(extra)
 
 
-def fresh_head(backbone, kind: str, seed: int, method: str, *, max_scale: float = 10.0, **thermometer_options):
+def fresh_head(backbone, kind: str, seed: int, method: str, *, max_scale: float = MAX_SCALE, **thermometer_options):
     """An untrained calibrator for `backbone` (identity at start): an ATS-family head of type `kind` (scales clamped
     at `max_scale`), or a Thermometer sized for the backbone (its schedule options recorded in its config)."""
     from ..calibrators.ats import ATSCalibrator
@@ -47,18 +48,18 @@ def fresh_head(backbone, kind: str, seed: int, method: str, *, max_scale: float 
 
 
 def train_spec(backbone, sets: list[AnswerSet], pool: AnswerPool, *, kind: str, tokens: bool,
-               training: TrainingConfig, method: str, max_scale: float = 10.0, token_store=None,
+               training: TrainingConfig, method: str, max_scale: float = MAX_SCALE, token_store=None,
                progress: bool = False):
-    """A fresh calibrator of `kind` fitted on an `AnswerSource` of `sets` with `training` (its answer loss; with
-    `tokens`, plus `pool.token_weight` x the top-label term on `token_store`'s instruction tokens, with the pool's
-    window and subset): the one training call of `ats train --on answers` and of the answers protocol."""
+    """A fresh calibrator of `kind` trained on the answers of `sets` through the one loop (`train_on_answers`) with
+    `training` (its answer loss; with `tokens`, plus `pool.token_weight` x the top-label term on `token_store`'s
+    instruction tokens, with the pool's window and subset): the one training call of `ats train --on answers` and of
+    the answers protocol."""
     calibrator = fresh_head(backbone, kind, training.seed, method, max_scale=max_scale,
                             lr=training.learning_rate(0), epochs=training.epochs, batch_size=training.batch_size)
-    source = AnswerSource(sets, backbone.logits, training, backbone.hidden_size,
-                          token_store=token_store if tokens else None,
-                          token_weight=pool.token_weight if tokens else 0.0, token_max=pool.token_max,
-                          token_window=pool.token_window, progress=progress)
-    return calibrator.fit_source(source)
+    train_on_answers(calibrator, sets, backbone.logits, config=training, token_store=token_store if tokens else None,
+                     token_weight=pool.token_weight if tokens else 0.0, token_max=pool.token_max,
+                     token_window=pool.token_window, progress=progress)
+    return calibrator
 
 
 def answer_head_record(training: TrainingConfig, pool: AnswerPool, tokens: bool, *,
@@ -107,7 +108,7 @@ def check_answer_head(out: str | Path, *, spec: str, training: TrainingConfig, m
     return reusable_answer_head(Path(out) / "head", record, head_type=kind, max_scale=max_scale, overwrite=overwrite)
 
 
-def train_answer_head(backbone, out: str | Path, *, spec: str, training: TrainingConfig, max_scale: float = 10.0,
+def train_answer_head(backbone, out: str | Path, *, spec: str, training: TrainingConfig, max_scale: float = MAX_SCALE,
                       pool: AnswerPool | None = None, token_features: str | Path | None = None,
                       overwrite: bool = False, progress: bool = True, reuse: bool | None = None):
     """`ats train --on answers`: the pool's answers (cached in OUT/answers), a calibrator trained on all of them with

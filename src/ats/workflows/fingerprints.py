@@ -9,11 +9,11 @@ is `ats.fingerprint.result_options`: every field but those marked `option(..., r
 from __future__ import annotations
 
 from ..calibrators import calibrator_class
-from ..calibrators.sketch import TAIL_BINS, TOP_K
 from ..fingerprint import digest, make_fingerprint, result_options, stored_fingerprint
 from ..model.backbone import Backbone
 from ..model.heads import HeadConfig
 from ..model.scale_summary import ScaleSummarySpec
+from ..model.token_ce import summary_route
 from ..training.config import TrainingConfig
 from ..training.data import DataConfig, load_instructions
 from ..training.features import summary_meta
@@ -69,7 +69,7 @@ def training_options(training: TrainingConfig, summary: ScaleSummarySpec | None)
         The options, JSON-ready.
     """
     options = result_options(training, leave_out=("exact_loss",))
-    if summary is not None and not training.exact_loss:
+    if summary_route(summary, exact=training.exact_loss):
         options["loss_route"] = {"scale_summary": summary.describe()}
     return options
 
@@ -110,16 +110,15 @@ def calibrator_fingerprint(name: str, store, fit_tokens: int | None, *, shared_p
         name: its registry name.
         store: the training features.
         fit_tokens: the size of the token subset it is fitted on, or None for all.
-        shared_pass: whether it was fitted from the shared `LogitSketch` and, for the methods that fit on it, the
-            features' scale summary (each recorded for the methods that use it).
+        shared_pass: whether it was fitted from the features' scale summary (recorded for the methods that fit on it:
+            `fits_on_summary`).
 
     Returns:
         A "calibrator" fingerprint.
     """
-    cls = calibrator_class(name)
-    route = {"sketch": {"top_k": TOP_K, "tail_bins": TAIL_BINS}} if shared_pass and cls.fits_on_sketch else {}
     summary = getattr(store, "scale_summary", None)
-    if shared_pass and cls.fits_on_summary and summary is not None:
+    route = {}
+    if calibrator_class(name).fits_on_summary and summary_route(summary, exact=not shared_pass):
         route["scale_summary"] = summary.describe()
     return make_fingerprint("calibrator", name=name, features=store_fingerprint(store), fit_tokens=fit_tokens,
                             **route)

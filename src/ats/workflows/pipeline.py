@@ -19,10 +19,11 @@ from ..calibrators import BASELINES, calibrator_class, calibrator_for, entry, lo
 from ..calibrators.ats import ATSCalibrator
 from ..calibrators.base import CONFIG_NAME, Calibrator
 from ..evaluation.answers import build_answer_set
+from ..evaluation.token_eval import token_validator
 from ..fingerprint import check_reuse, refusal, stored_fingerprint, write_fingerprint
 from ..io import read_json, write_json
 from ..model.backbone import Backbone
-from ..model.heads import HeadConfig
+from ..model.heads import MAX_SCALE, HeadConfig
 from ..model.scale_summary import ScaleSummarySpec
 from ..training.answers import META_NAME as ANSWERS_META
 from ..training.answers import AnswerSet
@@ -39,6 +40,8 @@ from ..training.features import (
     write_meta,
 )
 from ..training.online import OnlineFeatures
+from ..training.trainer import train_ats
+from ..training.validation import heldout_objective
 from .feature_source import FeatureSource, LogitReplay
 from .fingerprints import (
     answers_fingerprint,
@@ -214,7 +217,7 @@ def head_preset(method: str, head_type: str | None = None, label: str | None = N
 
 
 def fit_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, *, method: str = "ats",
-             head_type: str | None = None, max_scale: float = 10.0, training: TrainingConfig | None = None,
+             head_type: str | None = None, max_scale: float = MAX_SCALE, training: TrainingConfig | None = None,
              label: str | None = None, overwrite: bool = False, resume: bool = False, progress: bool = True,
              dist: Dist | None = None) -> tuple[ATSCalibrator, bool]:
     """Train an ATS-family head (`method`: ats, selective-temperature, selective-linear) and save it to `out_dir`.
@@ -228,7 +231,7 @@ def fit_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, *,
         train_store: the training features.
         val_store: the held-out features for per-epoch validation, or None.
         out_dir: the head's folder (checkpoints go to `<out_dir>.work`).
-        method: a registry name whose `trains_head` is set.
+        method: a registry name of the ATS family (`token_head`).
         head_type: overrides the method's head type.
         max_scale: the clamp on exp(tau).
         training: the training options; default `TrainingConfig()`.
@@ -266,15 +269,29 @@ def fit_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, *,
     if dist.is_main:
         work.mkdir(parents=True, exist_ok=True)
         write_fingerprint(work, fp)
-    source = FeatureSource(backbone, train_store, val_store, training, work, resume, progress, dist)
-    calibrator.fit_source(source)
+    result = train_ats(calibrator, train_store, backbone, config=training,
+                       validate=head_validator(val_store, backbone, training, dist), out_dir=work, resume=resume,
+                       progress=progress, dist=dist)
     if dist.is_main:
         calibrator.save_pretrained(out_dir)
         write_fingerprint(out_dir, fp)
-        write_json(out_dir / "training_history.json", {"steps": source.history.history,
-                                                       "epochs": source.history.epochs})
+        write_json(out_dir / "training_history.json", {"steps": result.history, "epochs": result.epochs})
     dist.barrier()
     return calibrator, False
+
+
+def head_validator(val_store, backbone: Backbone, training: TrainingConfig, dist: Dist):
+    """What `fit_head` validates each epoch on the held-out split: the token-level metrics and the held-out training
+    objective (the model-selection criterion); None without a held-out split."""
+    if val_store is None:
+        return None
+    token_metrics = token_validator(val_store, backbone, dist)
+
+    def validate(calibrator: ATSCalibrator) -> dict:
+        return {**token_metrics(calibrator),
+                "objective": heldout_objective(calibrator, val_store, backbone, training, dist)}
+
+    return validate
 
 
 def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, **options) -> ATSCalibrator:
@@ -287,7 +304,7 @@ def train_head(backbone: Backbone, train_store, val_store, out_dir: str | Path, 
 
 
 def check_before_loading(features_dir: str | Path, head_dir: str | Path | None, data: DataConfig, *,
-                         head_type: str | None = None, max_scale: float = 10.0, method: str = "ats",
+                         head_type: str | None = None, max_scale: float = MAX_SCALE, method: str = "ats",
                          training: TrainingConfig | None = None, overwrite: bool = False) -> None:
     """Refuse, before the backbone loads, a rerun whose data or head options differ from those of the features and
     head already in the run folder. The head's fingerprint is `fit_head`'s, built from the stored features'
@@ -341,7 +358,7 @@ def fit_calibrator(name: str, source: FeatureSource, out_dir: str | Path, *, sha
         name: its registry name.
         source: the fitting data (its `fit_tokens` and shared aids).
         out_dir: the calibrator's folder.
-        shared_pass: fitted on the source's shared sketch / scale summary (recorded in the fingerprint).
+        shared_pass: fitted on the source's scale summary (recorded in the fingerprint).
         overwrite: replace a calibrator made with other options instead of refusing.
 
     Returns:
@@ -360,7 +377,7 @@ def fit_calibrator(name: str, source: FeatureSource, out_dir: str | Path, *, sha
     logger.info("fitting %s on %s of %s response tokens", name, source.fit_tokens or "all",
                 source.store.meta["response_tokens"])
     start = time.time()
-    calibrator = calibrator_for(name, source).fit_source(source)
+    calibrator = calibrator_for(name, source).fit(source)
     calibrator.save_pretrained(target)
     write_fingerprint(target, fp)
     write_json(target / "fit_seconds.json", {"seconds": round(time.time() - start, 2)})
@@ -387,11 +404,10 @@ def fit_calibrators(backbone: Backbone, train_store, out_dir: str | Path, names:
         val_store: the held-out features, for the ATS-family names.
         training: the training options of the ATS-family names.
         fit_tokens: fit token-level methods on a fixed seeded subset of this many training tokens; None: all.
-        shared_pass: fit temperature scaling and Thermometer from the features' scale summary when they carry one
-            (no pass over the vocabulary), the binning methods and isotonic regression (and those two, on features
-            without a summary) from one shared pass over the logits (a `LogitSketch`), and keep the fitting logits
-            in memory for vector scaling's epochs when they fit in 6 GiB (`LogitReplay`); False: every method passes
-            over the logits itself (the reference route, slower).
+        shared_pass: fit temperature scaling, the binning methods, isotonic regression and Thermometer from the
+            features' scale summary when they carry one (no pass over the vocabulary), and keep the fitting logits in
+            memory for vector scaling's epochs (and the passes of features without a summary) when they fit in 6 GiB
+            (`LogitReplay`); False: every method passes over the logits itself (the reference route, slower).
         overwrite: replace calibrators made with other options instead of refusing.
         progress: show progress bars.
 
@@ -404,10 +420,10 @@ def fit_calibrators(backbone: Backbone, train_store, out_dir: str | Path, names:
     """
     out_dir = Path(out_dir)
     fitted = {}
-    source = FeatureSource(backbone, train_store, progress=progress, fit_tokens=fit_tokens, use_sketch=shared_pass,
-                           use_summary=shared_pass, replay=LogitReplay() if shared_pass else None)
+    source = FeatureSource(backbone, train_store, fit_tokens=fit_tokens, exact=not shared_pass,
+                           replay=LogitReplay() if shared_pass else None)
     for name in names:
-        if calibrator_class(name).trains_head:  # ATS and its controls: trained like the ATS head
+        if calibrator_class(name).token_head:  # ATS and its controls: trained like the ATS head
             fitted[name] = fit_head(backbone, train_store, val_store, out_dir / name, method=name, training=training,
                                     overwrite=overwrite, progress=progress)[0]
         else:

@@ -1,4 +1,5 @@
-"""Calibration heads: map the backbone's final hidden states h (B, T, H) to a per-token log-temperature tau (B, T).
+"""Calibration heads: map the backbone's final hidden states h (B, T, H) to a per-token log-scale tau (B, T)
+(tau = log s = -log T, docs/method.md).
 
 The calibrated logits are `q = z * exp(tau)` (clamped by the caller), so every head ends in a zero-initialised H -> 1
 projection: tau == 0 exactly at step 0 and the calibrated model starts as the original model.
@@ -25,6 +26,7 @@ Names are imported on first use (`ats.lazy`): `config` and `registry` load witho
 from ...lazy import lazy_exports
 
 _EXPORTS = {"HeadCache": ".cache", "RMSNorm": ".common", "HEAD_TYPES": ".config", "HeadConfig": ".config",
+            "MAX_SCALE": ".config",
             "default_intermediate_size": ".config", "default_num_heads": ".config", "HEADS": ".registry",
             "build_head": ".registry", "head_class": ".registry", "register_head": ".registry", "tau_at": ".registry",
             "ConstantHead": ".simple", "LinearHead": ".simple", "MLPHead": ".simple",

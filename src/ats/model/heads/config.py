@@ -11,6 +11,9 @@ from ...errors import ATSError
 from .registry import HEADS
 
 HEAD_TYPES = tuple(HEADS)  # ("constant", "linear", "mlp", "transformer"): the registry's names, in its order
+# the clamp on s = exp(tau), the factor on the logits (the reference code's max_temperature, also the paper's released
+# heads'): `ATSConfig.max_scale`'s default and the range of the default scale summary
+MAX_SCALE = 10.0
 
 
 # --------------------------------------------------------------------------------------------------------------------

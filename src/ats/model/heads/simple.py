@@ -42,7 +42,7 @@ class ConstantHead(nn.Module):
 
 
 class LinearHead(nn.Module):
-    """tau = w . h + b: one log-temperature per token from a linear probe of the hidden state.
+    """tau = w . h + b: one log-scale per token from a linear probe of the hidden state.
 
     Args:
         hidden_size: H.
