@@ -38,31 +38,37 @@ def snapshot(cache, repo_id: str, files_from) -> None:
     shutil.copytree(files_from, repo / "snapshots" / COMMIT)
 
 
-def _load_offline(cache, cwd, name: str) -> str:
-    code = ("import sys\nfrom ats.calibrators import load_calibrator\nfrom ats.calibrators.ats import ATSCalibrator\n"
-            "from ats.errors import ATSError\n"
-            f"try:\n    c = load_calibrator({name!r})\nexcept ATSError as e:\n    print('error:', e)\n    sys.exit()\n"
-            "print(type(c).__name__, c.digest())\n"
-            "if isinstance(c, ATSCalibrator) and c.name == 'ats':\n"
-            f"    print(ATSCalibrator.from_pretrained({name!r}).digest())")
+def _load_offline(cache, *loads) -> list[str]:
+    """Each (cwd, name) of `loads` loaded in one fresh interpreter with only the Hub cache `cache` (offline): per load,
+    the calibrator's class and digest (and from_pretrained's digest for an ATS head) or "error: ...". One process
+    for all loads: the Hub settings are read at import, and each interpreter costs seconds."""
+    code = ("import os, sys\nfrom ats.calibrators import load_calibrator\n"
+            "from ats.calibrators.ats import ATSCalibrator\nfrom ats.errors import ATSError\n"
+            "for cwd, name in %r:\n"
+            "    os.chdir(cwd)\n"
+            "    try:\n        c = load_calibrator(name)\n"
+            "    except ATSError as e:\n        print('error:', e)\n        print('--')\n        continue\n"
+            "    print(type(c).__name__, c.digest())\n"
+            "    if isinstance(c, ATSCalibrator) and c.name == 'ats':\n"
+            "        print(ATSCalibrator.from_pretrained(name).digest())\n"
+            "    print('--')\n") % [(str(cwd), name) for cwd, name in loads]
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
-                          check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return [block.strip() for block in out.split("--\n")[:-1]]
 
 
 def test_hub_id_resolves_from_a_local_snapshot_and_local_folders_come_first(tmp_path):
-    cache, work = tmp_path / "hub", tmp_path / "work"
+    cache, work, local = tmp_path / "hub", tmp_path / "work", tmp_path / "local"
     work.mkdir()
     hub_head, local_head = tiny_calibrator(seed=1), tiny_calibrator(seed=2)
     hub_head.save_pretrained(tmp_path / "saved")
     snapshot(cache, "someone/ats-tiny", tmp_path / "saved")
-    out = _load_offline(cache, work, "someone/ats-tiny").split()
-    assert out == ["ATSCalibrator", hub_head.digest(), hub_head.digest()]  # load_calibrator and from_pretrained
-
-    local_head.save_pretrained(work / "someone" / "ats-tiny")  # a folder of the same name wins
-    assert _load_offline(cache, work, "someone/ats-tiny").split()[1] == local_head.digest()
-
-    missing = _load_offline(cache, work, "someone/not-there").strip()
+    local_head.save_pretrained(local / "someone" / "ats-tiny")  # in `local`, a folder of the same name wins
+    from_hub, from_local, missing = _load_offline(cache, (work, "someone/ats-tiny"), (local, "someone/ats-tiny"),
+                                                  (work, "someone/not-there"))
+    # load_calibrator, then from_pretrained
+    assert from_hub.split() == ["ATSCalibrator", hub_head.digest(), hub_head.digest()]
+    assert from_local.split()[1] == local_head.digest()
     assert missing.startswith("error: someone/not-there: no such folder, and not in the Hugging Face cache")
     assert "\n" not in missing and "HF_HUB_OFFLINE=1" in missing
 
@@ -72,8 +78,8 @@ def test_official_head_resolves_from_the_hub_cache(tmp_path):
 
     official = write_official(tmp_path / "official")
     snapshot(tmp_path / "hub", "jxie/ATS-calibration-tiny", official)
-    out = _load_offline(tmp_path / "hub", tmp_path, "jxie/ATS-calibration-tiny").split()
-    assert out == ["OfficialATSCalibrator", load_calibrator(official).digest()]
+    (out,) = _load_offline(tmp_path / "hub", (tmp_path, "jxie/ATS-calibration-tiny"))
+    assert out.split() == ["OfficialATSCalibrator", load_calibrator(official).digest()]
 
 
 @pytest.mark.parametrize("name, expected", [("owner/name", True), ("jxie/ATS-calibration-Llama-2-7b-chat-hf", True),
