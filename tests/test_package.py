@@ -44,7 +44,7 @@ def test_no_remote_code_by_default():
 
 
 # bottom to top
-LAYERS = ["model", "calibrators", "training", "evaluation", "generation", "workflows", "serving", "integrations", "cli"]
+LAYERS = ["model", "calibrators", "training", "generation", "evaluation", "workflows", "serving", "integrations", "cli"]
 
 
 def _layer(module: str) -> int:

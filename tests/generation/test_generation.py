@@ -205,6 +205,29 @@ def test_smollm2_identity_head_and_eos(smollm2):
         assert again.token_ids[-1] == smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
+@pytest.mark.slow
+def test_gemma3_270m_generates_past_its_sliding_window():
+    """The embedded Gemma 3 270M (five of every six layers attend to 512 tokens): a prompt longer than the window,
+    batched beside a short one, decodes the model's own greedy text with a full pass's probabilities."""
+    from ats.model.backbone import load_backbone
+
+    gemma = load_backbone("gemma3-270m")
+    assert "sliding_attention" in gemma.model.config.layer_types and gemma.model.config.sliding_window == 512
+    long = " ".join(f"{i} apples, {i + 1} pears;" for i in range(80)) + " Count on:"
+    prompts = [long, "The capital of France is"]
+    outs = generate_calibrated(gemma, None, prompts, max_new_tokens=6, chat_template=False)
+    for prompt, out in zip(prompts, outs):
+        ids = gemma.tokenizer(prompt, return_tensors="pt").input_ids
+        plain = gemma.model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert out.token_ids == plain[:len(out.token_ids)]
+        full = torch.cat([ids, torch.tensor([out.token_ids])], 1)
+        with torch.no_grad():
+            logp = gemma.model(full).logits[0, ids.shape[1] - 1:-1].float().log_softmax(-1)
+        expected = logp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0].exp()
+        torch.testing.assert_close(torch.tensor(out.uncalibrated), expected, atol=1e-4, rtol=1e-3)
+    assert len(gemma.tokenizer(long).input_ids) > 512
+
+
 def test_cli_generate_streams_the_api_text_and_confidence(smollm2, tmp_path, capsys, monkeypatch):
     """`ats generate --model M --calibrator DIR "prompt"`: streams the same text as the API (uncoloured under
     NO_COLOR) and prints the sequence confidence."""

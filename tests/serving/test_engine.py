@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3NextConfig
 
 from ats.errors import ATSError
 from ats.generation import SamplingParams, TextTracker, generate_calibrated, tokens_covering
-from ats.generation.batch import check_full_attention
+from ats.generation.batch import check_attention
+from ats.model.backbone import Backbone
 from ats.serving.engine import ContextLengthExceeded, Engine, Job, QueueFull
 
 from helpers import calibrator_for
@@ -185,9 +186,47 @@ def test_cancelled_job_frees_its_rows_and_stops_its_events(backbone, calibrator)
     assert done(other) and len(choices(other)[0]["tokens"]) == 8
 
 
-def test_models_with_sliding_window_layers_are_refused():
-    with pytest.raises(ATSError, match="full attention; this one has sliding_attention layers"):
-        check_full_attention(Gemma3TextConfig())
+def test_models_with_linear_attention_layers_are_refused():
+    assert check_attention(Gemma3TextConfig(num_hidden_layers=12)) == 12  # sliding-window layers run
+    with pytest.raises(ATSError, match="full or sliding-window attention; this one has linear_attention layers"):
+        check_attention(Qwen3NextConfig())
+
+
+@pytest.fixture(scope="module")
+def gemma(tokenizer) -> Backbone:
+    """A random Gemma 3 whose first two layers attend to a window of 4 tokens, far shorter than the prompts."""
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, max_position_embeddings=512,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(30.0)  # varied greedy text, top-1 probabilities well below 1
+    return Backbone(model=model, tokenizer=tokenizer, name="tiny-gemma3", revision="seed0")
+
+
+def test_sliding_window_rows_joining_a_batch_get_a_full_pass_values(gemma):
+    """Rows of a sliding-window model that join and leave a running batch (left-padded, trimmed) get the values of
+    one unpadded forward pass, where transformers applies the window itself, and greedy text equals its generate."""
+    calibrator = calibrator_for(gemma, seed=1)
+    engine = Engine(gemma, calibrator, max_batch=4)
+    events = [[], [], []]
+    for i, (p, m) in enumerate(zip(PROMPTS, (12, 5, 12))):
+        engine.submit(job(chat_ids(gemma, p), events[i], max_tokens=m, sampling=GREEDY))
+        for _ in range(3):
+            engine.step()
+    run(engine)
+    assert all(done(e) for e in events)
+    for i, p in enumerate(PROMPTS):
+        choice, ids = choices(events[i])[0], chat_ids(gemma, p)
+        assert len(ids) > 4 * 4  # the window matters
+        assert_matches(gemma, calibrator, ids, choice)
+        plain = gemma.model.generate(torch.tensor([ids]), max_new_tokens=len(choice["tokens"]), do_sample=False,
+                                     pad_token_id=gemma.tokenizer.pad_token_id)[0, len(ids):].tolist()
+        assert [t.token for t in choice["tokens"]] == plain
 
 
 def test_queue_is_bounded_and_requests_are_checked(backbone, calibrator):

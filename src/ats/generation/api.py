@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from ..calibrators.base import Calibrator
 from ..errors import ATSError
-from ..evaluation.threshold import CertifiedThreshold
 from ..model.backbone import Backbone
 from .decoder import Decoder, Row
 from .logprobs import answer_confidence
@@ -28,6 +28,13 @@ from .sampling import SamplingParams
 from .stream import StreamToken
 
 OPTIONS = ("num_return_sequences", "min_new_tokens", "logits_processor", "num_beams")  # generate-style extras
+
+
+class AnswerRule(Protocol):
+    """What decides answer-or-abstain (`ats.evaluation.threshold.CertifiedThreshold`, a layer above this one)."""
+
+    def decide(self, confidence: float | None) -> dict:
+        """{"answered": bool, "threshold": float | None, ...} for an answer of this confidence."""
 
 
 @dataclass
@@ -148,7 +155,7 @@ def generate_calibrated(
     stop_strings: str | Sequence[str] | None = None,
     chat_template: bool = True,
     stream: Callable[[StreamToken], None] | None = None,
-    threshold: CertifiedThreshold | None = None,
+    threshold: AnswerRule | None = None,
     **options,
 ) -> list[CalibratedGeneration]:
     """Generate from `backbone` with calibrated logits and per-token calibrated confidence.

@@ -2,8 +2,9 @@
 
 A batch holds B sequences left-padded to one length L:
 
-- the backbone's key/value cache, one `RowsLayer` per decoder layer: (B, kv_heads, L, d) views of buffers whose
-  capacity doubles when full (transformers' `DynamicLayer` concatenates, copying the whole past at every step);
+- the backbone's key/value cache, one `RowsLayer` per decoder layer (full or sliding-window attention:
+  `check_attention`): (B, kv_heads, L, d) views of buffers whose capacity doubles when full (transformers'
+  `DynamicLayer` concatenates, copying the whole past at every step);
 - the ATS head's own `HeadCache` (transformer heads), holding the same L positions, on the same `GrowingBuffer`;
 - the attention mask (B, L), 0 on padding;
 - what the calibrator keeps per row (`rows_state`, e.g. Thermometer's prompt hidden state (B, H)).
@@ -24,9 +25,15 @@ from ..errors import ATSError
 from ..model.buffer import GrowingBuffer
 from ..model.heads import HeadCache
 
+ATTENTION = ("full_attention", "sliding_attention")  # the layer types a batch can hold
 
-def check_full_attention(config) -> int:
-    """The number of decoder layers of a model whose layers all use full attention.
+
+def check_attention(config) -> int:
+    """The number of decoder layers of a model whose layers all use full or sliding-window attention.
+
+    Sliding-window layers (Gemma 2 / 3, Mistral) keep every position here, like full-attention ones (no memory is
+    saved), and the model masks out what lies beyond the window from the column indices it is given: each row is
+    contiguous after its left padding, so column distance is token distance and the window is exact.
 
     Args:
         config: the model's config (its text config is read).
@@ -35,13 +42,14 @@ def check_full_attention(config) -> int:
         The number of layers.
 
     Raises:
-        ATSError: for sliding-window, linear or hybrid caches, whose rows cannot be padded and joined this way.
+        ATSError: for linear, recurrent or hybrid layers, whose state is not a per-position cache that rows can be
+            padded and joined in.
     """
     types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    other = sorted({t for t in types if t != "full_attention"})
+    other = sorted({t for t in types if t not in ATTENTION})
     if other:
-        raise ATSError(f"serving needs a model whose layers all use full attention; this one has {', '.join(other)} "
-                       f"layers")
+        raise ATSError(f"decoding needs a model whose layers all use full or sliding-window attention; this one has "
+                       f"{', '.join(other)} layers")
     return len(types)
 
 

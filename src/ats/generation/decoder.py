@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..calibrators.base import Calibrator
 from ..model.backbone import Backbone
-from .batch import BatchCache, check_full_attention
+from .batch import BatchCache, check_attention
 from .calibration import DecodingCalibration, StepLogits
 from .logprobs import TokenLogprob, prompt_logprobs, records, score
 from .sampling import SamplingParams, choose
@@ -92,7 +92,7 @@ class Decoder:
     """Batched calibrated decoding over `backbone` with any calibrator (see the module docstring).
 
     Args:
-        backbone: the frozen backbone; its layers must all use full attention.
+        backbone: the frozen backbone; its layers must all use full or sliding-window attention.
         calibrator: any loaded calibrator, or None for the model's own probabilities.
         on_token: called with a row after each token it gets (and once when it finishes while prefilling with
             max_tokens 0); None: nothing.
@@ -100,14 +100,14 @@ class Decoder:
             see the rows' left-padded token ids); they shape the choice only, not the reported probabilities.
 
     Raises:
-        ATSError: if the calibrator does not fit the backbone or a layer does not use full attention.
+        ATSError: if the calibrator does not fit the backbone or a layer uses neither full nor sliding-window attention.
     """
 
     def __init__(self, backbone: Backbone, calibrator: Calibrator | None = None, *,
                  on_token: Callable[[Row], None] | None = None, logits_processors: Sequence = ()) -> None:
         self.backbone = backbone
         self.calibration = DecodingCalibration(calibrator, backbone)
-        self.num_layers = check_full_attention(backbone.model.config)
+        self.num_layers = check_attention(backbone.model.config)
         self.eos = eos_ids(backbone)
         self.pad_id = backbone.tokenizer.pad_token_id if backbone.tokenizer.pad_token_id is not None else 0
         self.on_token = on_token

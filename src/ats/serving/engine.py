@@ -132,14 +132,14 @@ class Engine:
     tokens must fit in `max_model_len` (default: the model's `max_position_embeddings`).
 
     Args:
-        backbone: the frozen backbone; its layers must all use full attention.
+        backbone: the frozen backbone; its layers must all use full or sliding-window attention.
         calibrator: any loaded calibrator, checked against the backbone and moved to its device; None: uncalibrated.
         max_batch: rows decoded together.
         max_queue: jobs that may wait.
         max_model_len: the context limit, at most the model's; None: the model's (2048 if it names none).
 
     Raises:
-        ATSError: if the calibrator does not fit the backbone or a layer does not use full attention.
+        ATSError: if the calibrator does not fit the backbone or a layer uses neither full nor sliding-window attention.
     """
 
     def __init__(self, backbone: Backbone, calibrator: Calibrator | None = None, *, max_batch: int = 16,

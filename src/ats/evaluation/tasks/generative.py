@@ -1,7 +1,7 @@
 """Greedy answers and their calibrated confidence: what the generation tasks (TriviaQA, TruthfulQA gen) share.
 
-1. `GenerativeTask.generate`: greedy continuations (`do_sample=False`) of a batch of raw prompts, left-padded, at most
-   `max_new_tokens` new tokens (generation stops early once every answer holds a newline).
+1. `GenerativeTask.generate`: greedy continuations of a batch of raw prompts by the generation core (the decoder of
+   `ats generate` and `ats serve`), at most `max_new_tokens` new tokens, each stopping at its first newline.
 2. `cut_answer`: the answer is cut at end-of-sequence and at the first newline; its scored tokens are those whose
    decoded text holds no newline yet (at least one: for an empty answer, the first generated token).
 3. `GenerativeTask.answer`: ONE forward over prompt + scored answer tokens (through the prompt prefix's KV cache);
@@ -22,25 +22,11 @@ import numpy as np
 import torch
 
 from ...calibrators.base import Calibrator
+from ...generation.decoder import Decoder, Row, eos_ids
+from ...generation.sampling import SamplingParams
 from ...training.answers import mean_token_confidence
 from .base import Task, TaskResult, chunks, progress_bar
 from .scoring import PrefixCache, gather_logits
-
-
-def stop_token_ids(backbone) -> set[int]:
-    """End-of-sequence ids of the backbone (its generation config's and its tokenizer's).
-
-    Args:
-        backbone: the backbone.
-
-    Returns:
-        The ids.
-    """
-    eos = backbone.model.generation_config.eos_token_id
-    stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if backbone.tokenizer.eos_token_id is not None:
-        stop.add(backbone.tokenizer.eos_token_id)
-    return stop
 
 
 def cut_answer(tokenizer, generated: list[int], stop_ids: set[int]) -> tuple[str, int]:
@@ -145,31 +131,22 @@ class GenerativeTask(Task):
         correct, extra = self.judge_answers(answers.text)
         return answers.results(correct, extra)
 
-    @torch.no_grad()
     def generate(self, backbone, prompts: list[list[int]]) -> list[list[int]]:
-        """Greedy continuations (new tokens only) of a batch of prompts, left-padded for generation.
+        """Greedy continuations (new tokens only) of a batch of prompts, decoded by the generation core
+        (`ats.generation.Decoder`, the one `ats generate` and `ats serve` use): each stops at end-of-sequence, at its
+        first newline (the answer is cut there anyway) or after `max_new_tokens`.
 
         Args:
             backbone: the backbone.
             prompts: B prompts as token ids.
 
         Returns:
-            B lists of new token ids (at most `max_new_tokens`, padding after an early stop included).
+            B lists of new token ids, the token that ended each (end-of-sequence, newline) included.
         """
-        tok = backbone.tokenizer
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        kwargs = dict(input_ids=ids.to(backbone.device), attention_mask=mask.to(backbone.device),
-                      max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        try:  # stop once every answer has reached a newline (the answer is cut there anyway)
-            out = backbone.model.generate(**kwargs, stop_strings=["\n"], tokenizer=tok)
-        except (TypeError, ValueError, NotImplementedError):  # a model or tokenizer without stop-string support
-            out = backbone.model.generate(**kwargs)
-        return [row[width:].tolist() for row in out.cpu()]
+        rows = [Row(p, i, backbone.tokenizer, max_tokens=self.max_new_tokens, sampling=SamplingParams(temperature=0),
+                    stop=("\n",)) for i, p in enumerate(prompts)]
+        Decoder(backbone).run(rows)
+        return [row.generated for row in rows]
 
     def answer(self, backbone, calibrators: dict[str, Calibrator], prompts: list[list[int]], prefix: PrefixCache, *,
                progress: bool = True) -> Answers:
@@ -207,7 +184,7 @@ class GenerativeTask(Task):
         Yields:
             One `GreedyBatch` per batch, in order.
         """
-        stop_ids = stop_token_ids(backbone)
+        stop_ids = eos_ids(backbone)
         for batch in progress_bar(chunks(prompts, batch_size), enabled=progress, desc=desc):
             generated = self.generate(backbone, list(batch))
             cuts = [cut_answer(backbone.tokenizer, g, stop_ids) for g in generated]

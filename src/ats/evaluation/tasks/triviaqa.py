@@ -5,7 +5,8 @@ Protocol (the paper's reference evaluator, with its defects fixed):
 1. Prompt: `n_shots` (5) fixed-seed question/answer pairs from the same file, never among the evaluated questions,
    as "Q: {question}\\nA: {answer}\\n\\n", ending with "Q: {question}\\nA:". Raw completion: chat models get no chat
    template (the few-shot format is the instruction).
-2. Greedy generation (`do_sample=False`) of at most 16 new tokens, cut at the first newline (and at end-of-sequence).
+2. Greedy generation (the generation core's `Decoder`) of at most 16 new tokens, cut at the first newline (and at
+   end-of-sequence).
 3. Correct = exact match after SQuAD normalisation (lowercase, no punctuation, no articles a/an/the, single spaces)
    with any alias (`answer.aliases` + `answer.normalized_aliases`).
 4. ONE forward over prompt + answer tokens (the few-shot prefix's KV cache is shared by all questions); each answer
