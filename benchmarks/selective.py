@@ -13,13 +13,16 @@ paper's head, on instruction data):
 - ats-paper: the paper's transformer head trained on Alpaca-GPT4 instruction tokens (`ats train --on instructions`);
 - histogram: equal-mass histogram binning of the uncalibrated confidence on the training split's answers.
 
-For each method and target risk alpha (delta = 0.1), the threshold is certified (`certify_threshold`: Clopper-
-Pearson, fixed-sequence testing) on the held-out free-form pool answers (NQ-open and TriviaQA pool questions: the
-kind of answer `ats serve` decides on), then applied to every other answer set: realised risk (error rate among the
-answered) and coverage. A free-form pool task is judged with the threshold certified on the other one alone (left
-out of the certification); multiple-choice pool tasks and the reported tasks were never in it. Within the
-certification distribution the guarantee is checked directly: 200 random halvings of the held-out free-form answers,
-certify on one half, measure on the other.
+For each method, kind of answer and target risk alpha (delta = 0.1), the threshold is certified (`certify_threshold`:
+Clopper-Pearson, fixed-sequence testing) on the held-out pool answers of that kind: free-form (NQ-open and TriviaQA
+pool questions: the kind of answer `ats serve` decides on) or multiple-choice (SciQ, Social IQa, BoolQ, WinoGrande,
+MMLU validation). It is then applied to every other answer set: realised risk (error rate among the answered) and
+coverage. A pool set of the certifying kind is judged with the threshold certified on the other sets of that kind
+(left out); the reported tasks and the sets of the other kind were never in it. Within the certification
+distribution the guarantee is checked directly: 200 random halvings, certify on one half, measure on the other.
+
+Scoring the answers is the slow part (an hour and more per model on 2 cores); every question's confidence and
+correctness per method is stored (`OUT/scores/MODEL.json`), so the analysis (`--report`) is redone in seconds.
 
     ATS_DATA_DIR=../shared/data python benchmarks/selective.py --model smollm2-135m-instruct
     ATS_DATA_DIR=../shared/data python benchmarks/selective.py --model qwen2.5-coder-0.5b-instruct
@@ -49,10 +52,9 @@ from ats.workflows.answer_methods import train_spec
 from ats.workflows.answer_pool import FREE_FORM, AnswerPool, held_out_tasks, pool_names, pool_tasks
 from ats.workflows.pipeline import prepare_answers
 
-ALPHAS = (0.1, 0.2, 0.3, 0.5, 0.7)
+ALPHAS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9)
 DELTA = 0.1
 METHODS = ("uncalibrated", "control", "thermometer", "ats-paper", "histogram")
-CERTIFY = tuple(f"{n}_held_out" for n in FREE_FORM)
 RESULTS = Path(__file__).parent / "results" / "selective"
 
 
@@ -121,9 +123,18 @@ def halvings(conf: np.ndarray, correct: np.ndarray, alpha: float, repeats: int =
             "exceed_rate": exceed / repeats, "mean_coverage": float(np.mean(coverage))}
 
 
-def run(args) -> dict:
+KINDS = {  # certification set per kind of answer: the held-out pool answers of that kind
+    "free-form": tuple(f"{n}_held_out" for n in FREE_FORM),
+    "multiple-choice": ("mc_sciq_likelihood_held_out", "mc_social_iqa_likelihood_held_out",
+                        "mc_boolq_likelihood_held_out", "mc_winogrande_likelihood_held_out",
+                        "mmlu_validation_held_out"),
+}
+REPORTED = {"free-form": ("triviaqa", "truthfulqa_gen"), "multiple-choice": ("mmlu", "truthfulqa_mc1")}
+
+
+def score_all(args) -> dict:
+    """The expensive part, cached under --work: every method's (confidence, correct) on every answer set."""
     work = Path(args.work) / args.model
-    started = time.perf_counter()
     head_folder = paper_head(args.model, work, args.instruction_limit)
     backbone = load_backbone(args.model)
     pool = AnswerPool(pool_size=args.pool_size, mmlu_per_subject=args.mmlu_pool)
@@ -142,56 +153,71 @@ def run(args) -> dict:
                    "thermometer": answer_head(backbone, "thermometer", sets, pool, work / "heads" / "thermometer"),
                    "ats-paper": load_calibrator(head_folder, backbone)}
     histogram = baselines_on_answers(sets, backbone.logits, control)["histogram-answers"]
-
-    def scores(method: str, answers) -> tuple[np.ndarray, np.ndarray]:
-        correct = score_answers(None, answers, backbone.logits)[1]
-        if method == "histogram":
-            return np.asarray(histogram(answers), dtype=np.float64), correct
-        return score_answers(calibrators[method], answers, backbone.logits)
-
-    evaluated = {**{n: s for n, s in held_sets.items()}, **reported}
-    table, decisions = {}, {}
+    evaluated = {**held_sets, **reported}
+    scores = {}
     for method in METHODS:
-        per_set = {name: scores(method, answers) for name, answers in evaluated.items()}
-        cert_conf = np.concatenate([per_set[n][0] for n in CERTIFY])
-        cert_ok = np.concatenate([per_set[n][1] for n in CERTIFY])
-        rows = {}
-        for alpha in ALPHAS:
-            threshold = certify_threshold(cert_conf, cert_ok, alpha=alpha, delta=DELTA)
-            row = {"threshold": threshold.to_dict(), "halvings": halvings(cert_conf, cert_ok, alpha), "tasks": {}}
-            for name, (conf, ok) in per_set.items():
-                rule = threshold
-                if name in CERTIFY:  # left out: certified on the other free-form task alone
-                    other = [n for n in CERTIFY if n != name]
-                    rule = certify_threshold(np.concatenate([per_set[n][0] for n in other]),
-                                             np.concatenate([per_set[n][1] for n in other]), alpha=alpha,
-                                             delta=DELTA)
-                d = decide(rule, conf, ok)
-                d["exceeds"] = d["risk"] is not None and d["risk"] > alpha
-                row["tasks"][name] = d
-                decisions[(method, alpha, name)] = rule.answers(conf)
-            rows[f"{alpha:g}"] = row
-        table[method] = rows
-        print(f"{args.model} {method}: done", file=sys.stderr, flush=True)
-    for method in METHODS[1:]:  # coverage against the uncalibrated model's, question by question
-        for alpha in ALPHAS:
-            for name in evaluated:
-                table[method][f"{alpha:g}"]["tasks"][name]["coverage_vs_uncalibrated"] = paired_coverage(
-                    decisions[(method, alpha, name)], decisions[("uncalibrated", alpha, name)])
-    accuracy = {name: float(score_answers(None, a, backbone.logits)[1].mean()) for name, a in evaluated.items()}
-    return {"command": command_line(None), "machine": machine(), "model": args.model,
+        scores[method] = {}
+        for name, answers in evaluated.items():
+            conf, correct = score_answers(calibrators.get(method), answers, backbone.logits)
+            if method == "histogram":
+                conf = np.asarray(histogram(answers), dtype=np.float64)
+            scores[method][name] = {"confidence": [round(float(c), 6) for c in conf],
+                                    "correct": [bool(c) for c in correct]}
+        print(f"{args.model} {method}: scored", file=sys.stderr, flush=True)
+    return {"model": args.model, "command": command_line(None), "machine": machine(),
             "sizes": {"pool": pool.pool_size, "mmlu_pool": pool.mmlu_per_subject, "held_out": args.held_out,
                       "mmlu_held_out": args.mmlu_held_out, "mmlu": args.mmlu, "triviaqa": args.triviaqa,
                       "truthfulqa": args.truthfulqa, "instruction_limit": args.instruction_limit},
-            "alphas": list(ALPHAS), "delta": DELTA, "certified_on": list(CERTIFY), "accuracy": accuracy,
-            "n": {name: len(a) for name, a in evaluated.items()}, "results": table,
-            "seconds": time.perf_counter() - started}
+            "scores": scores}
 
 
-REPORTED = ("triviaqa", "truthfulqa_gen", "mmlu", "truthfulqa_mc1")
-LEFT_OUT = ("nq_open_held_out", "triviaqa_pool_held_out", "mc_sciq_likelihood_held_out",
-            "mc_social_iqa_likelihood_held_out", "mc_boolq_likelihood_held_out", "mc_winogrande_likelihood_held_out",
-            "mmlu_validation_held_out")
+def analyse(scored: dict) -> dict:
+    """The cheap part, from the stored scores: per kind of certification set and target risk, the certified
+    threshold, the halvings check, and the realised coverage / risk on every answer set of both kinds (a pool set of
+    the certifying kind is judged with the threshold certified on the other sets of that kind: left out)."""
+    scores = scored["scores"]
+
+    def arrays(method: str, name: str) -> tuple[np.ndarray, np.ndarray]:
+        s = scores[method][name]
+        return np.asarray(s["confidence"], dtype=np.float64), np.asarray(s["correct"], dtype=bool)
+
+    def pooled(method: str, names) -> tuple[np.ndarray, np.ndarray]:
+        parts = [arrays(method, n) for n in names]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    names = list(scores["uncalibrated"])
+    table, decisions = {}, {}
+    for kind, certify_on in KINDS.items():
+        table[kind] = {}
+        for method in METHODS:
+            cert_conf, cert_ok = pooled(method, certify_on)
+            rows = {}
+            for alpha in ALPHAS:
+                threshold = certify_threshold(cert_conf, cert_ok, alpha=alpha, delta=DELTA)
+                row = {"threshold": threshold.to_dict(), "halvings": halvings(cert_conf, cert_ok, alpha),
+                       "tasks": {}}
+                for name in names:
+                    conf, ok = arrays(method, name)
+                    rule = threshold
+                    if name in certify_on:  # left out: certified on the other sets of this kind
+                        rule = certify_threshold(*pooled(method, [n for n in certify_on if n != name]),
+                                                 alpha=alpha, delta=DELTA)
+                    d = decide(rule, conf, ok)
+                    d["exceeds"] = d["risk"] is not None and d["risk"] > alpha
+                    row["tasks"][name] = d
+                    decisions[(kind, method, alpha, name)] = rule.answers(conf)
+                rows[f"{alpha:g}"] = row
+            table[kind][method] = rows
+        for method in METHODS[1:]:  # coverage against the uncalibrated model's, question by question
+            for alpha in ALPHAS:
+                for name in names:
+                    table[kind][method][f"{alpha:g}"]["tasks"][name]["coverage_vs_uncalibrated"] = \
+                        paired_coverage(decisions[(kind, method, alpha, name)],
+                                        decisions[(kind, "uncalibrated", alpha, name)])
+    accuracy = {n: float(arrays("uncalibrated", n)[1].mean()) for n in names}
+    return {**{k: scored.get(k) for k in ("command", "machine", "model", "sizes", "seconds")}, "alphas": list(ALPHAS),
+            "delta": DELTA, "certified_on": {k: list(v) for k, v in KINDS.items()}, "accuracy": accuracy,
+            "n": {n: len(scores["uncalibrated"][n]["correct"]) for n in names}, "results": table}
 
 
 def _cell(d: dict, alpha: float) -> str:
@@ -202,64 +228,84 @@ def _cell(d: dict, alpha: float) -> str:
     return f"{100 * d['coverage']:.0f}% / {d['risk']:.2f} [{lo:.2f}, {hi:.2f}]{flag}"
 
 
+def _certified(row: dict) -> str:
+    t, h = row["threshold"], row["halvings"]
+    cov = "abstain" if t["threshold"] is None else f"{100 * t['coverage']:.0f}% (t={t['threshold']:.3f})"
+    return f"{cov}; halves over {h['exceed_rate']:.2f}"
+
+
 def model_markdown(result: dict) -> list[str]:
-    """One model's section: certification, then realised coverage / risk on every other set per target risk."""
+    """One model's section: per kind of certification set, the target risks where any method certified a
+    threshold, with the realised coverage / risk on the left-out sets of that kind and the reported tasks."""
+    n = result["n"]
     lines = [f"## {result['model']}", "", "Accuracy (uncalibrated answers; the same for every method): " + ", ".join(
-        f"{name} {acc:.2f} (n={result['n'][name]})" for name, acc in result["accuracy"].items()) + ".", "",
-        f"Certified on the held-out free-form pool answers ({' + '.join(result['certified_on'])}, n = "
-        f"{sum(result['n'][n] for n in result['certified_on'])}); coverage there at the certified threshold, and how "
-        f"often a threshold certified on a random half exceeded alpha on the other half (200 halvings; the "
-        f"guarantee allows delta = {result['delta']:g}):", "",
-        "| method | " + " | ".join(f"alpha {a:g}" for a in result["alphas"]) + " |",
-        "|---|" + "---:|" * len(result["alphas"])]
-    for method, rows in result["results"].items():
-        cells = []
-        for a in result["alphas"]:
-            r = rows[f"{a:g}"]
-            t, h = r["threshold"], r["halvings"]
-            cov = "abstain" if t["threshold"] is None else f"{100 * t['coverage']:.0f}% (t={t['threshold']:.3f})"
-            cells.append(f"{cov}; halves over {h['exceed_rate']:.2f}")
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    for group, names in (("reported tasks (never trained, selected or certified on)", REPORTED),
-                         ("pool tasks left out of the certification (free-form: certified on the other one alone)",
-                          LEFT_OUT)):
-        lines += ["", f"Realised coverage / risk [95% Clopper-Pearson] on the {group}; 'over': risk above alpha, "
-                      "**over**: even the interval's lower end is above it.", ""]
-        for a in result["alphas"]:
-            lines += [f"alpha = {a:g}:", "", "| method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-            for method, rows in result["results"].items():
-                tasks = rows[f"{a:g}"]["tasks"]
-                lines.append(f"| {method} | " + " | ".join(_cell(tasks[n], a) for n in names) + " |")
+        f"{name} {acc:.2f} (n={n[name]})" for name, acc in result["accuracy"].items()) + ".", ""]
+    for kind, certify_on in result["certified_on"].items():
+        other = next(k for k in result["certified_on"] if k != kind)
+        rows = result["results"][kind]
+        lines += [f"### Certified on the held-out {kind} pool answers ({' + '.join(certify_on)}, n = "
+                  f"{sum(n[s] for s in certify_on)})", "",
+                  "Coverage there at the certified threshold, and how often a threshold certified on a random half "
+                  f"exceeded alpha on the other half (200 halvings; the guarantee allows delta = {result['delta']:g}):",
+                  "", "| method | " + " | ".join(f"alpha {a:g}" for a in result["alphas"]) + " |",
+                  "|---|" + "---:|" * len(result["alphas"])]
+        lines += [f"| {m} | " + " | ".join(_certified(r[f"{a:g}"]) for a in result["alphas"]) + " |"
+                  for m, r in rows.items()]
+        useful = [a for a in result["alphas"] if any(r[f"{a:g}"]["threshold"]["threshold"] is not None
+                                                     for r in rows.values())]
+        lines += ["", f"Target risks where no method certifies any threshold (abstain always): "
+                      f"{', '.join(f'{a:g}' for a in result['alphas'] if a not in useful) or 'none'}.", ""]
+        columns = list(certify_on) + list(REPORTED[kind]) + list(REPORTED[other])
+        lines += ["Realised coverage / risk [95% Clopper-Pearson]: the left-out pool sets of this kind (each judged "
+                  "with the threshold certified on the others), the reported tasks of this kind, then the reported "
+                  f"tasks of the other kind ({other}); 'over': risk above alpha, **over**: even the interval's lower "
+                  "end is above it.", ""]
+        for a in useful:
+            lines += [f"alpha = {a:g}:", "", "| method | " + " | ".join(columns) + " |",
+                      "|---|" + "---|" * len(columns)]
+            lines += [f"| {m} | " + " | ".join(_cell(r[f"{a:g}"]["tasks"][c], a) for c in columns) + " |"
+                      for m, r in rows.items()]
             lines.append("")
-    lines += ["Exceedances over all reported and left-out sets (risk above alpha / interval entirely above alpha, "
-              "of the sets where anything was answered):", "", "| method | " + " | ".join(
-                  f"alpha {a:g}" for a in result["alphas"]) + " |", "|---|" + "---:|" * len(result["alphas"])]
-    for method, rows in result["results"].items():
-        cells = []
-        for a in result["alphas"]:
-            ds = [rows[f"{a:g}"]["tasks"][n] for n in REPORTED + LEFT_OUT]
-            answered = [d for d in ds if d["risk"] is not None]
-            over = sum(d["risk"] > a for d in answered)
-            sure = sum(d["risk_ci"][0] > a for d in answered)
-            cells.append(f"{over} / {sure} of {len(answered)}")
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return lines + [""]
+        lines += [f"Exceedances (risk above alpha / interval entirely above alpha, of the sets where anything was "
+                  f"answered): same kind = the left-out {kind} pool sets and reported tasks; other kind = every "
+                  f"{other} set (pool and reported):", "",
+                  "| method | " + " | ".join(f"alpha {a:g} same / other" for a in useful) + " |",
+                  "|---|" + "---:|" * len(useful)]
+        same = list(certify_on) + list(REPORTED[kind])
+        cross = list(result["certified_on"][other]) + list(REPORTED[other])
+        for m, r in rows.items():
+            cells = []
+            for a in useful:
+                parts = []
+                for group in (same, cross):
+                    answered = [d for d in (r[f"{a:g}"]["tasks"][s] for s in group) if d["risk"] is not None]
+                    parts.append(f"{sum(d['risk'] > a for d in answered)} / "
+                                 f"{sum(d['risk_ci'][0] > a for d in answered)} of {len(answered)}")
+                cells.append(" ; ".join(parts))
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def write_report(out: Path) -> None:
-    """README.md in `out` from every model's JSON there."""
-    results = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-    if not results:
+    """OUT/analysis/MODEL.json and OUT/README.md from every model's scores in OUT/scores/."""
+    scored = [json.loads(p.read_text()) for p in sorted((out / "scores").glob("*.json"))]
+    if not scored:
         return
+    results = [analyse(s) for s in scored]
+    for r in results:
+        write_json(out / "analysis" / f"{r['model']}.json", r)
     lines = ["# Answer or abstain: certified thresholds on the embedded models", "",
              "Commands: " + "; ".join(f"`{r['command']}`" for r in results) + f". Machine: {results[0]['machine']}.",
              "", "Method and protocol: the docstring of `benchmarks/selective.py`. Sizes: " + "; ".join(
-                 f"{r['model']}: {r['sizes']}" for r in results) + ".", ""]
-    for r in results:
-        lines += model_markdown(r)
+                 f"{r['model']}: {r['sizes']}" for r in results) + ". Every question's confidence and correctness "
+             "per method: `scores/MODEL.json` (`python selective.py --report` redoes everything below from them).",
+             ""]
     analysis = out / "analysis.md"
     if analysis.exists():
-        lines += [analysis.read_text()]
+        lines += [analysis.read_text(), ""]
+    for r in results:
+        lines += model_markdown(r)
     (out / "README.md").write_text("\n".join(lines))
 
 
@@ -275,19 +321,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--truthfulqa", type=int, default=300)
     p.add_argument("--instruction-limit", type=int, default=300, help="Alpaca-GPT4 examples of the paper's head")
     p.add_argument("--work", default="runs/selective", help="answer caches and heads (resumable)")
-    p.add_argument("--out", default=str(RESULTS), help="writes OUT/MODEL.json")
-    p.add_argument("--report", action="store_true", help="only rewrite OUT/README.md from the JSON files there")
+    p.add_argument("--out", default=str(RESULTS), help="writes OUT/scores/MODEL.json, OUT/analysis/MODEL.json")
+    p.add_argument("--report", action="store_true", help="only redo the analysis and OUT/README.md from OUT/scores")
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.report:
         write_report(out)
         return 0
-    result = run(args)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / f"{args.model}.json", result)
+    started = time.perf_counter()
+    scored = score_all(args)
+    scored["seconds"] = time.perf_counter() - started
+    write_json(out / "scores" / f"{args.model}.json", scored)
     write_report(out)
-    print(json.dumps({m: {a: r["threshold"]["coverage"] for a, r in rows.items()}
-                      for m, rows in result["results"].items()}, indent=1))
     return 0
 
 
