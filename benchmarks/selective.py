@@ -161,7 +161,7 @@ def score_all(args) -> dict:
             conf, correct = score_answers(calibrators.get(method), answers, backbone.logits)
             if method == "histogram":
                 conf = np.asarray(histogram(answers), dtype=np.float64)
-            scores[method][name] = {"confidence": [round(float(c), 6) for c in conf],
+            scores[method][name] = {"confidence": [float(c) for c in conf],  # full precision: ties are real ones
                                     "correct": [bool(c) for c in correct]}
         print(f"{args.model} {method}: scored", file=sys.stderr, flush=True)
     return {"model": args.model, "command": command_line(None), "machine": machine(),
@@ -214,7 +214,7 @@ def analyse(scored: dict) -> dict:
                     table[kind][method][f"{alpha:g}"]["tasks"][name]["coverage_vs_uncalibrated"] = \
                         paired_coverage(decisions[(kind, method, alpha, name)],
                                         decisions[(kind, "uncalibrated", alpha, name)])
-    accuracy = {n: float(arrays("uncalibrated", n)[1].mean()) for n in names}
+    accuracy = {m: {n: float(arrays(m, n)[1].mean()) for n in names} for m in METHODS}
     return {**{k: scored.get(k) for k in ("command", "machine", "model", "sizes", "seconds")}, "alphas": list(ALPHAS),
             "delta": DELTA, "certified_on": {k: list(v) for k, v in KINDS.items()}, "accuracy": accuracy,
             "n": {n: len(scores["uncalibrated"][n]["correct"]) for n in names}, "results": table}
@@ -238,8 +238,12 @@ def model_markdown(result: dict) -> list[str]:
     """One model's section: per kind of certification set, the target risks where any method certified a
     threshold, with the realised coverage / risk on the left-out sets of that kind and the reported tasks."""
     n = result["n"]
-    lines = [f"## {result['model']}", "", "Accuracy (uncalibrated answers; the same for every method): " + ", ".join(
-        f"{name} {acc:.2f} (n={n[name]})" for name, acc in result["accuracy"].items()) + ".", ""]
+    acc = result["accuracy"]
+    lines = [f"## {result['model']}", "", "Accuracy (free-form answers are the model's own greedy ones for every "
+             "method; a multiple-choice answer is the option of highest calibrated likelihood, which a scale on the "
+             "logits can change):", "", "| method | " + " | ".join(n) + " |", "|---|" + "---:|" * len(n)]
+    lines += [f"| {m} | " + " | ".join(f"{acc[m][s]:.2f}" for s in n) + " |" for m in acc]
+    lines += ["", "Questions: " + ", ".join(f"{s} {k}" for s, k in n.items()) + ".", ""]
     for kind, certify_on in result["certified_on"].items():
         other = next(k for k in result["certified_on"] if k != kind)
         rows = result["results"][kind]
