@@ -42,6 +42,8 @@ from bench_generation import command_line, machine
 from protocols.answers import baselines_on_answers
 
 from ats.calibrators import load_calibrator
+from ats.evaluation.metrics import paired_differences
+from ats.evaluation.selective import aurc, prr
 from ats.evaluation.tasks import MMLUTask, TriviaQATask, TruthfulQAGenTask, TruthfulQAMC1Task
 from ats.evaluation.threshold import certify_threshold
 from ats.io import write_json
@@ -215,9 +217,18 @@ def analyse(scored: dict) -> dict:
                         paired_coverage(decisions[(kind, method, alpha, name)],
                                         decisions[(kind, "uncalibrated", alpha, name)])
     accuracy = {m: {n: float(arrays(m, n)[1].mean()) for n in names} for m in METHODS}
+    ranking = {}  # how well each confidence orders answers, whatever the threshold: PRR, AURC, paired vs uncalibrated
+    for n in names:
+        ranking[n] = {}
+        for m in METHODS:
+            conf, ok = arrays(m, n)
+            ranking[n][m] = {"prr": prr(conf, ok), "aurc": aurc(conf, ok)}
+            if m != "uncalibrated":
+                ranking[n][m]["vs_uncalibrated"] = paired_differences((conf, ok), arrays("uncalibrated", n),
+                                                                      keys=("prr", "aurc"), bootstrap=500)
     return {**{k: scored.get(k) for k in ("command", "machine", "model", "sizes", "seconds")}, "alphas": list(ALPHAS),
             "delta": DELTA, "certified_on": {k: list(v) for k, v in KINDS.items()}, "accuracy": accuracy,
-            "n": {n: len(scores["uncalibrated"][n]["correct"]) for n in names}, "results": table}
+            "ranking": ranking, "n": {n: len(scores["uncalibrated"][n]["correct"]) for n in names}, "results": table}
 
 
 def _cell(d: dict, alpha: float) -> str:
@@ -243,7 +254,22 @@ def model_markdown(result: dict) -> list[str]:
              "method; a multiple-choice answer is the option of highest calibrated likelihood, which a scale on the "
              "logits can change):", "", "| method | " + " | ".join(n) + " |", "|---|" + "---:|" * len(n)]
     lines += [f"| {m} | " + " | ".join(f"{acc[m][s]:.2f}" for s in n) + " |" for m in acc]
-    lines += ["", "Questions: " + ", ".join(f"{s} {k}" for s, k in n.items()) + ".", ""]
+    lines += ["", "Questions: " + ", ".join(f"{s} {k}" for s, k in n.items()) + ".", "",
+              "How well each confidence orders its answers, whatever the threshold: PRR (1: the oracle order, 0: "
+              "random; higher answers more at any risk) and, in brackets, its paired 95% bootstrap interval against "
+              "the uncalibrated confidence (* where it excludes 0):", "",
+              "| method | " + " | ".join(n) + " |", "|---|" + "---:|" * len(n)]
+    for m in acc:
+        cells = []
+        for s in n:
+            r = result["ranking"][s][m]
+            cell = f"{r['prr']:.2f}"
+            if "vs_uncalibrated" in r:
+                d = r["vs_uncalibrated"]["prr"]
+                cell += f" [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]" + ("*" if d["excludes_zero"] else "")
+            cells.append(cell)
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines.append("")
     for kind, certify_on in result["certified_on"].items():
         other = next(k for k in result["certified_on"] if k != kind)
         rows = result["results"][kind]
