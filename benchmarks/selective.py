@@ -285,6 +285,8 @@ def model_markdown(result: dict) -> list[str]:
                                                      for r in rows.values())]
         lines += ["", f"Target risks where no method certifies any threshold (abstain always): "
                       f"{', '.join(f'{a:g}' for a in result['alphas'] if a not in useful) or 'none'}.", ""]
+        if not useful:
+            continue
         columns = list(certify_on) + list(REPORTED[kind]) + list(REPORTED[other])
         lines += ["Realised coverage / risk [95% Clopper-Pearson]: the left-out pool sets of this kind (each judged "
                   "with the threshold certified on the others), the reported tasks of this kind, then the reported "
