@@ -173,10 +173,11 @@ def score_all(args) -> dict:
             "scores": scores}
 
 
-def analyse(scored: dict) -> dict:
+def analyse(scored: dict, *, repeats: int = 200, bootstrap: int = 500) -> dict:
     """The cheap part, from the stored scores: per kind of certification set and target risk, the certified
     threshold, the halvings check, and the realised coverage / risk on every answer set of both kinds (a pool set of
-    the certifying kind is judged with the threshold certified on the other sets of that kind: left out)."""
+    the certifying kind is judged with the threshold certified on the other sets of that kind: left out), and the
+    ranking table; `repeats` random halvings per threshold, `bootstrap` paired resamples per ranking difference."""
     scores = scored["scores"]
 
     def arrays(method: str, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -196,7 +197,7 @@ def analyse(scored: dict) -> dict:
             rows = {}
             for alpha in ALPHAS:
                 threshold = certify_threshold(cert_conf, cert_ok, alpha=alpha, delta=DELTA)
-                row = {"threshold": threshold.to_dict(), "halvings": halvings(cert_conf, cert_ok, alpha),
+                row = {"threshold": threshold.to_dict(), "halvings": halvings(cert_conf, cert_ok, alpha, repeats),
                        "tasks": {}}
                 for name in names:
                     conf, ok = arrays(method, name)
@@ -225,7 +226,7 @@ def analyse(scored: dict) -> dict:
             ranking[n][m] = {"prr": prr(conf, ok), "aurc": aurc(conf, ok)}
             if m != "uncalibrated":
                 ranking[n][m]["vs_uncalibrated"] = paired_differences((conf, ok), arrays("uncalibrated", n),
-                                                                      keys=("prr", "aurc"), bootstrap=500)
+                                                                      keys=("prr", "aurc"), bootstrap=bootstrap)
     return {**{k: scored.get(k) for k in ("command", "machine", "model", "sizes", "seconds")}, "alphas": list(ALPHAS),
             "delta": DELTA, "certified_on": {k: list(v) for k, v in KINDS.items()}, "accuracy": accuracy,
             "ranking": ranking, "n": {n: len(scores["uncalibrated"][n]["correct"]) for n in names}, "results": table}

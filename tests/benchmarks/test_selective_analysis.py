@@ -23,8 +23,12 @@ def scores() -> dict:
             "scores": {m: per_set for m in selective.METHODS}}
 
 
-def test_certified_threshold_and_realised_risk_by_hand():
-    result = selective.analyse(scores())
+@pytest.fixture(scope="module")
+def result() -> dict:
+    return selective.analyse(scores(), repeats=5, bootstrap=20)  # fewer resamples: nothing below depends on them
+
+
+def test_certified_threshold_and_realised_risk_by_hand(result):
     row = result["results"]["free-form"]["uncalibrated"]["0.1"]
     # 60 free-form answers at 0.9, all right: Clopper-Pearson bound 1 - 0.1 ** (1 / 60) = 0.0377 <= 0.1; then the
     # 0.1 block adds 60 wrong answers (risk 0.5): the sequence stops, so t = 0.9 answering half of the 120
@@ -50,8 +54,8 @@ def test_certified_threshold_and_realised_risk_by_hand():
     assert result["accuracy"]["control"]["mmlu"] == pytest.approx(1 / 6)
 
 
-def test_report_flags_the_exceedance():
-    text = "\n".join(selective.model_markdown(selective.analyse(scores())))
+def test_report_flags_the_exceedance(result):
+    text = "\n".join(selective.model_markdown(result))
     hi = 1 - 0.025 ** (1 / 30)  # two-sided 95% Clopper-Pearson upper end with no error in 30: 0.116
     clean = f"50% / 0.00 [0.00, {hi:.2f}]"
     # free-form certification, alpha 0.1: nq, triviaqa pool (left out), triviaqa, truthfulqa_gen, mmlu, truthfulqa_mc1
