@@ -45,7 +45,7 @@ from ats.calibrators import load_calibrator
 from ats.evaluation.metrics import paired_differences
 from ats.evaluation.selective import aurc, prr
 from ats.evaluation.tasks import MMLUTask, TriviaQATask, TruthfulQAGenTask, TruthfulQAMC1Task
-from ats.evaluation.threshold import certify_threshold
+from ats.evaluation.threshold import certify_threshold, clopper_pearson_upper
 from ats.io import write_json
 from ats.model.backbone import load_backbone
 from ats.training.answers import score_answers
@@ -86,15 +86,14 @@ def answer_head(backbone, kind: str, sets: list, pool: AnswerPool, folder: Path)
 
 def decide(threshold, conf: np.ndarray, correct: np.ndarray) -> dict:
     """Coverage and realised risk of `threshold` on these answers, the risk with its two-sided 95% Clopper-Pearson
-    interval (so an exceedance can be told from noise)."""
-    from scipy.stats import beta
-
+    interval (so an exceedance can be told from noise): each end the library's one-sided 97.5% bound, on the errors
+    (upper) and on the right answers (lower = 1 - their upper bound)."""
     answered = threshold.answers(conf)
     k, n = int((~correct[answered]).sum()), int(answered.sum())
     ci = None
     if n:
-        ci = [float(beta.ppf(0.025, k, n - k + 1)) if k else 0.0,
-              float(beta.ppf(0.975, k + 1, n - k)) if k < n else 1.0]
+        upper = clopper_pearson_upper([k, n - k], [n, n], 0.025)
+        ci = [float(1.0 - upper[1]), float(upper[0])]
     return {"n": int(conf.size), "accuracy": float(correct.mean()), "coverage": float(answered.mean()),
             "answered": n, "risk": k / n if n else None, "risk_ci": ci}
 
