@@ -48,9 +48,10 @@ from ats.evaluation.tasks import MMLUTask, TriviaQATask, TruthfulQAGenTask, Trut
 from ats.evaluation.threshold import certify_threshold, clopper_pearson_upper
 from ats.io import write_json
 from ats.model.backbone import load_backbone
+from ats.model.heads.config import MAX_SCALE
 from ats.training.answers import score_answers
 from ats.training.config import TrainingConfig
-from ats.workflows.answer_methods import train_spec
+from ats.workflows.answer_methods import answer_head_record, reusable_answer_head, train_spec
 from ats.workflows.answer_pool import FREE_FORM, AnswerPool, held_out_tasks, pool_names, pool_tasks
 from ats.workflows.pipeline import prepare_answers
 
@@ -75,11 +76,15 @@ def paper_head(model: str, work: Path, limit: int) -> Path:
 
 
 def answer_head(backbone, kind: str, sets: list, pool: AnswerPool, folder: Path):
-    """A calibrator of `kind` trained on the pool's answers with `ats train --on answers`' defaults; reused."""
-    if (folder / "calibrator_config.json").exists():
+    """A calibrator of `kind` trained on the pool's answers with `ats train --on answers`' defaults; reused only when
+    its training record matches (`reusable_answer_head`, the CLI's rule; a head trained otherwise is refused, naming
+    what differs). The pool's sizes are guarded one step earlier: its cached answer sets refuse another size."""
+    training = TrainingConfig(loss_type="answer-log")
+    record = answer_head_record(training, pool, False)
+    if reusable_answer_head(folder, record, head_type=kind, max_scale=MAX_SCALE, overwrite=False):
         return load_calibrator(folder, backbone)
-    calibrator = train_spec(backbone, sets, pool, kind=kind, tokens=False,
-                            training=TrainingConfig(loss_type="answer-log"), method=f"{kind}-answers")
+    calibrator = train_spec(backbone, sets, pool, kind=kind, tokens=False, training=training,
+                            method=f"{kind}-answers")
     calibrator.save_pretrained(folder)
     return calibrator
 
