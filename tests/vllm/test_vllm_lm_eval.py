@@ -25,12 +25,18 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM
 
 
 def lm_eval(model: str, model_args: str, tasks: Path, out: Path) -> dict:
-    """`ats lm-eval` on TASK as a command; the calibration.json it wrote."""
+    """`ats lm-eval` on TASK as a command; the calibration.json it wrote. For vLLM, the engine has shut down before
+    the report is printed, not from vLLM's exit hook (where its output thread could abort the process at exit:
+    `ats.integrations.vllm.shut_down_engines`)."""
     argv = [sys.executable, "-m", "ats", "lm-eval", "--model", model, "--model_args", model_args, "--tasks", TASK,
             "--include_path", str(tasks), "--device", "cpu", "--log_samples", "--output_path", str(out)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env={**os.environ, **ENV})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"| {TASK} |" in proc.stdout  # the table is printed
+    if model == "vllm":
+        shut = proc.stdout.find("[shutdown] MPClient: complete")  # vLLM's log line (stdout)
+        assert 0 <= shut < proc.stdout.find("| task | model |"), "engine not shut down before the report"
+        assert "force killing" not in proc.stdout
     (path,) = glob.glob(str(out / "*" / "calibration_*" / "calibration.json"))
     return json.loads(Path(path).read_text())["results"]
 

@@ -118,6 +118,10 @@ def run(args) -> int:
         cli_evaluate()
     finally:
         sys.argv = saved
+        if known.model == "vllm":  # before exit, not from vLLM's exit hook (shut_down_engines)
+            from ..integrations.vllm import shut_down_engines
+
+            shut_down_engines()
     if listing:
         return 0
     from ..integrations.calibration_report import calibration_report, format_report

@@ -50,4 +50,33 @@ def alias_vllm_distribution() -> None:
     metadata.version = version
 
 
-__all__ = ["ARCHITECTURE", "CALIBRATOR_FOLDER", "CONFIG_KEY", "alias_vllm_distribution", "register"]
+def shut_down_engines(timeout: float = 30.0) -> int:
+    """Shut down every vLLM engine this process still holds (`LLM` objects) and wait for their output threads;
+    returns how many were shut down.
+
+    Why: lm-eval's `vllm` model stays reachable until the interpreter exits (frames of lm-eval's model registry
+    hold it), so vLLM shuts its engine down from an exit hook, and its output thread, a daemon, may still be freeing
+    the last outputs' tensors when Python finalizes. A daemon thread that then waits for the GIL is ended inside
+    torch's C++ deallocator, and the process aborts ("terminate called without an active exception", exit status
+    134) after every result was written (1 run in 5-10 here). Shut down before exit, the thread ends while Python is
+    alive. Call it once the engines are no longer needed.
+    """
+    import gc
+    import sys
+    import threading
+
+    if "vllm" not in sys.modules:  # no engine can exist (and importing vLLM takes seconds)
+        return 0
+    from vllm import LLM
+
+    engines = [obj for obj in gc.get_objects() if isinstance(obj, LLM)]  # lm-eval gives no handle on its model
+    for llm in engines:
+        llm.llm_engine.engine_core.shutdown()  # vLLM's own shutdown: stops the engine process, signals the thread
+    for thread in threading.enumerate():
+        if thread.name == "EngineCoreOutputQueueThread":  # vLLM's name for the sync client's output thread
+            thread.join(timeout)
+    return len(engines)
+
+
+__all__ = ["ARCHITECTURE", "CALIBRATOR_FOLDER", "CONFIG_KEY", "alias_vllm_distribution", "register",
+           "shut_down_engines"]
