@@ -47,6 +47,7 @@ runpy.run_path("benchmarks/gpu_check.py", run_name="__main__")
 """
 
 
+@pytest.mark.slow  # the whole GPU check in a fresh process (about 8 s)
 def test_tiny_cpu_run_reports_every_step(tmp_path):
     out = tmp_path / "gpu_check"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

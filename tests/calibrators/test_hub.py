@@ -57,29 +57,41 @@ def _load_offline(cache, *loads) -> list[str]:
     return [block.strip() for block in out.split("--\n")[:-1]]
 
 
-def test_hub_id_resolves_from_a_local_snapshot_and_local_folders_come_first(tmp_path):
-    cache, work, local = tmp_path / "hub", tmp_path / "work", tmp_path / "local"
+@pytest.fixture(scope="module")
+def offline_loads(tmp_path_factory) -> dict:
+    """One Hub cache with an ats head and an official-layout head, loaded offline in one fresh interpreter (the Hub
+    settings are read at import; each interpreter costs seconds): an id from the cache, the same id where a local
+    folder of that name exists, a missing id, the official head. The saved calibrators and the answers by name."""
+    from test_official import write_official  # the official-layout writer of the official-head tests
+
+    root = tmp_path_factory.mktemp("hub")
+    cache, work, local = root / "hub", root / "work", root / "local"
     work.mkdir()
     hub_head, local_head = tiny_calibrator(seed=1), tiny_calibrator(seed=2)
-    hub_head.save_pretrained(tmp_path / "saved")
-    snapshot(cache, "someone/ats-tiny", tmp_path / "saved")
+    hub_head.save_pretrained(root / "saved")
+    snapshot(cache, "someone/ats-tiny", root / "saved")
     local_head.save_pretrained(local / "someone" / "ats-tiny")  # in `local`, a folder of the same name wins
-    from_hub, from_local, missing = _load_offline(cache, (work, "someone/ats-tiny"), (local, "someone/ats-tiny"),
-                                                  (work, "someone/not-there"))
+    official = write_official(root / "official")
+    snapshot(cache, "jxie/ATS-calibration-tiny", official)
+    answers = _load_offline(cache, (work, "someone/ats-tiny"), (local, "someone/ats-tiny"),
+                            (work, "someone/not-there"), (work, "jxie/ATS-calibration-tiny"))
+    return {"hub_head": hub_head, "local_head": local_head, "official": official,
+            **dict(zip(("from_hub", "from_local", "missing", "official_answer"), answers))}
+
+
+def test_hub_id_resolves_from_a_local_snapshot_and_local_folders_come_first(offline_loads):
+    got = offline_loads
     # load_calibrator, then from_pretrained
-    assert from_hub.split() == ["ATSCalibrator", hub_head.digest(), hub_head.digest()]
-    assert from_local.split()[1] == local_head.digest()
+    assert got["from_hub"].split() == ["ATSCalibrator", got["hub_head"].digest(), got["hub_head"].digest()]
+    assert got["from_local"].split()[1] == got["local_head"].digest()
+    missing = got["missing"]
     assert missing.startswith("error: someone/not-there: no such folder, and not in the Hugging Face cache")
     assert "\n" not in missing and "HF_HUB_OFFLINE=1" in missing
 
 
-def test_official_head_resolves_from_the_hub_cache(tmp_path):
-    from test_official import write_official  # the official-layout writer of the official-head tests
-
-    official = write_official(tmp_path / "official")
-    snapshot(tmp_path / "hub", "jxie/ATS-calibration-tiny", official)
-    (out,) = _load_offline(tmp_path / "hub", (tmp_path, "jxie/ATS-calibration-tiny"))
-    assert out.split() == ["OfficialATSCalibrator", load_calibrator(official).digest()]
+def test_official_head_resolves_from_the_hub_cache(offline_loads):
+    official = load_calibrator(offline_loads["official"]).digest()
+    assert offline_loads["official_answer"].split() == ["OfficialATSCalibrator", official]
 
 
 @pytest.mark.parametrize("name, expected", [("owner/name", True), ("jxie/ATS-calibration-Llama-2-7b-chat-hf", True),

@@ -31,6 +31,7 @@ metric_list:
 """
 
 
+@pytest.mark.slow  # lm-eval's whole command line, two tasks (about 12 s)
 def test_one_command_runs_lm_eval_with_a_head_and_reports_calibration(tiny_folder, head_dir, tmp_path, capsys):
     tasks = write_task(tmp_path / "tasks", toy_rows(12))
     (tasks / "ats_toy_gen.yaml").write_text(GEN_TASK.format(data=tasks / f"{TASK}.jsonl"))

@@ -72,6 +72,7 @@ KILLED_RUN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two fresh processes killed mid-run (about 11 s)
 def test_sigkilled_training_resumes_to_identical_weights(tiny_backbone, stores, tmp_path):
     """A real process killed with SIGKILL mid-run, resumed with resume=True, ends with the uninterrupted weights."""
     reference, result = _train(tiny_backbone, stores, head_type="mlp", save_every=1)

@@ -56,6 +56,7 @@ def test_gathered_token_confidences_of_one_process_are_the_hand_computed_ones(ti
     np.testing.assert_array_equal(plain["head"][0], got["head"][0])
 
 
+@pytest.mark.slow  # a whole experiment, run twice (about 13 s)
 def test_run_experiment_end_to_end_then_reused(tiny_backbone, tmp_path):
     from ats.workflows.experiment import ExperimentSize, run_experiment
 
