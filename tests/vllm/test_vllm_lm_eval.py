@@ -36,7 +36,6 @@ def lm_eval(model: str, model_args: str, tasks: Path, out: Path) -> dict:
     if model == "vllm":
         shut = proc.stdout.find("[shutdown] MPClient: complete")  # vLLM's log line (stdout)
         assert 0 <= shut < proc.stdout.find("| task | model |"), "engine not shut down before the report"
-        assert "force killing" not in proc.stdout
     (path,) = glob.glob(str(out / "*" / "calibration_*" / "calibration.json"))
     return json.loads(Path(path).read_text())["results"]
 
