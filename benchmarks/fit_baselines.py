@@ -4,6 +4,7 @@ the fitting logits stay in memory for vector scaling's epochs) against the refer
 itself), on the evidence run's features and token subsample, and how much the fitted calibrators differ.
 
     python benchmarks/fit_baselines.py --features runs/evidence/features --threads 1   # after evidence.py
+    python benchmarks/fit_baselines.py --features runs/fit_baselines/features --limit 600 --threads 1  # standalone
 
 Writes benchmarks/results/fit_baselines.md and .json.
 """
@@ -39,6 +40,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--features", default="runs/evidence/features", help="the evidence run's feature folder")
     p.add_argument("--out", default="runs/fit_baselines")
+    p.add_argument("--limit", type=int, default=None,
+                   help="make (or reuse) --features from this many Alpaca-GPT4 examples (the library's defaults "
+                        "otherwise) instead of reading the evidence run's")
     p.add_argument("--fit-tokens", type=int, default=30000, help="the evidence run's token subsample")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--render-only", action="store_true",
@@ -53,12 +57,16 @@ def main(argv=None) -> int:
     from ats.evaluation.token_eval import token_confidences
     from ats.io import read_json, write_json
     from ats.model.backbone import load_backbone
+    from ats.training.data import DataConfig
     from ats.training.features import FeatureStore
-    from ats.workflows.pipeline import BASELINES, fit_calibrators
+    from ats.workflows.pipeline import BASELINES, fit_calibrators, prepare_features
 
     if not args.render_only:
         backbone = load_backbone("smollm2-135m-instruct")
-        train, val = FeatureStore(Path(args.features) / "train"), FeatureStore(Path(args.features) / "val")
+        if args.limit is not None:  # fingerprinted: reused when made with these options, resumed when partial
+            train, val = prepare_features(backbone, args.features, DataConfig(limit=args.limit), progress=True)
+        else:
+            train, val = FeatureStore(Path(args.features) / "train"), FeatureStore(Path(args.features) / "val")
         start = time.perf_counter()
         for logits, _ in train.logit_chunks(backbone.logits)():  # one full-vocabulary pass over every training token
             logits.max(dim=-1)
@@ -106,7 +114,7 @@ def main(argv=None) -> int:
         "# Fitting the six baselines: shared pass vs. reference route", "",
         f"Command: `{command}`", f"Machine: {record['machine']}.",
         f"Training tokens: {record['train_response_tokens']} (one full-vocabulary pass over them: {one_pass:.1f} s, "
-        f"measured in this run); fit on the evidence run's seeded subsample of {record['fit_tokens']}; held-out ECE "
+        f"measured in this run); fit on a seeded subsample of {record['fit_tokens']}; held-out ECE "
         f"on {record['held_out_tokens']} held-out instruction tokens.", "",
         table, "",
         f"`/ pass`: seconds over the time of one full-vocabulary pass over all training tokens. All six baselines: "
