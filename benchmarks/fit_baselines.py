@@ -46,13 +46,14 @@ def main(argv=None) -> int:
     p.add_argument("--fit-tokens", type=int, default=30000, help="the evidence run's token subsample")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--render-only", action="store_true",
-                   help="rewrite the .md from the .json and the fits saved under --out, without measuring")
+                   help="no timing: evaluate the fits saved under --out on the held-out features again and rewrite "
+                        "the .md from the .json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from paper_table import machine  # this script's folder, first on sys.path
 
     from ats.calibrators import load_calibrator
-    from ats.evaluation.metrics import summarize
+    from ats.evaluation.metrics import paired_differences, summarize
     from ats.evaluation.report import markdown_table
     from ats.evaluation.token_eval import token_confidences
     from ats.io import read_json, write_json
@@ -61,8 +62,8 @@ def main(argv=None) -> int:
     from ats.training.features import FeatureStore
     from ats.workflows.pipeline import BASELINES, fit_calibrators, prepare_features
 
+    backbone = load_backbone("smollm2-135m-instruct")
     if not args.render_only:
-        backbone = load_backbone("smollm2-135m-instruct")
         if args.limit is not None:  # fingerprinted: reused when made with these options, resumed when partial
             train, val = prepare_features(backbone, args.features, DataConfig(limit=args.limit), progress=True)
         else:
@@ -79,18 +80,27 @@ def main(argv=None) -> int:
                                             shared_pass=shared, overwrite=True, progress=False)
             seconds[route] = {"total": time.perf_counter() - start,
                               **{n: read_json(out / n / "fit_seconds.json")["seconds"] for n in BASELINES}}
-        calibrators = {f"{name}@{route}": cal for route in ROUTES for name, cal in fitted[route].items()}
-        conf = token_confidences(val, backbone, calibrators, progress=False)
-        ece = {key: summarize(*value)["ece"] for key, value in conf.items()}
         write_json(RESULTS / "fit_baselines.json", {
             "command": "python benchmarks/fit_baselines.py " + " ".join(sys.argv[1:]), "machine": machine(),
-            "one_pass_seconds": one_pass, "seconds": seconds, "held_out_ece": ece, "fit_tokens": args.fit_tokens,
+            "features": str(args.features),
+            "one_pass_seconds": one_pass, "seconds": seconds, "fit_tokens": args.fit_tokens,
             "train_response_tokens": train.meta["response_tokens"],
             "held_out_tokens": val.meta["response_tokens"]})
     record = read_json(RESULTS / "fit_baselines.json")
-    one_pass, seconds, ece = record["one_pass_seconds"], record["seconds"], record["held_out_ece"]
+    one_pass, seconds = record["one_pass_seconds"], record["seconds"]
     fitted = {route: {name: load_calibrator(Path(args.out) / route.replace(" ", "-") / name) for name in BASELINES}
               for route in ROUTES}
+    # held-out ECE of every fit, and shared minus reference on the same tokens with a paired bootstrap interval, on
+    # the held-out features of the measured run (whatever --features says now)
+    record.setdefault("features", str(args.features))
+    val = FeatureStore(Path(record["features"]) / "val")
+    calibrators = {f"{name}@{route}": fitted[route][name] for route in ROUTES for name in BASELINES}
+    conf = token_confidences(val, backbone, calibrators, progress=False)
+    ece = {key: summarize(*value)["ece"] for key, value in conf.items()}
+    paired = {name: paired_differences(conf[f"{name}@shared pass"], conf[f"{name}@reference"], bootstrap=1000,
+                                       keys=("ece",))["ece"] for name in BASELINES}
+    record.update(held_out_ece=ece, paired_ece=paired)
+    write_json(RESULTS / "fit_baselines.json", record)
 
     rows = []
     for name in (*BASELINES, "total"):
@@ -98,15 +108,18 @@ def main(argv=None) -> int:
         for route in ROUTES:
             row += [f"{seconds[route][name]:.1f}", f"{seconds[route][name] / one_pass:.2f}"]
         if name == "total":
-            rows.append(row + ["", "", ""])
+            rows.append(row + ["", "", "", ""])
             continue
         row += [route_difference(name, fitted["shared pass"][name], fitted["reference"][name])]
         row += [f"{ece[f'{name}@{route}']:.4f}" for route in ROUTES]
+        d = paired[name]
+        row += [f"{d['diff']:+.4f} [{d['ci'][0]:+.4f}, {d['ci'][1]:+.4f}]"]
         rows.append(row)
     header = ["method"]
     for route in ROUTES:
         header += [f"{route} s", f"{route} / pass"]
     header += ["shared vs reference fit"] + [f"{route} held-out ECE" for route in ROUTES]
+    header += ["ECE shared - reference [95% paired CI]"]
     table = markdown_table(header, rows)
     command = record["command"]
     speedup = seconds["reference"]["total"] / seconds["shared pass"]["total"]
@@ -125,7 +138,9 @@ def main(argv=None) -> int:
         "binning and isotonic regression differ only by the summary's approximation of logsumexp(s z) and of the top-1 "
         "confidence. Thermometer differs by design: by the shared route it "
         "averages each sequence's loss over that sequence's tokens in the fitting subsample, by the reference route "
-        "over all of its tokens (so it also fits on more data there). Times come from one run with 1 torch thread "
+        "over all of its tokens (so it also fits on more data there). The last column: held-out ECE of the shared route's "
+        "fit minus the reference route's on the same tokens, with a paired bootstrap interval (1,000 resamples of "
+        "the held-out tokens). Times come from one run with 1 torch thread "
         "beside another job on the 2 cores; the ratios compare fits and passes of the same run.",
     ])
     print(text)
