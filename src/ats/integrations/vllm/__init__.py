@@ -58,7 +58,7 @@ def shut_down_engines(timeout: float = 30.0) -> int:
     hold it), so vLLM shuts its engine down from an exit hook, and its output thread, a daemon, may still be freeing
     the last outputs' tensors when Python finalizes. A daemon thread that then waits for the GIL is ended inside
     torch's C++ deallocator, and the process aborts ("terminate called without an active exception", exit status
-    134) after every result was written (1 run in 5-10 here). Shut down before exit, the thread ends while Python is
+    134) after every result was written (about 1 run in 12 here). Shut down before exit, the thread ends while Python is
     alive. Call it once the engines are no longer needed.
     """
     import gc
