@@ -20,7 +20,9 @@ Layout of an answer folder (one per task):
 
     answers.safetensors   hidden (N_tok, H), row_offsets (R+1,), row_question (R,), pos_row (P,), pos_in_row (P,),
                           pos_target (P,), letter_logits (Q, C_max), answer (Q,), n_choices (Q,), and for
-                          choices / free-form the scale summary of every scored token, summary (P, D)
+                          choices / free-form the scale summary of every scored token, summary (P, D); for
+                          correctness probes, probe (Q, L, 3, H): the `PROBE_VIEWS` of L layers at the model's own
+                          answer, and probe_row (Q,): the row of that answer (its choice's, for choices)
     answers.json          kind, the task's and backbone's descriptions, sizes, the answers' text (free-form), and
                           the sha256 of the tensors file (written last: marks the folder finished)
 
@@ -45,6 +47,9 @@ from ..model.token_ce import summary_route, token_ce
 
 FORMAT_VERSION = 1
 KINDS = ("letters", "choices", "free")
+# what a set records for correctness probes at the model's own answer, per captured layer: the prompt's last position
+# (where the answer's first token is predicted), the mean and the last of the answer's own tokens
+PROBE_VIEWS = ("prompt_last", "answer_mean", "answer_last")
 TENSORS_NAME, META_NAME = "answers.safetensors", "answers.json"
 
 
@@ -90,6 +95,8 @@ class AnswerSet:
                    "answer": t["answer"][q], "n_choices": t["n_choices"][q]}
         if "summary" in t:
             tensors["summary"] = t["summary"][keep_pos]
+        if "probe" in t:
+            tensors.update(probe=t["probe"][q], probe_row=new_row[t["probe_row"][q]])
         meta = {**self.meta, "subset": len(questions)}
         if "text" in meta:
             meta["text"] = [meta["text"][i] for i in questions]

@@ -124,17 +124,20 @@ def calibrator_fingerprint(name: str, store, fit_tokens: int | None, *, shared_p
                             **route)
 
 
-def answers_fingerprint(backbone: Backbone, task, dtype: str) -> dict:
-    """The fingerprint of one task's cached answers: the task and the backbone (their descriptions) and the stored
-    hidden states' dtype. An answer set records these in its answers.json, which is read as its stored fingerprint
-    (`stored_answers_fingerprint`); its scale summary's settings are not part of it (each summary row carries its
-    own range and nodes, so a set is read as it was made)."""
-    return make_fingerprint("answers", task=task.describe(), backbone=backbone.describe(), dtype=dtype)
+def answers_fingerprint(backbone: Backbone, task, dtype: str, probe_layers=()) -> dict:
+    """The fingerprint of one task's cached answers: the task and the backbone (their descriptions), the stored
+    hidden states' dtype and the layers kept for correctness probes. An answer set records these in its
+    answers.json, which is read as its stored fingerprint (`stored_answers_fingerprint`); its scale summary's
+    settings are not part of it (each summary row carries its own range and nodes, so a set is read as it was
+    made)."""
+    return make_fingerprint("answers", task=task.describe(), backbone=backbone.describe(), dtype=dtype,
+                            probe_layers=[int(layer) for layer in probe_layers])
 
 
 def stored_answers_fingerprint(meta: dict) -> dict:
     """`answers_fingerprint` of the set whose answers.json holds `meta`."""
-    return make_fingerprint("answers", task=meta.get("task"), backbone=meta.get("backbone"), dtype=meta.get("dtype"))
+    return make_fingerprint("answers", task=meta.get("task"), backbone=meta.get("backbone"), dtype=meta.get("dtype"),
+                            probe_layers=meta.get("probe_layers", []))
 
 
 def answer_head_fingerprint(head_type: str, max_scale: float | None, record: dict) -> dict:

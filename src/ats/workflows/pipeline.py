@@ -24,6 +24,7 @@ from ..fingerprint import check_reuse, refusal, stored_fingerprint, write_finger
 from ..io import read_json, write_json
 from ..model.backbone import Backbone
 from ..model.heads import MAX_SCALE, HeadConfig
+from ..model.layers import candidate_layers, decoder_layers
 from ..model.scale_summary import ScaleSummarySpec
 from ..training.answers import META_NAME as ANSWERS_META
 from ..training.answers import AnswerSet
@@ -137,7 +138,8 @@ def prepare_features(backbone: Backbone, features_dir: str | Path, config: DataC
 
 
 def prepare_answers(backbone: Backbone, task, folder: str | Path, *, overwrite: bool = False,
-                    progress: bool = True, dtype: str = "float16") -> AnswerSet:
+                    progress: bool = True, dtype: str = "float16",
+                    probe_layers: tuple[int, ...] | None = None) -> AnswerSet:
     """The backbone's answers to `task` (`build_answer_set`, with the default scale summary), cached in `folder` and
     reused when they were made by this task and backbone with the same storage (`answers_fingerprint`, the one reuse
     rule of `fingerprint.check_reuse`); a set with other summary settings is reused as it is (each summary row carries
@@ -150,6 +152,8 @@ def prepare_answers(backbone: Backbone, task, folder: str | Path, *, overwrite: 
         overwrite: rebuild answers made otherwise instead of refusing.
         progress: show a progress bar.
         dtype: the stored hidden states' dtype.
+        probe_layers: the decoder layers kept at each answer for correctness probes; None: the backbone's
+            `candidate_layers` (eight, evenly spaced), (): none.
 
     Returns:
         The answer set.
@@ -159,17 +163,20 @@ def prepare_answers(backbone: Backbone, task, folder: str | Path, *, overwrite: 
             `overwrite`).
     """
     folder = Path(folder)
+    if probe_layers is None:
+        probe_layers = candidate_layers(len(decoder_layers(backbone.model)))
     meta_path = folder / ANSWERS_META
     if meta_path.is_file():
         meta = read_json(meta_path)
-        if check_reuse(folder, "answers", stored_answers_fingerprint(meta), answers_fingerprint(backbone, task, dtype),
+        if check_reuse(folder, "answers", stored_answers_fingerprint(meta),
+                       answers_fingerprint(backbone, task, dtype, probe_layers),
                        overwrite=overwrite):
             if meta.get("summary") != dataclasses.asdict(ScaleSummarySpec()):
                 logger.info("%s: answers with scale summary %s (default now %s), reused as they are", folder,
                             meta.get("summary"), dataclasses.asdict(ScaleSummarySpec()))
             return AnswerSet.load(folder)
     start = time.perf_counter()
-    answers = build_answer_set(backbone, task, dtype=dtype, progress=progress)
+    answers = build_answer_set(backbone, task, dtype=dtype, probe_layers=tuple(probe_layers), progress=progress)
     answers.meta["seconds"] = round(time.perf_counter() - start, 1)
     answers.save(folder)
     logger.info("%s: %d answers in %.0f s", task.name, len(answers), answers.meta["seconds"])

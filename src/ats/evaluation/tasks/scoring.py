@@ -142,14 +142,18 @@ class PrefixCache:
         prefix_ids: the prefix's token ids; empty: no cache (every batch runs in full).
     """
 
-    def __init__(self, backbone, prefix_ids: Sequence[int]) -> None:
+    def __init__(self, backbone, prefix_ids: Sequence[int], capture=None) -> None:
         self.backbone = backbone
         self.ids = list(prefix_ids)
         self.hidden: Tensor | None = None
         self.cache = None
+        self.capture = capture  # a LayerCapture (entered) whose layers `forward_layers` returns too, or None
+        self.layers: Tensor | None = None  # (1, T_prefix, L, H) the captured layers' states of the prefix
         if len(self.ids) > 0:
             x = torch.tensor([self.ids], dtype=torch.long, device=backbone.device)
             self.hidden, self.cache = backbone.forward(x, attention_mask=torch.ones_like(x), use_cache=True)
+            if capture is not None:
+                self.layers = capture.take()
 
     def _cache_for(self, length: int, batch: int):
         cache = copy.deepcopy(self.cache)
@@ -184,6 +188,7 @@ class PrefixCache:
         device = backbone.device
         pad = backbone.tokenizer.pad_token_id
         shared = min(self.shared_length(r) for r in rows) if self.cache is not None else 0
+        self._shared = shared  # read by forward_layers
         if shared == 0:
             ids, mask = pad_right(rows, pad, device)
             hidden, _ = backbone.forward(ids, attention_mask=mask)
@@ -196,6 +201,18 @@ class PrefixCache:
                                          use_cache=True)
         prefix_hidden = self.hidden[:, :shared].expand(B, -1, -1)
         return torch.cat([prefix_hidden.to(new_hidden.dtype), new_hidden], dim=1), full_mask
+
+    def forward_layers(self, rows: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor]:
+        """`forward(rows)` and the captured layers' states of the whole rows (B, T, L, H), the prefix's from the
+        cache (needs a `capture` at construction)."""
+        if self.capture is None:
+            raise ATSError("PrefixCache.forward_layers needs a LayerCapture at construction")
+        hidden, mask = self.forward(rows)
+        new = self.capture.take()  # (B, T - shared, L, H)
+        if self._shared:
+            prefix = self.layers[:, :self._shared].expand(len(rows), -1, -1, -1).to(new.dtype)
+            new = torch.cat([prefix, new], dim=1)
+        return hidden, mask, new
 
 
 # --- the scoring rules (the confidence rules are in `ats.training.answers`, shared with answer training) ---------

@@ -1,0 +1,91 @@
+"""Hidden states of inner decoder layers, captured during the backbone's ordinary forward passes.
+
+A correctness probe (`ats.calibrators.probe`) reads several layers at a few positions of an answer; the rest of ats
+reads only the final hidden state. Rather than asking the model for every layer's states at every token
+(`output_hidden_states`, L x (B, T, H)), `LayerCapture` hooks only the chosen layers and keeps their outputs of the
+last forward pass, which the caller reduces to the positions it needs at once.
+
+    with LayerCapture(backbone.model, layers=(6, 13, 20, 27)) as capture:
+        hidden, _ = backbone.forward(ids)        # the forward runs as before
+        states = capture.take()                  # (B, T, L, H): layer l's output for each of the asked layers
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ATSError
+
+N_CANDIDATES = 8  # the layers an answer set records for probes: eight, evenly spaced, the last one included
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a transformers causal LM (Llama, Qwen2, Gemma 3, ...: `base_model.layers`).
+
+    Raises:
+        ATSError: if the model has no such list.
+    """
+    layers = getattr(getattr(model, "base_model", model), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ATSError(f"{type(model).__name__}: no decoder layer list (base_model.layers); probes cannot read it")
+    return layers
+
+
+def candidate_layers(n_layers: int, n: int = N_CANDIDATES) -> tuple[int, ...]:
+    """`n` layer indices (0-based, the output of that decoder layer) evenly spaced over a model of `n_layers`
+    layers, ending at the last: e.g. 28 layers -> (3, 6, 10, 13, 17, 20, 24, 27)."""
+    if n_layers < 1:
+        raise ATSError(f"n_layers must be positive, got {n_layers}")
+    m = min(n, n_layers)
+    return tuple(sorted({math.floor((k + 1) * n_layers / m + 0.5) - 1 for k in range(m)}))
+
+
+class LayerCapture:
+    """Forward hooks on chosen decoder layers; `take()` returns their outputs of the last forward, stacked.
+
+    Args:
+        model: the transformers causal LM.
+        layers: decoder-layer indices (0-based; the layer's output, before the final norm for the last layer).
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[int]) -> None:
+        blocks = decoder_layers(model)
+        bad = [layer for layer in layers if not 0 <= int(layer) < len(blocks)]
+        if bad or not layers:
+            raise ATSError(f"probe layers {list(layers)}: each must be in 0..{len(blocks) - 1}")
+        self.layers = tuple(int(layer) for layer in layers)
+        self._blocks = [blocks[layer] for layer in self.layers]
+        self._outputs: dict[int, Tensor] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> "LayerCapture":
+        for slot, block in enumerate(self._blocks):
+            self._handles.append(block.register_forward_hook(self._hook(slot)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._outputs.clear()
+
+    def _hook(self, slot: int):
+        def record(module, args, output) -> None:
+            self._outputs[slot] = output[0] if isinstance(output, tuple) else output  # (B, T, H)
+        return record
+
+    def take(self) -> Tensor:
+        """(B, T, L, H): the asked layers' outputs of the last forward pass (T: the tokens that pass ran).
+
+        Raises:
+            ATSError: if no forward ran since the last take.
+        """
+        if len(self._outputs) != len(self._blocks):
+            raise ATSError("LayerCapture.take: no forward pass ran through the captured layers")
+        states = torch.stack([self._outputs[slot] for slot in range(len(self._blocks))], dim=2)
+        self._outputs.clear()
+        return states
