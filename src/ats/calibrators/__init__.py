@@ -61,6 +61,8 @@ register("scaling-binning", ".binning:ScalingBinning", help="temperature, then e
 register("histogram", ".binning:HistogramBinning", help="equal-mass bins of the confidence -> accuracy")
 register("isotonic", ".isotonic:IsotonicCalibration", help="monotone map of the confidence -> accuracy")
 register("thermometer", ".thermometer:Thermometer", help="one temperature per prompt (Shen et al. 2024)")
+register("probe", ".probe:CorrectnessProbe",
+         help="answer confidence by a logistic probe on several layers' hidden states; tokens by one temperature")
 register("ats", ".ats:ATSCalibrator", help="adaptive temperature scaling (the run's head and loss)")
 register("selective-temperature", ".ats:ATSCalibrator", head_type="constant", method="selective-temperature",
          help="control: ONE temperature trained with ATS's loss, data and schedule")

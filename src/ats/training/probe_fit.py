@@ -1,0 +1,179 @@
+"""Fitting a correctness probe (`ats.calibrators.probe.CorrectnessProbe`) on the backbone's own labelled answers.
+
+The probe's layers, views and L2 strength are chosen by leaving each pool task out in turn: fit on the other tasks,
+score the left-out one by the log loss, and take the setting of lowest mean left-out loss (the probe's known weakness
+is transfer to a new task, so that is what the choice measures; no reported task is ever read). The chosen setting
+is then fitted on every pool task. Its token half, one temperature, is fitted by NLL on the right choices' tokens of
+the pool's multiple-choice sets (reference text, as instruction tokens are; the greedy tokens of free-form answers
+would drive it to zero), through their stored scale summary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ..calibrators.probe import VIEWS, CorrectnessProbe
+from ..errors import ATSError
+from ..log_loss import binary_log_loss
+from .answers import AnswerSet, score_answers
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProbeGrid:
+    """The settings tried when a probe's options are left empty."""
+
+    layer_sets: tuple[str, ...] = ("middle", "three-quarters", "last", "spread", "all")
+    views: tuple[tuple[str, ...], ...] = (("prompt_last",), ("answer_mean",), VIEWS)
+    l2: tuple[float, ...] = (0.003, 0.03, 0.3)
+
+
+def layer_set(name: str, candidates: Sequence[int]) -> list[int]:
+    """A named subset of the recorded layers: middle, three-quarters, last, spread (those three) or all."""
+    n = len(candidates)
+    middle, late = candidates[max(0, n // 2 - 1)], candidates[max(0, (3 * n) // 4 - 1)]
+    sets = {"middle": [middle], "three-quarters": [late], "last": [candidates[-1]],
+            "spread": sorted({middle, late, candidates[-1]}), "all": list(candidates)}
+    if name not in sets:
+        raise ATSError(f"probe layer set {name!r}: expected one of {', '.join(sets)}")
+    return sets[name]
+
+
+def probe_inputs(answers: AnswerSet, logits_fn) -> tuple[Tensor, np.ndarray, np.ndarray]:
+    """(views (Q, L, 3, H) of every recorded layer, uncalibrated confidence (Q,), correct (Q,)) of a set's answers.
+
+    Raises:
+        ATSError: if the set records no probe views (made with `probe_layers=()`).
+    """
+    if "probe" not in answers.tensors:
+        raise ATSError(f"answers {answers.name!r}: no probe views recorded (rebuild them with probe layers)")
+    confidence, correct = score_answers(None, answers, logits_fn)
+    return answers.tensors["probe"], confidence, correct
+
+
+def _standardize(x: Tensor) -> tuple[Tensor, Tensor]:
+    mean = x.mean(0)
+    scale = x.std(0)
+    return mean, torch.where(scale > 1e-8, scale, torch.ones_like(scale))
+
+
+def _fit_logistic(x: Tensor, y: np.ndarray, l2: float) -> tuple[Tensor, float, Tensor, Tensor]:
+    """(weight (D,), bias, mean (D,), scale (D,)) of an L2 logistic regression on standardized `x` (N, D)."""
+    if len(set(y.tolist())) < 2:
+        raise ATSError(f"probe: the answers are all {'right' if y.all() else 'wrong'}; nothing to tell apart")
+    mean, scale = _standardize(x)
+    model = LogisticRegression(C=l2, max_iter=5000, tol=1e-8)  # a tight optimum: the fit is checked against it
+    model.fit(((x - mean) / scale).double().numpy(), y.astype(int))
+    return torch.from_numpy(model.coef_[0]).float(), float(model.intercept_[0]), mean, scale
+
+
+def _probe(layers, views, l2, *, with_confidence: bool, info: dict) -> CorrectnessProbe:
+    return CorrectnessProbe(layers=list(layers), views=list(views), l2=l2, with_confidence=with_confidence, **info)
+
+
+def _fitted(probe: CorrectnessProbe, views: Tensor, confidence: np.ndarray, correct: np.ndarray) -> CorrectnessProbe:
+    probe.set_weights(*_fit_logistic(probe.features(views, confidence), correct, probe.l2))
+    probe.temperature = probe.temperature or 1.0
+    return probe
+
+
+def gold_choice_summary(sets: Sequence[AnswerSet]) -> Tensor | None:
+    """The scale summary rows (N, D) of the right choices' tokens of the multiple-choice ('choices') sets."""
+    rows = []
+    for answers in sets:
+        t = answers.tensors
+        if answers.kind != "choices" or "summary" not in t:
+            continue
+        first = torch.searchsorted(t["row_question"], torch.arange(len(answers)))  # (Q,) rows are in question order
+        gold_row = first + t["answer"]  # (Q,) the right choice's row
+        rows.append(t["summary"][(t["pos_row"][:, None] == gold_row[None, :]).any(1)])
+    return torch.cat(rows) if rows else None
+
+
+def fit_probe(sets: Mapping[str, AnswerSet], logits_fn, backbone_info: dict, *, grid: ProbeGrid = ProbeGrid(),
+              layers: Sequence[int] = (), views: Sequence[str] = (), l2: float = 0.0, with_confidence: bool = True,
+              progress: bool = True) -> CorrectnessProbe:
+    """A probe fitted on the answers of `sets` (task name -> answer set with probe views), its empty options chosen
+    on left-out tasks (the module docstring); its `selection` records every setting's left-out scores.
+
+    Args:
+        sets: the pool's answer sets, by task (at least two to leave one out; one set is split in five folds).
+        logits_fn: the backbone's output layer (the uncalibrated confidence of sets without a scale summary).
+        backbone_info: {"hidden_size", "base_model", "revision"} of the backbone.
+        grid: the settings tried for the options left empty.
+        layers, views, l2: fixed options instead of chosen ones.
+        with_confidence: also read the answer's uncalibrated confidence.
+        progress: show a progress bar over the settings.
+
+    Returns:
+        The fitted probe.
+    """
+    inputs = {name: probe_inputs(answers, logits_fn) for name, answers in sets.items()}
+    recorded = [list(a.meta.get("probe_layers", [])) for a in sets.values()]
+    if any(r != recorded[0] for r in recorded):
+        raise ATSError(f"probe: the answer sets record different layers: {recorded}")
+    candidates = recorded[0]
+    layer_options = [list(layers)] if layers else [layer_set(n, candidates) for n in grid.layer_sets]
+    missing = [layer for layer in layer_options[0] if layer not in candidates] if layers else []
+    if missing:
+        raise ATSError(f"probe layers {missing} are not recorded in the answers (recorded: {candidates})")
+    settings = list(itertools.product(layer_options, [list(views)] if views else [list(v) for v in grid.views],
+                                      [l2] if l2 else list(grid.l2)))
+    folds = _folds(inputs)
+    scores = []
+    for lay, vws, c in tqdm(settings, desc="probe settings", disable=not progress or len(settings) == 1):
+        idx = [candidates.index(layer) for layer in lay]
+        losses, aurocs = [], []
+        for held, (train, test) in folds.items():
+            probe = _fitted(_probe(lay, vws, c, with_confidence=with_confidence, info=backbone_info),
+                            *(_join(inputs, train, idx)))
+            v, conf, ok = _join(inputs, test, idx)
+            p = probe.answer_confidence(v, conf)
+            losses.append(float(np.mean(binary_log_loss(p, ok))))
+            aurocs.append(roc_auc_score(ok, p) if 0 < ok.sum() < ok.size else np.nan)
+        scores.append({"layers": lay, "views": vws, "l2": c, "left_out_log_loss": float(np.mean(losses)),
+                       "left_out_auroc": float(np.nanmean(aurocs)), "per_fold_log_loss": dict(zip(folds, losses))})
+    best = min(scores, key=lambda s: s["left_out_log_loss"])
+    idx = [candidates.index(layer) for layer in best["layers"]]
+    probe = _fitted(_probe(best["layers"], best["views"], best["l2"], with_confidence=with_confidence,
+                           info=backbone_info), *(_join(inputs, list(inputs), idx)))
+    summary = gold_choice_summary(list(sets.values()))
+    temperature = "gold choices' tokens" if summary is not None and probe._fit_summary(summary) else "none (T = 1)"
+    probe.selection = {"criterion": "mean left-out log loss (leave one pool task out)", "chosen": best,
+                       "settings": scores, "tasks": {n: int(len(i[2])) for n, i in inputs.items()},
+                       "recorded_layers": candidates, "temperature_fitted_on": temperature}
+    logger.info("probe: layers %s, views %s, l2 %g (left-out log loss %.4f, AUROC %.3f); temperature %.4g",
+                best["layers"], best["views"], best["l2"], best["left_out_log_loss"], best["left_out_auroc"],
+                probe.temperature)
+    return probe
+
+
+def _folds(inputs: dict) -> dict[str, tuple[list, list]]:
+    """name -> (training keys, test keys): each task left out; a single task: five folds of its questions."""
+    if len(inputs) >= 2:
+        return {name: ([n for n in inputs if n != name], [name]) for name in inputs}
+    (name, (views, conf, ok)), = inputs.items()
+    order = np.random.default_rng(0).permutation(len(ok))
+    parts = np.array_split(order, 5)
+    for k, part in enumerate(parts):
+        inputs[f"{name}#{k}"] = (views[torch.as_tensor(part)], conf[part], ok[part])
+    keys = [f"{name}#{k}" for k in range(len(parts))]
+    del inputs[name]
+    return {k: ([j for j in keys if j != k], [k]) for k in keys}
+
+
+def _join(inputs: dict, keys: list, layer_index: list[int]) -> tuple[Tensor, np.ndarray, np.ndarray]:
+    """The views at `layer_index`, confidences and correctness of the tasks `keys`, concatenated."""
+    return (torch.cat([inputs[k][0][:, layer_index] for k in keys]), np.concatenate([inputs[k][1] for k in keys]),
+            np.concatenate([inputs[k][2] for k in keys]))
