@@ -177,11 +177,15 @@ def score_all(args) -> dict:
             "scores": scores}
 
 
-def analyse(scored: dict, *, repeats: int = 200, bootstrap: int = 500) -> dict:
+def analyse(scored: dict, *, repeats: int = 200, bootstrap: int = 500, methods: tuple = METHODS,
+            alphas: tuple = ALPHAS) -> dict:
     """The cheap part, from the stored scores: per kind of certification set and target risk, the certified
     threshold, the halvings check, and the realised coverage / risk on every answer set of both kinds (a pool set of
     the certifying kind is judged with the threshold certified on the other sets of that kind: left out), and the
-    ranking table; `repeats` random halvings per threshold, `bootstrap` paired resamples per ranking difference."""
+    ranking table; `repeats` random halvings per threshold, `bootstrap` paired resamples per ranking difference.
+    `methods` (the first is the reference, uncalibrated) and `alphas`: those of this benchmark unless given
+    (`benchmarks/probe.py` gives its own)."""
+    METHODS, ALPHAS = methods, alphas  # noqa: N806 (the module's names, shadowed by the caller's choice)
     scores = scored["scores"]
 
     def arrays(method: str, name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -190,7 +190,8 @@ def test_save_load_round_trip(name, tmp_path):
 
 def test_registry_names():
     # thermometer fits on sequences, ATS and its controls train heads (their own tests)
-    assert set(names()) == {"none", "thermometer", *FITTABLE, "ats", "selective-temperature", "selective-linear"}
+    assert set(names()) == {"none", "thermometer", *FITTABLE, "ats", "selective-temperature", "selective-linear",
+                            "probe"}  # the probe: fitted on answers (tests/calibrators/test_probe.py)
     assert isinstance(build_calibrator("none"), Uncalibrated)
     with pytest.raises(ATSError, match="unknown name 'platt'.*temperature.*isotonic"):
         build_calibrator("platt")

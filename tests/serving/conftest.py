@@ -151,6 +151,7 @@ def calibrator_folders(backbone, head_dir, tmp_path_factory) -> dict[str, Path]:
     with torch.no_grad():
         constant.head.tau.fill_(-0.04)  # tau = gain * -0.04 = -0.32: one temperature of about 1.4
     made["selective-temperature"] = constant
+    made["probe"] = hand_probe(backbone, g)
     folders = {}
     for name, calibrator in made.items():
         calibrator.save_pretrained(root / name)
@@ -158,6 +159,20 @@ def calibrator_folders(backbone, head_dir, tmp_path_factory) -> dict[str, Path]:
     folders["ats"] = head_dir
     folders["ats-official"] = _official_head(root / "ats-official", backbone.hidden_size)
     return folders
+
+
+def hand_probe(backbone, g: torch.Generator):
+    """A correctness probe set by hand: layer 0's three views and the confidence's logit, random weights, a
+    temperature of 1.3 for the tokens."""
+    from ats.calibrators.probe import VIEWS, CorrectnessProbe
+
+    probe = CorrectnessProbe(layers=[0], views=list(VIEWS), l2=1.0, hidden_size=backbone.hidden_size,
+                             base_model=backbone.name, revision=backbone.revision)
+    d = len(VIEWS) * backbone.hidden_size + 1
+    probe.set_weights(0.3 * torch.randn(d, generator=g), 0.2, 0.1 * torch.randn(d, generator=g),
+                      1 + torch.rand(d, generator=g))
+    probe.temperature = 1.3
+    return probe
 
 
 @pytest.fixture(scope="session")

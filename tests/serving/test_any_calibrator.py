@@ -22,7 +22,7 @@ from serving_reference import chat_ids
 pytestmark = pytest.mark.slow  # ten `ats serve` processes, one per calibrator type (~30 s of start-up on 2 cores)
 
 TYPES = ["temperature", "vector", "scaling-binning", "histogram", "isotonic", "thermometer", "selective-temperature",
-         "ats", "ats-official", "none"]
+         "ats", "ats-official", "probe", "none"]
 MAPPED = {"scaling-binning", "histogram", "isotonic"}
 PROMPT = "Write a short poem about the sea and the wind, please."
 NEW_TOKENS = 8
@@ -45,6 +45,20 @@ def as_evaluated(backbone, calibrator, prompt: list[int], tokens: list[int]):
     p = torch.softmax(q[0, : len(answer)], -1).gather(1, torch.tensor(answer)[:, None])[:, 0]  # (K,)
     p = p.numpy() if calibrator is None else calibrator.map_confidence(p)
     return logq, float(mean_token_confidence(np.asarray(p)[None], np.ones((1, len(answer)), dtype=bool))[0])
+
+
+@torch.no_grad()
+def probed(backbone, probe, prompt: list[int], tokens: list[int]) -> float:
+    """A probe's answer confidence by the model's own hidden-state outputs (layer 0: hidden_states[1]) over prompt +
+    answer, its views by hand, and the answer's uncalibrated mean token probability."""
+    answer = [t for t in tokens if t not in eos_ids(backbone)]
+    out = backbone.model(input_ids=torch.tensor([prompt + answer]), output_hidden_states=True)
+    states = out.hidden_states[1][0]  # (T, H)
+    span = states[len(prompt):]
+    views = torch.stack([states[len(prompt) - 1], span.mean(0), span[-1]])[None, None]  # (1, 1, 3, H)
+    logp = torch.log_softmax(out.logits[0, len(prompt) - 1:-1].float(), -1)
+    raw = logp.gather(1, torch.tensor(answer)[:, None]).exp().mean()
+    return float(probe.answer_confidence(views, [float(raw)])[0])
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -74,8 +88,10 @@ def test_each_calibrator_served_equals_in_process(kind, calibrator_servers, cali
                                    rtol=1e-5)
 
     ats = choice.model_extra["ats"]
+    if kind == "probe":
+        confidence = probed(backbone, calibrator, prompt, tokens)
     assert ats["answer_confidence"] == pytest.approx(confidence, abs=1e-4)
-    assert ats["confidence_kind"] == ("mapped" if kind in MAPPED else "probability")
+    assert ats["confidence_kind"] == ("mapped" if kind in MAPPED else "probe" if kind == "probe" else "probability")
     assert ats["calibrator"] == ("uncalibrated" if calibrator is None else calibrator.label)
     changes = kind not in {"none", "histogram", "isotonic"}
     moved = max(abs(math.exp(a) - math.exp(b)) for a, b in zip(served.tolist(), ats["uncalibrated_logprobs"]))

@@ -73,6 +73,8 @@ class Calibrator:
     maps_confidence: ClassVar[bool] = False  # maps the top-1 confidence (binning methods)
     fits_on_summary: ClassVar[bool] = False  # `fit` reads the source's scale summary when it has one (the
     # fingerprints record that route)
+    answer_probe: ClassVar[bool] = False  # gives an answer's confidence from hidden states of several layers at it
+    # (`answer_confidence(views, confidence)`: the correctness probe); its logits map is the rest of the class
 
     config_: ConfigMixin = NoOptions()  # the instance's options (a class without options shares this empty one)
 

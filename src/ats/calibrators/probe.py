@@ -24,9 +24,10 @@ from torch import Tensor
 
 from ..config import option
 from ..errors import ATSError
+from ..model.layers import ANSWER_VIEWS
 from .temperature import TemperatureConfig, TemperatureScaling
 
-VIEWS = ("prompt_last", "answer_mean", "answer_last")  # the order answer sets store them in (PROBE_VIEWS)
+VIEWS = ANSWER_VIEWS  # the order answer sets store them in
 EPS = 1e-6  # the answer confidence's clip before its logit
 
 
@@ -44,6 +45,7 @@ class ProbeConfig(TemperatureConfig):
     hidden_size: int = option(0, "H, the backbone's hidden size", cli=False, low=0)
     base_model: str = option("", "the backbone it was fitted on", cli=False)
     revision: str = option("", "that backbone's revision", cli=False)
+    training: dict = option(dict, "what it was fitted on (the answer record: tasks, sizes, loss)", cli=False)
 
 
 class CorrectnessProbe(TemperatureScaling):
@@ -54,6 +56,7 @@ class CorrectnessProbe(TemperatureScaling):
 
     name = "probe"
     Config = ProbeConfig
+    answer_probe = True
     fitted_keys = ("temperature", "selection")
     fitted_attributes = ("temperature", "weight")
     weight: Tensor | None = None  # (D,) on standardized features
@@ -82,7 +85,8 @@ class CorrectnessProbe(TemperatureScaling):
         picked = views[:, :, [VIEWS.index(v) for v in self.views]].float().flatten(1)  # (N, L * V' * H)
         if not self.with_confidence:
             return picked
-        p = torch.as_tensor(np.asarray(confidence, dtype=np.float64)).clamp(EPS, 1 - EPS)
+        p = torch.as_tensor(np.nan_to_num(np.asarray(confidence, dtype=np.float64), nan=0.5))  # empty: no signal
+        p = p.clamp(EPS, 1 - EPS)
         return torch.cat([picked, torch.log(p / (1 - p)).float()[:, None]], dim=1)
 
     def answer_confidence(self, views: Tensor, confidence: Tensor | np.ndarray) -> np.ndarray:

@@ -60,8 +60,9 @@ def add_parser(sub) -> None:
                        help=f"MMLU validation questions per subject, 0 for none (default: {pool.mmlu_per_subject})")
     g.add_argument("--method", default=None, metavar="SPEC",
                    help="what learns from the answers: 'thermometer' (one temperature per question, read from the "
-                        "prompt; the default), an ATS head type (transformer, linear, mlp, constant; --head X is "
-                        "the same as --method X), or a head with '+tokens' (plus the top-label loss on instruction "
+                        "prompt; the default), 'probe' (a correctness probe on several layers' hidden states at the "
+                        "answer, beside one temperature for tokens), an ATS head type (transformer, linear, mlp, "
+                        "constant; --head X is the same as --method X), or a head with '+tokens' (plus the top-label loss on instruction "
                         "tokens, so token calibration does not collapse; needs --token-features)")
     g.add_argument("--token-features", default=None, metavar="DIR",
                    help="an `ats train --on instructions` features folder of the same model (its train/ split feeds "

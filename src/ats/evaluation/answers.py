@@ -12,7 +12,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..errors import ATSError
-from ..model.layers import LayerCapture
+from ..model.layers import LayerCapture, answer_views
 from ..model.scale_summary import ScaleSummarySpec, summarize_logits
 from ..training.answers import PROBE_VIEWS, AnswerSet
 from .tasks.base import chunks
@@ -41,16 +41,8 @@ class _Builder:
         self.probe_row: list[int] = []  # per question: the row of the model's own (uncalibrated) answer
 
     def add_probe(self, states: Tensor, prompt_last: int, answer_len: int, row: int) -> None:
-        """The probe views (`PROBE_VIEWS`) of one question's answered row, from its captured layers (T, L, H): the
-        prompt's last position, the mean and the last of the answer's own tokens (prompt_last + 1 ..; with no
-        answer token, the prompt's last position for all three)."""
-        last = states[prompt_last]  # (L, H)
-        if answer_len > 0:
-            answer = states[prompt_last + 1:prompt_last + 1 + answer_len].float()  # (A, L, H)
-            views = [last, answer.mean(0), answer[-1]]
-        else:
-            views = [last, last, last]
-        self.probe.append(torch.stack([v.float() for v in views], dim=1).to("cpu", self.dtype))  # (L, V, H)
+        """The probe views (`answer_views`) of one question's answered row, from its captured layers (T, L, H)."""
+        self.probe.append(answer_views(states, prompt_last, answer_len).to("cpu", self.dtype))  # (L, 3, H)
         self.probe_row.append(row)
 
     def add_row(self, hidden: Tensor, question: int, positions: list[int], targets: list[int], *,

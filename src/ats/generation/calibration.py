@@ -21,6 +21,8 @@ answer's token probabilities. `describe()` is the one line the CLI prints at sta
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -28,6 +30,7 @@ from torch import Tensor
 from ..calibrators.base import Calibrator
 from ..errors import ATSError
 from ..model.heads import TransformerHead
+from ..model.layers import row_answer_views
 
 
 class StepLogits:
@@ -96,6 +99,7 @@ class DecodingCalibration:
                 head.eval()
         self.head_cached = self.mode == "head" and isinstance(self.calibrator.head, TransformerHead)
         self.maps_confidence = bool(self.calibrator is not None and self.calibrator.maps_confidence)
+        self.answer_probe = bool(self.calibrator is not None and self.calibrator.answer_probe)
         self.fixed_scale = self._fixed_scale(backbone) if self.mode == "logits" else None
         self.changes_logits = self.mode != "none" and self.fixed_scale != 1.0
 
@@ -116,8 +120,21 @@ class DecodingCalibration:
     @property
     def confidence_kind(self) -> str:
         """What a token's reported confidence is: "probability" (of the calibrated distribution) or "mapped" (that
-        probability through the calibrator's binning map)."""
-        return "mapped" if self.maps_confidence else "probability"
+        probability through the calibrator's binning map); "probe" when the answer's confidence is a correctness
+        probe's (its tokens' are still their calibrated probabilities)."""
+        return "mapped" if self.maps_confidence else "probe" if self.answer_probe else "probability"
+
+    def probe_answer(self, backbone, prompt: list[int], records: list) -> float | None:
+        """A finished answer's confidence by the correctness probe (None without one): its layers' views at the
+        prompt + the answer's tokens (one more forward pass), and the answer's uncalibrated mean token
+        probability."""
+        if not self.answer_probe:
+            return None
+        answer = [r for r in records if r.answer]
+        views = row_answer_views(backbone, self.calibrator.layers, prompt, [r.token for r in answer])
+        raw = [math.exp(r.uncalibrated) for r in answer if r.uncalibrated is not None]
+        confidence = sum(raw) / len(raw) if raw else float("nan")
+        return float(self.calibrator.answer_confidence(views, [confidence])[0])
 
     def describe(self) -> str:
         """One line: what the calibrator changes in decoding, and what it cannot do there."""

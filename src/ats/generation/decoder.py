@@ -249,6 +249,9 @@ class Decoder:
             row.finish = "eos"
         elif len(row.records) >= row.max_tokens:
             row.finish = "length"
+        if row.finish is not None and row.records and self.calibration.answer_probe:  # on its last answer token
+            last = next((r for r in reversed(row.records) if r.answer), row.records[-1])
+            last.answer_probability = self.calibration.probe_answer(self.backbone, row.prompt, row.records)
         if self.on_token is not None:
             self.on_token(row)
 

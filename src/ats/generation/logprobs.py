@@ -39,6 +39,7 @@ class TokenLogprob:
     offset: int = 0
     confidence: float | None = None
     answer: bool = True
+    answer_probability: float | None = None  # on a finished answer's last token: its correctness probe's P(correct)
 
 
 def score(step: StepLogits, tokens: Tensor, k: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -120,7 +121,8 @@ def prompt_logprobs(backbone, calibration: DecodingCalibration, hidden: Tensor, 
 
 def answer_confidence(tokens: list[TokenLogprob]) -> float | None:
     """A generated answer's confidence as the evaluation tasks compute it (`training.answers.mean_token_confidence`):
-    the mean reported confidence of its tokens, the end-of-sequence token left out; None without any.
+    the mean reported confidence of its tokens, the end-of-sequence token left out; None without any. A correctness
+    probe's P(correct), carried by the answer's last token once it finished, replaces it.
 
     Args:
         tokens: the generated tokens.
@@ -128,6 +130,9 @@ def answer_confidence(tokens: list[TokenLogprob]) -> float | None:
     Returns:
         The mean, or None.
     """
+    probed = next((t.answer_probability for t in reversed(tokens) if t.answer_probability is not None), None)
+    if probed is not None:
+        return probed
     values = [t.confidence for t in tokens if t.answer and t.confidence is not None]
     if not values:
         return None

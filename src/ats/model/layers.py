@@ -89,3 +89,28 @@ class LayerCapture:
         states = torch.stack([self._outputs[slot] for slot in range(len(self._blocks))], dim=2)
         self._outputs.clear()
         return states
+
+
+ANSWER_VIEWS = ("prompt_last", "answer_mean", "answer_last")  # what a probe reads per layer at an answer
+
+
+def answer_views(states: Tensor, prompt_last: int, answer_len: int) -> Tensor:
+    """(L, 3, H) float32: the `ANSWER_VIEWS` of one row's captured layers `states` (T, L, H): the prompt's last
+    position (where the answer's first token is predicted), the mean and the last of the answer's own tokens
+    (positions prompt_last + 1 ..); with no answer token, the prompt's last position for all three."""
+    last = states[prompt_last].float()  # (L, H)
+    if answer_len <= 0:
+        return torch.stack([last, last, last], dim=1)
+    answer = states[prompt_last + 1:prompt_last + 1 + answer_len].float()  # (A, L, H)
+    return torch.stack([last, answer.mean(0), answer[-1]], dim=1)
+
+
+@torch.no_grad()
+def row_answer_views(backbone, layers: Sequence[int], prompt: Sequence[int], answer: Sequence[int]) -> Tensor:
+    """(1, L, 3, H): `answer_views` of one prompt and its answer's tokens, by one forward pass over both (what a
+    correctness probe reads of a generated answer)."""
+    ids = torch.tensor([list(prompt) + list(answer)], dtype=torch.long, device=backbone.device)
+    with LayerCapture(backbone.model, layers) as capture:
+        backbone.forward(ids)
+        states = capture.take()[0]  # (T, L, H)
+    return answer_views(states, len(prompt) - 1, len(answer))[None].cpu()

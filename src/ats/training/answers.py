@@ -42,14 +42,13 @@ from torch import Tensor
 
 from ..errors import ATSError
 from ..io import atomic_file, read_json, write_json
+from ..model.layers import ANSWER_VIEWS
 from ..model.scale_summary import ScaleSummarySpec, SummaryView
 from ..model.token_ce import summary_route, token_ce
 
 FORMAT_VERSION = 1
 KINDS = ("letters", "choices", "free")
-# what a set records for correctness probes at the model's own answer, per captured layer: the prompt's last position
-# (where the answer's first token is predicted), the mean and the last of the answer's own tokens
-PROBE_VIEWS = ("prompt_last", "answer_mean", "answer_last")
+PROBE_VIEWS = ANSWER_VIEWS  # what a set records for correctness probes at the model's own answer, per layer
 TENSORS_NAME, META_NAME = "answers.safetensors", "answers.json"
 
 

@@ -20,7 +20,8 @@ from .pipeline import prepare_answers
 
 logger = logging.getLogger(__name__)
 
-HEAD_KINDS = ("transformer", "linear", "mlp", "constant", "thermometer")
+HEAD_KINDS = ("transformer", "linear", "mlp", "constant", "thermometer", "probe")
+UNTOKENED = ("thermometer", "probe")  # kinds without the '+tokens' term (no per-token head to train on tokens)
 
 
 def parse_spec(spec: str, *, field: str) -> tuple[str, bool]:
@@ -30,7 +31,7 @@ def parse_spec(spec: str, *, field: str) -> tuple[str, bool]:
         ATSError: naming `field`, if the spec names an unknown kind or suffix (Thermometer has no token term).
     """
     kind, plus, extra = spec.partition("+")
-    if kind not in HEAD_KINDS or (plus and extra != "tokens") or (extra and kind == "thermometer"):
+    if kind not in HEAD_KINDS or (plus and extra != "tokens") or (extra and kind in UNTOKENED):
         raise ATSError(f"{field}: unknown spec {spec!r} (one of {', '.join(HEAD_KINDS)}, an ATS head optionally "
                        "with '+tokens')")
     return kind, bool(extra)
@@ -53,7 +54,16 @@ def train_spec(backbone, sets: list[AnswerSet], pool: AnswerPool, *, kind: str, 
     """A fresh calibrator of `kind` trained on the answers of `sets` through the one loop (`train_on_answers`) with
     `training` (its answer loss; with `tokens`, plus `pool.token_weight` x the top-label term on `token_store`'s
     instruction tokens, with the pool's window and subset): the one training call of `ats train --on answers` and of
-    the answers protocol."""
+    the answers protocol. A probe is fitted, not trained by the loop (`ats.training.probe_fit`), and records
+    `training`'s answer record for reuse; `sets` may then be a dict (task -> set), so that it leaves tasks out."""
+    if kind == "probe":
+        from ..training.probe_fit import fit_probe
+
+        named = sets if isinstance(sets, dict) else {a.name: a for a in sets}
+        info = {"hidden_size": backbone.hidden_size, "base_model": backbone.name, "revision": backbone.revision}
+        probe = fit_probe(named, backbone.logits, info, progress=progress)
+        probe.config_.training = answer_head_record(training, pool, False, tasks=[a.name for a in named.values()])
+        return probe
     calibrator = fresh_head(backbone, kind, training.seed, method, max_scale=max_scale,
                             lr=training.learning_rate(0), epochs=training.epochs, batch_size=training.batch_size)
     train_on_answers(calibrator, sets, backbone.logits, config=training, token_store=token_store if tokens else None,
@@ -83,7 +93,7 @@ def reusable_answer_head(head_dir: Path, record: dict, *, head_type: str, max_sc
     path = head_dir / CONFIG_NAME
     if not path.is_file():
         return False
-    want = answer_head_fingerprint(head_type, None if head_type == "thermometer" else max_scale, record)
+    want = answer_head_fingerprint(head_type, None if head_type in UNTOKENED else max_scale, record)
     return check_reuse(head_dir, "head", stored_answer_head_fingerprint(read_json(path), record), want,
                        overwrite=overwrite)
 
@@ -155,7 +165,8 @@ def train_answer_head(backbone, out: str | Path, *, spec: str, training: Trainin
     if tokens:
         token_store = FeatureStore(Path(token_features) / "train")
         token_store.check_backbone(backbone)
-    calibrator = train_spec(backbone, list(sets.values()), pool, kind=kind, tokens=tokens, training=training,
+    calibrator = train_spec(backbone, sets if kind == "probe" else list(sets.values()), pool, kind=kind,
+                            tokens=tokens, training=training,
                             method=f"{kind}-answers", max_scale=max_scale, token_store=token_store, progress=progress)
     calibrator.save_pretrained(head_dir)
     return calibrator, sets, False

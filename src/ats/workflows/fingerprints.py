@@ -151,8 +151,9 @@ def stored_answer_head_fingerprint(config: dict, keys) -> dict:
     """`answer_head_fingerprint` of a saved calibrator, from its calibrator_config.json (read before any model loads):
     an ATS head's training record is its config's `training`, Thermometer's its history's first entry; only the
     record's `keys` (those a rerun asks for) are compared."""
-    thermometer = config.get("type") == "thermometer"
+    kind = config.get("type")
+    thermometer = kind == "thermometer"
     training = ((config.get("history") or [{}])[0] if thermometer else config.get("training")) or {}
-    head = "thermometer" if thermometer else (config.get("head") or {}).get("head_type")
-    return answer_head_fingerprint(head, None if thermometer else config.get("max_scale"),
+    head = kind if kind in ("thermometer", "probe") else (config.get("head") or {}).get("head_type")
+    return answer_head_fingerprint(head, None if head in ("thermometer", "probe") else config.get("max_scale"),
                                    {k: training.get(k) for k in keys})
