@@ -62,8 +62,9 @@ def add_parser(sub) -> None:
                    help="what learns from the answers: 'thermometer' (one temperature per question, read from the "
                         "prompt; the default), 'probe' (a correctness probe on several layers' hidden states at the "
                         "answer, beside one temperature for tokens), an ATS head type (transformer, linear, mlp, "
-                        "constant; --head X is the same as --method X), or a head with '+tokens' (plus the top-label loss on instruction "
-                        "tokens, so token calibration does not collapse; needs --token-features)")
+                        "constant; --head X is the same as --method X), or a head with '+tokens' (plus the "
+                        "top-label loss on instruction tokens, so token calibration does not collapse; needs "
+                        "--token-features)")
     g.add_argument("--token-features", default=None, metavar="DIR",
                    help="an `ats train --on instructions` features folder of the same model (its train/ split feeds "
                         "the '+tokens' term)")
