@@ -5,12 +5,19 @@ that evaluation (the tasks' scoring), training (answer-level losses, differentia
 - Multiple choice: the softmax over the choices' scores, at its argmax (`softmax_confidence`).
 - Free-form: the mean of the answer tokens' probabilities (`mean_token_confidence`).
 
-Both work on torch tensors (differentiable); `mean_token_confidence` also on numpy arrays.
+Both work on torch tensors (differentiable); `mean_token_confidence` also on numpy arrays. `ANSWER_MAX_TOKENS` is
+the default length of a generated answer (`ats generate`, and the answers `ats certify` certifies), whose mean
+token confidence it bounds. The module imports nothing heavy, so the command line can read that default at once.
 """
 
 from __future__ import annotations
 
-from torch import Tensor
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+ANSWER_MAX_TOKENS = 64  # new tokens at most of `ats generate` and of the answers `ats certify` certifies
 
 
 def softmax_confidence(scores: Tensor) -> tuple[Tensor, Tensor]:
