@@ -207,11 +207,11 @@ def test_certificate_refuses_another_calibrator_or_backbone_in_one_line(tmp_path
     assert cert.threshold == CERT
     cert.check(backbone=BACKBONE, calibrator="c0ffee")
     cert.check(backbone={"base_model": "tiny"}, calibrator="c0ffee")  # only the keys given are compared
-    path = tmp_path / THRESHOLD_NAME
-    with pytest.raises(ATSError, match=rf"^{re.escape(str(path))}: field served.calibrator is 'c0ffee' but the calibrator in use has "
+    path = re.escape(str(tmp_path / THRESHOLD_NAME))
+    with pytest.raises(ATSError, match=rf"^{path}: field served.calibrator is 'c0ffee' but the calibrator in use has "
                                        r"digest 'beef'.*re-run ats certify$"):
         cert.check(backbone=BACKBONE, calibrator="beef")
-    with pytest.raises(ATSError, match=rf"^{re.escape(str(path))}: field served.calibrator is 'c0ffee' .* has digest None"):
+    with pytest.raises(ATSError, match=rf"^{path}: field served.calibrator is 'c0ffee' .* has digest None"):
         cert.check(backbone=BACKBONE, calibrator=None)
     with pytest.raises(ATSError, match=r"field served.backbone.revision is 'local' but the backbone in use has 'v2'"):
         cert.check(backbone={**BACKBONE, "revision": "v2"}, calibrator="c0ffee")
@@ -226,7 +226,7 @@ def test_certificate_refuses_another_calibrator_or_backbone_in_one_line(tmp_path
 def test_a_threshold_file_from_before_certificates_is_refused_with_the_way_out(tmp_path):
     old = {("alpha" if k == "target_risk" else k): v for k, v in CERT.to_dict().items()}
     write_json(tmp_path / THRESHOLD_NAME, {"threshold": old, "tasks": {}, "fingerprint": {}})
-    with pytest.raises(ATSError, match=rf"^{re.escape(str(tmp_path / THRESHOLD_NAME))}: missing key 'served' .*re-run ats certify "
-                                       r"--overwrite$"):
+    path = re.escape(str(tmp_path / THRESHOLD_NAME))
+    with pytest.raises(ATSError, match=rf"^{path}: missing key 'served' .*re-run ats certify --overwrite$"):
         read_certificate(tmp_path)
     assert read_certificate(tmp_path / "nowhere") is None
