@@ -1,6 +1,9 @@
 """The answer pool that `ats train --on answers` learns from: its tasks (only what ../shared/data/README.md allows
 for training; TriviaQA questions disjoint from every reported one) and their sizes (`AnswerPool`); each task's
-answers are cached by `pipeline.prepare_answers`."""
+answers are cached by `pipeline.prepare_answers`. The pool also says which free-form questions it uses
+(`QuestionRange`: positions of a seeded permutation), reads them back from a trained calibrator's record (whose
+`training.questions` lists each set's task) and derives from them the certification sets of `ats certify`, which
+start after them and may not overlap them."""
 from __future__ import annotations
 
 import logging
@@ -63,8 +66,9 @@ def free_form_tasks(size: int | None, offsets: dict[str, int] = FREE_FORM_FIRST)
 
 def held_out_tasks(pool: AnswerPool, size: int, *, names: tuple[str, ...] = FREE_FORM) -> dict:
     """name -> task of `size` questions of each pool task in `names` that the pool of `pool`'s sizes does not hold:
-    labelled answers a calibrator trained on that pool never saw (the certification split of `ats certify`). The
-    free-form tasks are the default, because served answers are free-form; their names end in "_held_out".
+    labelled answers a calibrator trained on that pool never saw, every pool task included (the held-out split of
+    benchmarks/selective.py; `ats certify` derives its own from the calibrator's record: `certification_tasks`).
+    Their names end in "_held_out".
 
     Raises:
         ATSError: if a name is not a pool task.
