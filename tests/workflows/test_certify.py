@@ -137,8 +137,9 @@ def test_certify_saves_the_threshold_of_the_served_answers_and_reuses_it(tiny_ba
     assert done.smallest_risk == smallest_certifiable_risk(np.concatenate(conf), np.concatenate(ok), 0.2)
     record = json.loads((tmp_path / "head" / THRESHOLD_NAME).read_text())
     assert {k: t["n"] for k, t in record["tasks"].items()} == {"nq_open_held_out": 7, "triviaqa_pool_held_out": 7}
-    assert [(s["name"], s["n"], s.get("offset", 0)) for s in record["sets"]] == [("nq_open_held_out", 7, 0),
-                                                                                 ("triviaqa_pool_held_out", 7, 1000)]
+    assert record["sets"] == [
+        {"name": "nq_open_held_out", "data": "nq_open", "seed": 0, "start": 5, "stop": 12, "n": 7},
+        {"name": "triviaqa_pool_held_out", "data": "triviaqa_pool", "seed": 0, "start": 1005, "stop": 1012, "n": 7}]
     served = record["served"]
     assert served["calibrator"] == calibrator.digest() and served["backbone"] == backbone_identity(tiny_backbone)
     assert served["format"] == answer_format(tiny_backbone, 5) and served["format"]["chat_template"] is True
@@ -261,11 +262,11 @@ def test_train_on_a_pool_of_4_then_certify_with_defaults_leaves_the_trained_ques
                  "--max-tokens", "3"]) == 0
     capsys.readouterr()
     sets = {s["name"]: s for s in json.loads((out / "head" / THRESHOLD_NAME).read_text())["sets"]}
-    assert (sets["nq_open_held_out"]["offset"], sets["nq_open_held_out"]["n"]) == (4, 3)
-    assert (sets["triviaqa_pool_held_out"]["offset"], sets["triviaqa_pool_held_out"]["n"]) == (1004, 15)
+    assert (sets["nq_open_held_out"]["start"], sets["nq_open_held_out"]["n"]) == (9, 3)  # positions 9-11
+    assert (sets["triviaqa_pool_held_out"]["start"], sets["triviaqa_pool_held_out"]["n"]) == (1009, 15)
     for name in ("nq_open", "triviaqa_pool"):  # the questions themselves: none trained on, all the rest taken
         seen = {r["question"] for r in free_form_tasks(4)[name].load()[1]}
-        task = free_form_tasks(None, {name: sets[f"{name}_held_out"]["offset"]})[name]
+        task = free_form_tasks(None, {name: sets[f"{name}_held_out"]["start"] - 5})[name]
         certified = [r["question"] for r in task.load()[1]]
         everything = free_form_tasks(None, {name: FREE_FORM_FIRST[name]})[name].load()[1]
         assert not seen & set(certified) and len(seen) + len(certified) == len(everything)

@@ -51,7 +51,7 @@ from ..evaluation.threshold import (
 )
 from ..fingerprint import check_reuse, make_fingerprint
 from ..io import read_json, write_json
-from .answer_pool import FREE_FORM, certification_tasks, saved_training_record, trained_ranges
+from .answer_pool import FREE_FORM, certification_tasks, saved_training_record, task_range, trained_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,8 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
                        f"({tasks[empty[0]].describe()})")
     served = {"format": answer_format(backbone, max_tokens), "backbone": backbone_identity(backbone),
               "calibrator": None if calibrator is None else calibrator.digest()}
-    sets = [{**task.describe(), "name": f"{name}_held_out", "n": len(questions[name])} for name, task in tasks.items()]
+    sets = [{"name": f"{name}_held_out", **task_range(task.describe()).describe(), "n": len(questions[name])}
+            for name, task in tasks.items()]  # positions of the data's seeded permutation (`answer_pool`)
     fingerprint = make_fingerprint("threshold", served=served, target_risk=target_risk, delta=delta, sets=sets)
     path = folder / THRESHOLD_NAME
     if path.is_file():
