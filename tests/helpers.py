@@ -300,3 +300,17 @@ PROSE = ("The capital of France is Paris, and Rome is the capital of Italy.",
          "What is 2 + 2? Answer with one number.", "Calibration is about knowing what you know.",
          "Question: what is the answer? Answer: the answer is yes, no, true or false.",
          "Pick a color, pick a word, pick a letter or pick a thing.")
+
+
+def write_certificate(folder: Path, threshold, calibrator, backbone) -> Path:
+    """`threshold` (a CertifiedThreshold) saved in `folder` as `ats certify` saves it, with what it certifies: the
+    served format, `calibrator`'s digest (None: none) and `backbone`'s identity; returns the file."""
+    from ats.evaluation.served import answer_format
+    from ats.evaluation.threshold import THRESHOLD_NAME, backbone_identity
+    from ats.io import write_json
+
+    served = {"format": answer_format(backbone), "backbone": backbone_identity(backbone),
+              "calibrator": None if calibrator is None else calibrator.digest()}
+    path = Path(folder) / THRESHOLD_NAME
+    write_json(path, {"threshold": threshold.to_dict(), "served": served, "sets": [], "tasks": {}, "fingerprint": {}})
+    return path

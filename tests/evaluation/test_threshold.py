@@ -6,13 +6,25 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
 from scipy.stats import beta, binom, binomtest
 
 from ats.errors import ATSError
-from ats.evaluation.threshold import CertifiedThreshold, certify_threshold, clopper_pearson_upper
+from ats.evaluation.threshold import (
+    THRESHOLD_NAME,
+    CertifiedThreshold,
+    abstention_floor,
+    certify_threshold,
+    clopper_pearson_upper,
+    min_certifiable_answers,
+    read_certificate,
+    smallest_certifiable_risk,
+    unreachable,
+)
+from ats.io import write_json
 
 
 @pytest.mark.parametrize("delta", [0.05, 0.1, 0.3])
@@ -37,14 +49,14 @@ def test_all_right_needs_enough_answers_and_all_wrong_abstains():
     # n = 21 gives 0.1038, so nothing is certified.
     assert 1 - 0.1 ** (1 / 22) < 0.1 < 1 - 0.1 ** (1 / 21)
     conf = np.linspace(0.5, 0.9, 22)
-    cert = certify_threshold(conf, np.ones(22), alpha=0.1, delta=0.1)
+    cert = certify_threshold(conf, np.ones(22), target_risk=0.1, delta=0.1)
     assert cert.threshold == 0.5 and cert.coverage == 1.0 and cert.risk == 0.0 and cert.n == 22
     assert cert.bound == pytest.approx(1 - 0.1 ** (1 / 22))
-    none = certify_threshold(conf[1:], np.ones(21), alpha=0.1, delta=0.1)
-    assert none == CertifiedThreshold(threshold=None, alpha=0.1, delta=0.1, n=21, coverage=0.0, risk=None,
+    none = certify_threshold(conf[1:], np.ones(21), target_risk=0.1, delta=0.1)
+    assert none == CertifiedThreshold(threshold=None, target_risk=0.1, delta=0.1, n=21, coverage=0.0, risk=None,
                                       bound=None)
     assert not none.answers([1.0, 0.0]).any()
-    wrong = certify_threshold(np.linspace(0.1, 1.0, 500), np.zeros(500), alpha=0.3, delta=0.1)
+    wrong = certify_threshold(np.linspace(0.1, 1.0, 500), np.zeros(500), target_risk=0.3, delta=0.1)
     assert wrong.threshold is None and wrong.coverage == 0.0
 
 
@@ -54,7 +66,7 @@ def test_the_sequence_stops_at_the_first_failure():
     conf = [0.9] * 40 + [0.8] * 10 + [0.7] * 400
     correct = [1] * 40 + [0] * 10 + [1] * 400
     assert clopper_pearson_upper([10], [50], 0.1)[0] > 0.1 >= clopper_pearson_upper([10], [450], 0.1)[0]
-    cert = certify_threshold(conf, correct, alpha=0.1, delta=0.1)
+    cert = certify_threshold(conf, correct, target_risk=0.1, delta=0.1)
     assert cert.threshold == 0.9 and cert.coverage == pytest.approx(40 / 450) and cert.risk == 0.0
     assert cert.bound == pytest.approx(1 - 0.1 ** (1 / 40))
     assert cert.answers(conf).sum() == 40  # the tie group at 0.9 is answered whole, the 0.8 group not at all
@@ -66,26 +78,28 @@ def test_thresholds_too_high_to_certify_are_not_tested_and_ties_go_together():
     # ones: 1 wrong of 32, bound = Beta(0.9; 2, 31) quantile. The tie group at 0.8 (20 answers, 8 wrong) then fails.
     conf = [0.99, 0.98] + [0.9] * 30 + [0.8] * 20 + [0.7] * 300
     correct = [0, 1] + [1] * 30 + [1] * 12 + [0] * 8 + [1] * 300
-    cert = certify_threshold(conf, correct, alpha=0.15, delta=0.1)
+    cert = certify_threshold(conf, correct, target_risk=0.15, delta=0.1)
     assert cert.threshold == 0.9 and cert.risk == pytest.approx(1 / 32)
     assert cert.coverage == pytest.approx(32 / 352) and cert.bound == pytest.approx(beta.ppf(0.9, 2, 31))
     # the 0.8 group is rejected whole (no order among equals), whatever the order of its rows
-    shuffled = certify_threshold(conf[::-1], correct[::-1], alpha=0.15, delta=0.1)
+    shuffled = certify_threshold(conf[::-1], correct[::-1], target_risk=0.15, delta=0.1)
     assert shuffled == cert
 
 
 def test_record_round_trips_through_json_and_is_validated():
-    cert = certify_threshold([0.9] * 40 + [0.5] * 10, [1] * 40 + [0] * 10, alpha=0.1, delta=0.05)
+    cert = certify_threshold([0.9] * 40 + [0.5] * 10, [1] * 40 + [0] * 10, target_risk=0.1, delta=0.05)
     data = json.loads(json.dumps(cert.to_dict()))
     assert CertifiedThreshold.from_dict(data) == cert
-    assert set(data) == {"threshold", "alpha", "delta", "n", "coverage", "risk", "bound"}
+    assert set(data) == {"threshold", "target_risk", "delta", "n", "coverage", "risk", "bound"}
+    old = {("alpha" if k == "target_risk" else k): v for k, v in data.items()}  # written before the rename
+    assert CertifiedThreshold.from_dict(old) == cert and cert.alpha == cert.target_risk == 0.1
     with pytest.raises(ATSError, match="threshold.json: missing key 'bound'"):
         CertifiedThreshold.from_dict({k: v for k, v in data.items() if k != "bound"}, "threshold.json")
     with pytest.raises(ATSError, match="unknown key 'thresold'"):
         CertifiedThreshold.from_dict({**data, "thresold": 0.5})
-    with pytest.raises(ATSError, match=r"alpha: expected a value in \(0.0, 1.0\), got 1.5"):
-        CertifiedThreshold.from_dict({**data, "alpha": 1.5})
-    with pytest.raises(ATSError, match="bound: expected risk <= bound <= alpha"):
+    with pytest.raises(ATSError, match=r"target_risk: expected a value in \(0.0, 1.0\), got 1.5"):
+        CertifiedThreshold.from_dict({**data, "target_risk": 1.5})
+    with pytest.raises(ATSError, match="bound: expected risk <= bound <= target_risk"):
         CertifiedThreshold.from_dict({**data, "bound": 0.2})
     with pytest.raises(ATSError, match="coverage: expected 0 when threshold is null"):
         CertifiedThreshold.from_dict({**data, "threshold": None, "risk": None, "bound": None})
@@ -95,14 +109,15 @@ def test_record_round_trips_through_json_and_is_validated():
         CertifiedThreshold.from_dict({**data, "n": True})
 
 
-@pytest.mark.parametrize("field, kwargs", [("alpha", {"alpha": 0.0, "delta": 0.1}),
-                                           ("delta", {"alpha": 0.1, "delta": 1.0}),
-                                           ("alpha", {"alpha": math.nan, "delta": 0.1})])
+@pytest.mark.parametrize("field, kwargs", [("target_risk", {"target_risk": 0.0, "delta": 0.1}),
+                                           ("delta", {"target_risk": 0.1, "delta": 1.0}),
+                                           ("target_risk", {"target_risk": math.nan, "delta": 0.1}),
+                                           ("target_risk", {"alpha": 1.0, "delta": 0.1})])  # its old name
 def test_bad_targets_are_named(field, kwargs):
     with pytest.raises(ATSError, match=f"{field}: expected"):
         certify_threshold([0.5], [1], **kwargs)
     with pytest.raises(ATSError, match="confidence: value 1.5 outside"):
-        certify_threshold([1.5], [1], alpha=0.1, delta=0.1)
+        certify_threshold([1.5], [1], target_risk=0.1, delta=0.1)
 
 
 def test_realised_risk_exceeds_alpha_in_about_delta_of_calibration_sets():
@@ -127,7 +142,7 @@ def test_realised_risk_exceeds_alpha_in_about_delta_of_calibration_sets():
     for _ in range(200):
         idx = rng.choice(40, size=n, p=weight)
         conf, correct = values[idx], rng.uniform(size=n) >= p_wrong[idx]
-        cert = certify_threshold(conf, correct, alpha=alpha, delta=delta)
+        cert = certify_threshold(conf, correct, target_risk=alpha, delta=delta)
         if cert.threshold is not None:
             certified += 1
             coverage.append(cert.coverage)
@@ -138,3 +153,80 @@ def test_realised_risk_exceeds_alpha_in_about_delta_of_calibration_sets():
     assert exceeded <= binom.ppf(0.999, 200, delta) == 34
     assert naive_exceeded >= 70  # the same test catches a threshold that is not certified
     assert certified >= 180 and np.mean(coverage) > 0.4  # and is not passed by abstaining
+
+
+@pytest.mark.parametrize("target, delta, n", [(0.1, 0.1, 22), (0.05, 0.05, 59), (0.2, 0.1, 11), (0.01, 0.1, 230)])
+def test_min_certifiable_answers_is_the_first_zero_error_bound_at_or_below_the_target(target, delta, n):
+    # n >= ln(delta) / ln(1 - target): 21.85 -> 22, 58.40 -> 59, 10.32 -> 11, 229.1 -> 230; scipy's Beta quantile
+    # (the Clopper-Pearson bound with 0 errors) crosses the target between n - 1 and n
+    assert min_certifiable_answers(target, delta) == n == math.ceil(math.log(delta) / math.log(1 - target))
+    assert beta.ppf(1 - delta, 1, n) <= target < beta.ppf(1 - delta, 1, n - 1)
+
+
+def test_abstention_floor_and_unreachable_targets_by_hand():
+    assert abstention_floor(0.4, 0.1) == pytest.approx(1 / 3)  # (0.4 - 0.1) / 0.9
+    assert abstention_floor(0.05, 0.1) == 0.0 and abstention_floor(1.0, 0.1) == 1.0
+    # 100 questions, 40% wrong, target 0.1: at most 100 x 2/3 = 66.7 answered >= 22, so it may be reachable
+    assert unreachable(0.4, 100, 0.1, 0.1) is None
+    # 30 questions: at most 20 answered < 22; ceil(22 / (2/3)) = 33 questions would do
+    why = unreachable(0.4, 30, 0.1, 0.1)
+    assert "33.3% must be abstained from" in why and "at most 20 answered" in why and "needs 22" in why
+    assert "at least 33 questions" in why
+    assert "no size will do" in unreachable(1.0, 1000, 0.1, 0.1)
+    assert unreachable(0.0, 22, 0.1, 0.1) is None and unreachable(0.0, 21, 0.1, 0.1) is not None
+
+
+def test_smallest_certifiable_risk_by_hand_and_by_search():
+    # 40 right at 0.9 then 10 wrong at 0.5: the bound of the 40 (0 errors) is 1 - 0.1^(1/40) = 0.0559; a lower
+    # target needs more than 40 answers without error, which these answers do not have
+    conf, correct = [0.9] * 40 + [0.5] * 10, [1] * 40 + [0] * 10
+    best = smallest_certifiable_risk(conf, correct, 0.1)
+    assert best == pytest.approx(1 - 0.1 ** (1 / 40))
+    assert certify_threshold(conf, correct, target_risk=best, delta=0.1).threshold == 0.9
+    assert certify_threshold(conf, correct, target_risk=best * (1 - 1e-9), delta=0.1).threshold is None
+    # random answers: no target on a fine grid below the result passes, the result does
+    rng = np.random.default_rng(1)
+    conf = rng.uniform(size=300)
+    correct = rng.uniform(size=300) < conf
+    best = smallest_certifiable_risk(conf, correct, 0.2)
+    assert certify_threshold(conf, correct, target_risk=best, delta=0.2).threshold is not None
+    grid = np.linspace(1e-4, best, 400, endpoint=False)
+    assert all(certify_threshold(conf, correct, target_risk=a, delta=0.2).threshold is None for a in grid)
+    assert smallest_certifiable_risk([0.5] * 5, [1] * 5, 0.1) == pytest.approx(1 - 0.1 ** (1 / 5))
+    assert smallest_certifiable_risk([0.5] * 5, [0] * 5, 0.1) is None  # all wrong: nothing below 1
+
+
+CERT = CertifiedThreshold(threshold=0.6, target_risk=0.2, delta=0.1, n=400, coverage=0.5, risk=0.12, bound=0.18)
+BACKBONE = {"base_model": "tiny", "revision": "local", "hidden_size": 64, "vocab_size": 1024, "chat_template": "ab"}
+
+
+def test_certificate_refuses_another_calibrator_or_backbone_in_one_line(tmp_path):
+    served = {"format": {"max_tokens": 64, "chat_template": True}, "calibrator": "c0ffee", "backbone": BACKBONE}
+    write_json(tmp_path / THRESHOLD_NAME, {"threshold": CERT.to_dict(), "served": served, "sets": [], "tasks": {}})
+    cert = read_certificate(tmp_path)
+    assert cert.threshold == CERT
+    cert.check(backbone=BACKBONE, calibrator="c0ffee")
+    cert.check(backbone={"base_model": "tiny"}, calibrator="c0ffee")  # only the keys given are compared
+    path = re.escape(str(tmp_path / THRESHOLD_NAME))
+    with pytest.raises(ATSError, match=rf"^{path}: field served.calibrator is 'c0ffee' but the calibrator in use has "
+                                       r"digest 'beef'.*re-run ats certify$"):
+        cert.check(backbone=BACKBONE, calibrator="beef")
+    with pytest.raises(ATSError, match=rf"^{path}: field served.calibrator is 'c0ffee' .* has digest None"):
+        cert.check(backbone=BACKBONE, calibrator=None)
+    with pytest.raises(ATSError, match=r"field served.backbone.revision is 'local' but the backbone in use has 'v2'"):
+        cert.check(backbone={**BACKBONE, "revision": "v2"}, calibrator="c0ffee")
+    with pytest.raises(ATSError, match=r"field served.backbone.chat_template is 'ab' .* has None"):
+        cert.check(backbone={**BACKBONE, "chat_template": None}, calibrator="c0ffee")
+    assert cert.outside(max_tokens=64, chat_template=True) is None
+    assert "at most 64 new tokens" in cert.outside(max_tokens=128, chat_template=True)
+    assert "through the chat template" in cert.outside(max_tokens=64, chat_template=False)
+    assert "sampled" in cert.outside(max_tokens=64, chat_template=True, sampled=True)
+
+
+def test_a_threshold_file_from_before_certificates_is_refused_with_the_way_out(tmp_path):
+    old = {("alpha" if k == "target_risk" else k): v for k, v in CERT.to_dict().items()}
+    write_json(tmp_path / THRESHOLD_NAME, {"threshold": old, "tasks": {}, "fingerprint": {}})
+    path = re.escape(str(tmp_path / THRESHOLD_NAME))
+    with pytest.raises(ATSError, match=rf"^{path}: missing key 'served' .*re-run ats certify --overwrite$"):
+        read_certificate(tmp_path)
+    assert read_certificate(tmp_path / "nowhere") is None

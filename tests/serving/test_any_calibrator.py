@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ats.calibrators import load_calibrator
+from ats.confidence import mean_token_confidence
 from ats.evaluation.tasks.scoring import gather_logits
 from ats.generation import eos_ids, generate_calibrated
-from ats.training.answers import mean_token_confidence
 
 from server_process import MODEL_NAME
 from serving_reference import chat_ids

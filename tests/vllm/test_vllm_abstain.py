@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -15,24 +16,27 @@ from ats.evaluation.threshold import THRESHOLD_NAME, CertifiedThreshold
 from ats.integrations.vllm import CALIBRATOR_FOLDER
 from ats.integrations.vllm.abstain import AnswerDecider
 from ats.integrations.vllm.export import export_for_vllm
-from ats.io import write_json
 
-CERTIFIED = CertifiedThreshold(threshold=0.6, alpha=0.2, delta=0.1, n=400, coverage=0.5, risk=0.12, bound=0.18)
+from helpers import write_certificate
+
+CERTIFIED = CertifiedThreshold(threshold=0.6, target_risk=0.2, delta=0.1, n=400, coverage=0.5, risk=0.12, bound=0.18)
 
 
-def saved_with_threshold(folder, threshold: CertifiedThreshold | None = CERTIFIED):
-    """A temperature-scaling calibrator saved in `folder`, with `threshold` written as `ats certify` writes it."""
+def saved_with_threshold(folder, backbone, threshold: CertifiedThreshold | None = CERTIFIED, *,
+                         temperature: float = 1.3):
+    """A temperature-scaling calibrator saved in `folder`, with `threshold` written as `ats certify` writes it for
+    that calibrator and `backbone`."""
     cal = build_calibrator("temperature")
-    cal.temperature = 1.3
+    cal.temperature = temperature
     cal.save_pretrained(folder)
     if threshold is not None:
-        write_json(folder / THRESHOLD_NAME, {"threshold": threshold.to_dict(), "tasks": {}, "fingerprint": {}})
+        write_certificate(folder, threshold, cal, backbone)
     return folder
 
 
 def test_export_carries_the_threshold_and_refuses_a_changed_one(tiny_models, tmp_path):
     folder, backbone = tiny_models["llama"]
-    cal = saved_with_threshold(tmp_path / "cal")
+    cal = saved_with_threshold(tmp_path / "cal", backbone)
     out = export_for_vllm(str(folder), str(cal), tmp_path / "out")
     assert json.loads((out / CALIBRATOR_FOLDER / THRESHOLD_NAME).read_text()) == \
         json.loads((cal / THRESHOLD_NAME).read_text())
@@ -41,8 +45,8 @@ def test_export_carries_the_threshold_and_refuses_a_changed_one(tiny_models, tmp
     eos = backbone.tokenizer.eos_token_id
     assert {f"token_id:{eos}", backbone.tokenizer.eos_token} <= decider.end_tokens
 
-    other = CertifiedThreshold(threshold=0.7, alpha=0.1, delta=0.1, n=400, coverage=0.3, risk=0.05, bound=0.09)
-    saved_with_threshold(tmp_path / "cal", other)
+    other = CertifiedThreshold(threshold=0.7, target_risk=0.1, delta=0.1, n=400, coverage=0.3, risk=0.05, bound=0.09)
+    saved_with_threshold(tmp_path / "cal", backbone, other)
     with pytest.raises(ATSError, match="vLLM export"):
         export_for_vllm(str(folder), str(cal), tmp_path / "out")
     export_for_vllm(str(folder), str(cal), tmp_path / "out", overwrite=True)
@@ -50,16 +54,31 @@ def test_export_carries_the_threshold_and_refuses_a_changed_one(tiny_models, tmp
 
 
 def test_export_without_a_threshold_decides_nothing(tiny_models, tmp_path):
-    folder, _ = tiny_models["llama"]
-    out = export_for_vllm(str(folder), str(saved_with_threshold(tmp_path / "cal", None)), tmp_path / "out")
+    folder, backbone = tiny_models["llama"]
+    out = export_for_vllm(str(folder), str(saved_with_threshold(tmp_path / "cal", backbone, None)), tmp_path / "out")
     assert not (out / CALIBRATOR_FOLDER / THRESHOLD_NAME).exists()
     choice = {"finish_reason": "length", "logprobs": {"content": [{"token": "a", "logprob": -0.2}]}}
     assert AnswerDecider.from_export(out).decide(choice) == {"answer_confidence": pytest.approx(math.exp(-0.2))}
 
 
+def test_export_and_decider_refuse_a_threshold_certified_for_another_calibrator(tiny_models, tmp_path):
+    folder, backbone = tiny_models["llama"]
+    cal = saved_with_threshold(tmp_path / "cal", backbone)
+    write_certificate(cal, CERTIFIED, None, backbone)  # certified for the uncalibrated model
+    with pytest.raises(ATSError, match=rf"{THRESHOLD_NAME}: field served.calibrator is None but the calibrator in use "
+                                       r"has digest '[0-9a-f]{16}'"):
+        export_for_vllm(str(folder), str(cal), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    out = export_for_vllm(str(folder), str(saved_with_threshold(tmp_path / "cal", backbone)), tmp_path / "out")
+    other = saved_with_threshold(tmp_path / "other", backbone, temperature=2.0)  # certified for another temperature
+    shutil.copyfile(other / THRESHOLD_NAME, out / CALIBRATOR_FOLDER / THRESHOLD_NAME)
+    with pytest.raises(ATSError, match="field served.calibrator is '[0-9a-f]{16}' but the calibrator in use"):
+        AnswerDecider.from_export(out)
+
+
 def test_export_refuses_a_threshold_that_does_not_parse(tiny_models, tmp_path):
-    folder, _ = tiny_models["llama"]
-    cal = saved_with_threshold(tmp_path / "cal")
+    folder, backbone = tiny_models["llama"]
+    cal = saved_with_threshold(tmp_path / "cal", backbone)
     (cal / THRESHOLD_NAME).write_text(json.dumps({"tasks": {}}))
     with pytest.raises(ATSError, match=f"{THRESHOLD_NAME}: missing key 'threshold'"):
         export_for_vllm(str(folder), str(cal), tmp_path / "out")

@@ -18,13 +18,12 @@ from test_vllm_abstain import CERTIFIED
 
 from ats.calibrators import build_calibrator, load_calibrator
 from ats.cli.main import main
-from ats.evaluation.threshold import THRESHOLD_NAME
 from ats.generation.api import encode_prompts
 from ats.integrations.vllm import CONFIG_KEY
 from ats.integrations.vllm.abstain import AnswerDecider
-from ats.io import write_json
 
 from conftest import calibrators, max_difference, reference
+from helpers import write_certificate
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "serving"))
 from server_process import free_port  # noqa: E402
@@ -65,7 +64,7 @@ def test_serve_engine_vllm_answers_the_openai_client_with_calibrated_logprobs(ti
 
     folder, backbone = tiny_models["llama"]
     head = calibrators(backbone, tmp_path, ["transformer"])["transformer"]
-    write_json(head / THRESHOLD_NAME, {"threshold": CERTIFIED.to_dict(), "tasks": {}, "fingerprint": {}})
+    write_certificate(head, CERTIFIED, load_calibrator(head), backbone)
     port = free_port()
     env = {**os.environ, "ATS_CACHE": str(tmp_path / "cache"), "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}

@@ -1,14 +1,16 @@
 """`ats certify --model M --calibrator DIR --target-risk 0.1 --delta 0.1`: the lowest confidence threshold at which
-the calibrator's answers are wrong at most `--target-risk` of the time, with probability at least 1 - `--delta`,
-certified on labelled answers of the QA pool the calibrator never saw and saved in DIR/threshold.json, where `ats
-serve` and `ats generate` read it (docs/method.md, "A certified answer-or-abstain threshold")."""
+the calibrator's served answers are wrong at most `--target-risk` of the time, with probability at least 1 -
+`--delta`, certified on free-form questions of the QA pool the calibrator never trained on, answered as `ats serve`
+answers them, and saved in DIR/threshold.json, where `ats serve`, `ats generate` and the vLLM route read and check it
+(docs/method.md, "A certified answer-or-abstain threshold")."""
 
 from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
 
-from ..checks import check_nonnegative_int, check_number, check_positive_int
+from ..checks import check_number, check_positive_int
+from ..confidence import ANSWER_MAX_TOKENS
 from . import options
 
 UNIT = partial(check_number, low=0, high=1, low_open=True, high_open=True)
@@ -16,15 +18,16 @@ UNIT = partial(check_number, low=0, high=1, low_open=True, high_open=True)
 
 def add_parser(sub) -> None:
     """Add `ats certify` to `sub`, the sub-command parsers of `ats`."""
-    from ..workflows.answer_pool import FREE_FORM, AnswerPool, pool_names
+    from ..workflows.answer_pool import FREE_FORM
 
-    pool = AnswerPool()
     p = sub.add_parser("certify", help="certify an answer-or-abstain threshold of a calibrator on held-out answers",
-                       description="Run the backbone on questions of the QA pool that `ats train --on answers` does "
-                                   "not train on, and save in the calibrator's folder (threshold.json) the lowest "
-                                   "confidence threshold whose error rate among answered questions is at most "
-                                   "--target-risk with probability >= 1 - --delta (Clopper-Pearson bounds, "
-                                   "fixed-sequence testing). The guarantee holds for questions like those.")
+                       description="Answer free-form questions of the QA pool that the calibrator never trained on "
+                                   "(its training record says which) as `ats serve` answers a chat request, and save "
+                                   "in the calibrator's folder (threshold.json) the lowest confidence threshold whose "
+                                   "error rate among answered questions is at most --target-risk with probability "
+                                   ">= 1 - --delta (Clopper-Pearson bounds, fixed-sequence testing). The guarantee "
+                                   "holds for questions drawn like those, asked alone and answered in that format, by "
+                                   "this calibrator and backbone.")
     options.add_model(p)
     p.add_argument("--calibrator", required=True, help="a saved calibrator folder (the threshold is saved in it)")
     options.add_number(p, "--target-risk", float, UNIT, default=0.1,
@@ -32,16 +35,19 @@ def add_parser(sub) -> None:
     options.add_number(p, "--delta", float, UNIT, default=0.1,
                        help="the probability allowed that the true risk is above --target-risk (default: 0.1)")
     options.add_number(p, "--size", int, check_positive_int, default=300,
-                       help="held-out questions per pool task (MMLU validation: per subject; default: 300)")
+                       help="certification questions per task (default: 300)")
     p.add_argument("--tasks", default=",".join(FREE_FORM),
-                   help=f"pool tasks to certify on, comma-separated, of {', '.join(pool_names(1))} (default: the "
-                        "free-form ones, whose confidence is what ats serve reports)")
-    options.add_number(p, "--pool-size", int, check_positive_int, default=pool.pool_size,
-                       help=f"the training pool's questions per task, left out (default: {pool.pool_size}, as ats "
-                            "train)")
-    options.add_number(p, "--mmlu-pool", int, check_nonnegative_int, default=pool.mmlu_per_subject,
-                       help=f"the training pool's MMLU validation questions per subject, left out (default: "
-                            f"{pool.mmlu_per_subject})")
+                   help=f"free-form pool tasks to certify on, comma-separated, of {', '.join(FREE_FORM)} (default: "
+                        "both)")
+    options.add_number(p, "--max-tokens", int, check_positive_int, default=ANSWER_MAX_TOKENS,
+                       help=f"new tokens at most per answer, as a served request's max_tokens (default: "
+                            f"{ANSWER_MAX_TOKENS}, as ats generate)")
+    options.add_number(p, "--prior-error", float, UNIT, default=None,
+                       help="the error rate expected, to say at once whether --target-risk is reachable (default: "
+                            "estimated on the first answers)")
+    options.add_number(p, "--pool-size", int, check_positive_int, default=None,
+                       help="only for a calibrator trained on answers before its record named its questions: the "
+                            "--pool-size it was trained with")
     options.add_overwrite(p)
     p.set_defaults(run=run)
 
@@ -50,6 +56,7 @@ def run(args) -> int:
     """Run `ats certify` with the parsed `args`; returns the exit code."""
     from ..errors import ATSError
     from ..hub import is_repo_id
+    from ..workflows.answer_pool import FREE_FORM
 
     options.check_model(args.model)
     if is_repo_id(args.calibrator) and not Path(args.calibrator).exists():
@@ -57,25 +64,33 @@ def run(args) -> int:
                        f"so make a local copy first (ats convert {args.calibrator} DIR)")
     folder = options.calibrator_folder(args.calibrator)
     names = tuple(options.split_names([args.tasks], ""))
+    unknown = [n for n in names if n not in FREE_FORM]
+    if unknown:
+        raise ATSError(f"--tasks: unknown {', '.join(unknown)}; certified answers are free-form, of "
+                       f"{', '.join(FREE_FORM)}")
 
-    from ..workflows.answer_pool import AnswerPool, held_out_tasks  # the library loads once the options are checked
-
-    pool = AnswerPool(pool_size=args.pool_size, mmlu_per_subject=args.mmlu_pool)
-    held_out_tasks(pool, args.size, names=names)  # unknown task names and data files fail before the model loads
-    from ..workflows.certify import certify
+    from ..workflows.certify import certify  # the library loads once the options are checked
 
     backbone = options.backbone_from_args(args)
     calibrator = options.load_calibrator_folder(folder, backbone)
-    threshold, reused = certify(backbone, calibrator, folder, alpha=args.target_risk, delta=args.delta, pool=pool,
-                                size=args.size, names=names, overwrite=args.overwrite, progress=not args.quiet)
+    done = certify(backbone, calibrator, folder, target_risk=args.target_risk, delta=args.delta, size=args.size,
+                   names=names, max_tokens=args.max_tokens, pool_size=args.pool_size, prior_error=args.prior_error,
+                   overwrite=args.overwrite, progress=not args.quiet)
+    threshold = done.threshold
     where = folder / "threshold.json"
+    if done.early is not None and done.reused:
+        print(done.early)
     if threshold.threshold is None:
-        print(f"no threshold certified: on {threshold.n} held-out answers no confidence level keeps the error rate "
-              f"<= {threshold.alpha:g} with probability >= {1 - threshold.delta:g}; the calibrator abstains always "
-              f"({'reused' if reused else 'saved to'} {where})")
+        print(f"no threshold certified: on {threshold.n} held-out served answers no confidence level keeps the error "
+              f"rate <= {threshold.target_risk:g} with probability >= {1 - threshold.delta:g}; the calibrator "
+              f"abstains always ({'reused' if done.reused else 'saved to'} {where})")
     else:
-        print(f"answer when the confidence is >= {threshold.threshold:.4f}: on {threshold.n} held-out answers it "
-              f"answers {100 * threshold.coverage:.1f}% with error rate {threshold.risk:.3f} (upper "
-              f"{100 * (1 - threshold.delta):g}% bound {threshold.bound:.3f} <= {threshold.alpha:g}); "
-              f"{'reused' if reused else 'saved to'} {where}")
+        print(f"answer when the confidence is >= {threshold.threshold:.4f}: on {threshold.n} held-out served answers "
+              f"it answers {100 * threshold.coverage:.1f}% with error rate {threshold.risk:.3f} (upper "
+              f"{100 * (1 - threshold.delta):g}% bound {threshold.bound:.3f} <= {threshold.target_risk:g}); "
+              f"{'reused' if done.reused else 'saved to'} {where}")
+    smallest = ("no target risk below 1" if done.smallest_risk is None else
+                f"the smallest target risk these answers certify at delta {threshold.delta:g} is "
+                f"{done.smallest_risk:.4f}")
+    print(smallest)
     return 0

@@ -6,6 +6,7 @@ import logging
 from functools import partial
 
 from ..checks import check_number, check_positive_int
+from ..confidence import ANSWER_MAX_TOKENS
 from . import options
 
 logger = logging.getLogger("ats.cli.generate")
@@ -20,7 +21,7 @@ def add_parser(sub) -> None:
                         "vector, binning, isotonic, Thermometer, ...), the paper's released head, a Hub id, or 'none' "
                         "(the model's own probabilities)")
     p.add_argument("prompt", nargs="+")
-    options.add_number(p, "--max-new-tokens", int, check_positive_int, default=64)
+    options.add_number(p, "--max-new-tokens", int, check_positive_int, default=ANSWER_MAX_TOKENS)
     p.add_argument("--do-sample", action="store_true")
     options.add_number(p, "--temperature", float, partial(check_number, low=0, low_open=True), default=1.0)
     options.add_number(p, "--top-k", int, check_positive_int, default=None)
@@ -40,13 +41,19 @@ def run(args) -> int:
 
     import torch  # the library loads once the options are checked
 
-    from ..evaluation.threshold import read_threshold
+    from ..evaluation.threshold import read_certificate
     from ..generation import DecodingCalibration, generate_calibrated, print_stream
 
-    threshold = None if folder is None else read_threshold(folder)  # a bad threshold.json fails before the model
+    certificate = None if folder is None else read_certificate(folder)  # a bad threshold.json fails before the model
 
     backbone = options.backbone_from_args(args)
     calibrator = None if folder is None else options.load_calibrator_folder(folder, backbone)
+    threshold = None if certificate is None else certificate.check_loaded(backbone, calibrator)
+    outside = None if certificate is None else certificate.outside(
+        max_tokens=args.max_new_tokens, chat_template=not args.no_chat_template and backbone.is_chat,
+        sampled=args.do_sample, stops=bool(args.stop))
+    if outside is not None:
+        logger.warning("%s", outside)
     logger.info("%s", DecodingCalibration(calibrator, backbone).describe())
     torch.manual_seed(args.seed)
     outputs = generate_calibrated(backbone, calibrator, [" ".join(args.prompt)], max_new_tokens=args.max_new_tokens,
@@ -60,7 +67,7 @@ def run(args) -> int:
         print(f"answer confidence: {out.answer_confidence:.3f} ({kind}, as ats eval scores answers)")
         if threshold is not None:
             rule = ("no threshold was certified" if threshold.threshold is None else
-                    f"certified threshold {threshold.threshold:.3f}: risk <= {threshold.alpha:g} with probability "
-                    f">= {1 - threshold.delta:g}")
+                    f"certified threshold {threshold.threshold:.3f}: risk <= {threshold.target_risk:g} with "
+                    f"probability >= {1 - threshold.delta:g}")
             print(f"{'answered' if out.answered else 'abstains'} ({rule})")
     return 0

@@ -88,25 +88,26 @@ def run(args) -> int:
     try:
         import uvicorn
 
-        from ..evaluation.threshold import read_threshold
+        from ..evaluation.threshold import read_certificate
         from ..serving import Engine, create_app
     except ImportError as err:
         raise ATSError(f"ats serve needs the serve extra ({err.name} is missing): pip install 'ats[serve]'") from None
     _check_port_free(args.host, args.port)
-    threshold = None if folder is None else read_threshold(folder)  # a bad threshold.json fails before the model
+    certificate = None if folder is None else read_certificate(folder)  # a bad threshold.json fails before the model
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
     backbone = options.backbone_from_args(args)
     calibrator = None if folder is None else options.load_calibrator_folder(folder, backbone)
+    threshold = None if certificate is None else certificate.check_loaded(backbone, calibrator)
     engine = Engine(backbone, calibrator, max_batch=args.max_batch, max_queue=args.max_queue,
                     max_model_len=args.max_model_len)
     logger.info("%s", engine.calibration.describe())
     name = args.served_model_name or args.model
     if threshold is not None:
         logger.info("answer-or-abstain: answered when the answer confidence is >= %s (certified: risk <= %g with "
-                    "probability >= %g)", threshold.threshold, threshold.alpha, 1 - threshold.delta)
+                    "probability >= %g)", threshold.threshold, threshold.target_risk, 1 - threshold.delta)
     app = create_app(engine, model_name=name, api_key=key, threshold=threshold)
     logger.info("serving %s (%s) on http://%s:%d/v1", name, engine.calibration.label, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")

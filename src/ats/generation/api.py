@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from ..calibrators.base import Calibrator
+from ..confidence import ANSWER_MAX_TOKENS
 from ..errors import ATSError
 from ..model.backbone import Backbone
 from .decoder import Decoder, Row
@@ -147,7 +148,7 @@ def generate_calibrated(
     calibrator: Calibrator | None,
     prompts: str | Sequence[str],
     *,
-    max_new_tokens: int = 64,
+    max_new_tokens: int = ANSWER_MAX_TOKENS,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,

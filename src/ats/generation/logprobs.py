@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..confidence import mean_token_confidence
 from ..model.numerics import logsumexp, token_log_probs
-from ..training.answers import mean_token_confidence
 from .calibration import DecodingCalibration, StepLogits
 
 PROMPT_CHUNK = 256  # prompt positions whose (chunk, V) logits are materialised at once
@@ -120,7 +120,7 @@ def prompt_logprobs(backbone, calibration: DecodingCalibration, hidden: Tensor, 
 
 
 def answer_confidence(tokens: list[TokenLogprob]) -> float | None:
-    """A generated answer's confidence as the evaluation tasks compute it (`training.answers.mean_token_confidence`):
+    """A generated answer's confidence as the evaluation tasks compute it (`ats.confidence.mean_token_confidence`):
     the mean reported confidence of its tokens, the end-of-sequence token left out; None without any. A correctness
     probe's P(correct), carried by the answer's last token once it finished, replaces it.
 

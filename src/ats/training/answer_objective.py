@@ -73,14 +73,17 @@ def cycled_batches(store, seed: int):
 
 
 def answer_record(config: TrainingConfig, *, tasks: list[str], token_weight: float, token_max: int | None,
-                  token_window: int | None, optimizer_steps: int | None = None) -> dict:
+                  token_window: int | None, optimizer_steps: int | None = None,
+                  questions: list[dict] | None = None) -> dict:
     """The training record of a calibrator trained on answers (`training_record` with the data, the tasks and the
-    token term: its subset and window only when it is on): what training keeps (with the optimizer steps) and what a
-    rerun compares before reusing it (without)."""
+    token term: its subset and window only when it is on): what training keeps (with the optimizer steps and, in
+    `questions`, each set's task as it describes itself: sizes, seeds, offsets, what `ats certify` must leave out)
+    and what a rerun compares before reusing it (without)."""
     tokens = {"token_weight": token_weight,
               **({"token_max": token_max, "token_window": token_window} if token_weight > 0 else {})}
+    asked = {} if questions is None else {"questions": questions}
     return training_record(config, lr=config.learning_rate(optimizer_steps or 0), optimizer_steps=optimizer_steps,
-                           data="answers", tasks=list(tasks), **tokens)
+                           data="answers", tasks=list(tasks), **tokens, **asked)
 
 
 class AnswerObjective:
@@ -145,7 +148,8 @@ class AnswerObjective:
     def record(self, lr: float, steps: int) -> dict:
         """`answer_record` of this run."""
         return answer_record(self.config, tasks=[s.name for s in self.sets], token_weight=self.token_weight,
-                             token_max=self.token_max, token_window=self.token_window, optimizer_steps=steps)
+                             token_max=self.token_max, token_window=self.token_window, optimizer_steps=steps,
+                             questions=[s.meta.get("task", {"name": s.name}) for s in self.sets])
 
 
 def train_on_answers(calibrator, sets: list[AnswerSet], logits_fn, *, config: TrainingConfig, token_store=None,

@@ -40,6 +40,7 @@ import torch
 from safetensors.torch import load_file, save
 from torch import Tensor
 
+from ..confidence import mean_token_confidence, softmax_confidence  # noqa: F401 (their home; importable here)
 from ..errors import ATSError
 from ..io import atomic_file, read_json, write_json
 from ..model.layers import ANSWER_VIEWS
@@ -129,28 +130,6 @@ class AnswerSet:
         if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
             raise ATSError(f"{tensors_path}: checksum differs from {meta_path} (a corrupt or partial file)")
         return cls(kind=meta["kind"], tensors=load_file(str(tensors_path)), meta=meta)
-
-
-# --- the tasks' two confidence rules, differentiable -----------------------------------------------------------------
-def softmax_confidence(scores: Tensor) -> tuple[Tensor, Tensor]:
-    """(confidence, prediction) of a multiple-choice answer: the softmax over its choices' scores, at its argmax.
-
-    The one rule of both multiple-choice scorings (letters: the calibrated letter logits; likelihood: the summed
-    calibrated log-likelihoods; `ats.evaluation.tasks.scoring`), and of answer-level training, where it is
-    differentiated.
-
-    Args:
-        scores: (B, n) one row per question; -inf on absent choices (rows with fewer choices).
-
-    Returns:
-        (confidence (B,), prediction (B,) long).
-    """
-    return torch.softmax(scores, dim=-1).max(dim=-1)
-
-
-def mean_token_confidence(p: Tensor, valid: Tensor) -> Tensor:
-    """A free-form answer's confidence: the mean of its token probabilities `p` (..., K) where `valid`."""
-    return (p * valid).sum(-1) / valid.sum(-1)
 
 
 # --- answer confidence as the tasks compute it, differentiable in the scale ------------------------------------------

@@ -1,88 +1,169 @@
-"""A calibrator's certified answer-or-abstain threshold (`ats certify`): made on labelled answers of the QA pool that
-the calibrator never saw (`answer_pool.held_out_tasks`: questions outside the pool `ats train --on answers` trains
-on), saved beside it as `threshold.json`, reused while nothing that made it changed (`fingerprint.check_reuse`), and
-read by `ats serve` and `ats generate`, which then say per answer whether it is given.
+"""A calibrator's certified answer-or-abstain threshold (`ats certify`), certified on answers made as they are served.
 
-The confidence is the one serving reports, `answer_confidence`: the tasks' rule (a free-form answer's mean token
-probability, through a binning map when the calibrator has one; softmax over the choices for multiple-choice tasks),
-so the certified risk is the risk of the served decision on questions exchangeable with the certification ones
-(evaluation/threshold.py).
+What is certified. Free-form questions of the QA pool (NQ-open, TriviaQA beyond every reported subset) that the
+calibrator never trained on are answered exactly as `ats serve` answers a chat request (`evaluation.served`): the
+question alone as one user turn through the backbone's chat template, greedy decoding on the calibrated logits by
+the serving decoder, stopped by an end-of-sequence token or after `max_tokens` new tokens (64 by default, as `ats
+generate`), and the served confidence `answer_confidence`. An answer is correct when a normalised alias of the
+question occurs in it. The threshold then keeps the error rate among answered questions <= the target risk with
+probability >= 1 - delta (`evaluation.threshold`) for questions drawn like this certification mix (NQ-open and
+TriviaQA in equal parts), asked alone in one user turn and answered in that format (greedy, that max tokens), by that
+calibrator (its digest) on that backbone (name, revision, sizes, chat template), with correctness judged by that
+rule. Nothing holds for other questions (another domain, a conversation, a system prompt), sampled or longer
+answers, or another judge: measure the risk there.
+
+Disjoint by construction. A calibrator trained on answers records the tasks it trained on (sizes, seeds, offsets)
+in its training record (`training.questions`); the certification sets start after them (`answer_pool
+.certification_tasks`) and any overlap is refused (`answer_pool.check_disjoint`).
+
+Early word. Before the full run, the first `ESTIMATE` answers (spread over the tasks) estimate the error rate, or
+`prior_error` gives it; when even a perfect ranking could not certify the target risk at this size and delta (the
+abstention floor and the Clopper-Pearson minimum, `threshold.unreachable`) it is said at once. After certifying,
+the smallest target risk that would have passed is reported.
+
+Saved beside the calibrator as `threshold.json` with what it certifies (`served`: format, calibrator digest,
+backbone; `sets`), reused while nothing that made it changed (`fingerprint.check_reuse`), and checked by every
+place that applies it (`Certificate.check`).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
 import numpy as np
 
+from ..calibrators.base import CONFIG_NAME
+from ..confidence import ANSWER_MAX_TOKENS
+from ..errors import ATSError
 from ..evaluation.metrics import summarize
-from ..evaluation.threshold import THRESHOLD_NAME, CertifiedThreshold, certify_threshold
+from ..evaluation.served import ServedAnswers, answer_format, served_answers
+from ..evaluation.tasks.base import chunks, progress_bar
+from ..evaluation.threshold import (
+    THRESHOLD_NAME,
+    CertifiedThreshold,
+    backbone_identity,
+    certify_threshold,
+    smallest_certifiable_risk,
+    unreachable,
+)
 from ..fingerprint import check_reuse, make_fingerprint
 from ..io import read_json, write_json
-from .answer_pool import FREE_FORM, AnswerPool, held_out_tasks
+from .answer_pool import FREE_FORM, certification_tasks, saved_training_record, task_range, trained_ranges
 
 logger = logging.getLogger(__name__)
 
-
-def certification_answers(backbone, calibrator, tasks: dict, *, progress: bool = True) -> dict:
-    """task name -> (confidence (n,), correct (n,)) of `calibrator`'s answers to each task (None: uncalibrated)."""
-    from ..calibrators.base import Uncalibrated
-
-    out = {}
-    for name, task in tasks.items():
-        result = task.run(backbone, {"c": calibrator or Uncalibrated()}, progress=progress)["c"]
-        out[name] = (result.confidence, result.correct)
-    return out
+ESTIMATE = 32  # answers that estimate the error rate before the full run
+BATCH = 16  # questions decoded together
 
 
-def certify(backbone, calibrator, folder: str | Path, *, alpha: float, delta: float, pool: AnswerPool = AnswerPool(),
-            size: int = 300, names: tuple[str, ...] = FREE_FORM, overwrite: bool = False,
-            progress: bool = True) -> tuple[CertifiedThreshold, bool]:
-    """Certify `calibrator`'s threshold on `size` held-out questions of each pool task in `names` and save it in
-    `folder` (threshold.json); reuse the saved one when it was made the same way.
+@dataclass(frozen=True)
+class Certification:
+    """What `certify` made: the threshold, whether it was reused, the early word on reachability (None: nothing
+    to say), and the smallest target risk these answers would have certified (None: none below 1)."""
+
+    threshold: CertifiedThreshold
+    reused: bool
+    early: str | None
+    smallest_risk: float | None
+
+
+def certification_sets(calibrator, size: int, *, names: tuple[str, ...] = FREE_FORM, where: str = "calibrator",
+                       pool_size: int | None = None) -> dict:
+    """name -> task of the certification questions of `calibrator` (None: the uncalibrated model): `size` per
+    free-form pool task in `names`, after what its training record says it trained on (`answer_pool`).
+
+    Raises:
+        ATSError: as `trained_ranges` and `certification_tasks`.
+    """
+    record = {} if calibrator is None else saved_training_record({"type": calibrator.name, **calibrator.config()})
+    return certification_tasks(trained_ranges(record, where=where, pool_size=pool_size), size, names=names)
+
+
+def _interleaved(questions: dict[str, list]) -> list[tuple[str, int]]:
+    """(task, index) of every question, the tasks taken in turn, so any prefix spreads over them."""
+    turns = zip_longest(*[[(name, i) for i in range(len(rows))] for name, rows in questions.items()])
+    return [item for turn in turns for item in turn if item is not None]
+
+
+def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, delta: float, size: int = 300,
+            names: tuple[str, ...] = FREE_FORM, max_tokens: int = ANSWER_MAX_TOKENS, pool_size: int | None = None,
+            prior_error: float | None = None, overwrite: bool = False, progress: bool = True) -> Certification:
+    """Certify `calibrator`'s threshold on `size` held-out questions of each free-form pool task in `names`,
+    answered as served, and save it in `folder` (threshold.json); reuse the saved one when it was made the same way.
 
     Args:
         backbone: the frozen backbone.
         calibrator: the calibrator whose confidence is thresholded (None: the uncalibrated model).
         folder: the calibrator's folder (the threshold is saved beside it).
-        alpha: the target risk.
-        delta: the probability allowed that the risk exceeds alpha.
-        pool: the pool's sizes the calibrator may have trained on (its questions are left out).
-        size: held-out questions per task (MMLU validation: per subject).
-        names: the pool tasks to certify on.
+        target_risk: the highest error rate allowed among answered questions.
+        delta: the probability allowed that the risk exceeds the target.
+        size: certification questions per task.
+        names: the free-form pool tasks to certify on.
+        max_tokens: new tokens at most per answer (the served format's).
+        pool_size: for a calibrator trained on answers before its record named its questions: its pool size.
+        prior_error: the error rate expected, for the early word (None: estimated on the first answers).
         overwrite: replace a threshold made otherwise instead of refusing.
         progress: show progress bars.
 
     Returns:
-        (the threshold, whether it was reused).
+        The `Certification`.
 
     Raises:
-        ATSError: if a saved threshold was made otherwise (without `overwrite`), or the tasks are unknown.
+        ATSError: if a saved threshold was made otherwise (without `overwrite`), the tasks are unknown, the sets
+            would overlap the calibrator's training questions, or a set is empty.
     """
     folder = Path(folder)
-    tasks = held_out_tasks(pool, size, names=names)
-    fingerprint = make_fingerprint("threshold", backbone=backbone.describe(),
-                                   calibrator=None if calibrator is None else calibrator.digest(), alpha=alpha,
-                                   delta=delta, tasks=[task.describe() for task in tasks.values()])
+    tasks = certification_sets(calibrator, size, names=names, where=str(folder / CONFIG_NAME), pool_size=pool_size)
+    questions = {name: task.load()[1] for name, task in tasks.items()}
+    empty = [name for name, rows in questions.items() if not rows]
+    if empty:
+        raise ATSError(f"certification set {empty[0]}: no questions left after what the calibrator trained on "
+                       f"({tasks[empty[0]].describe()})")
+    served = {"format": answer_format(backbone, max_tokens), "backbone": backbone_identity(backbone),
+              "calibrator": None if calibrator is None else calibrator.digest()}
+    sets = [{"name": f"{name}_held_out", **task_range(task.describe()).describe(), "n": len(questions[name])}
+            for name, task in tasks.items()]  # positions of the data's seeded permutation (`answer_pool`)
+    fingerprint = make_fingerprint("threshold", served=served, target_risk=target_risk, delta=delta, sets=sets)
     path = folder / THRESHOLD_NAME
     if path.is_file():
         stored = read_json(path)
         if check_reuse(path, "threshold", stored.get("fingerprint") if isinstance(stored, dict) else None,
                        fingerprint, overwrite=overwrite):
-            return CertifiedThreshold.from_dict(stored["threshold"], where=f"{path}: threshold"), True
-    answers = certification_answers(backbone, calibrator, tasks, progress=progress)
-    confidence = np.concatenate([c for c, _ in answers.values()])
-    correct = np.concatenate([k for _, k in answers.values()])
-    threshold = certify_threshold(confidence, correct, alpha=alpha, delta=delta)
+            reach = stored.get("reachable") or {}
+            return Certification(CertifiedThreshold.from_dict(stored["threshold"], where=f"{path}: threshold"),
+                                 True, reach.get("early"), reach.get("smallest_target_risk"))
+    order = _interleaved(questions)
+    n = len(order)
+    answers = ServedAnswers()
+    early, said = None, False
+    for batch in progress_bar(chunks(order, BATCH), enabled=progress, desc="certification answers"):
+        answers.extend(served_answers(backbone, calibrator, [questions[t][i] for t, i in batch],
+                                      max_tokens=max_tokens, batch_size=BATCH))
+        if not said and (prior_error is not None or len(answers) >= min(ESTIMATE, n)):
+            said = True
+            error = prior_error if prior_error is not None else float(1 - answers.correct.mean())
+            early = unreachable(error, n, target_risk, delta)
+            if early is not None:
+                basis = "given" if prior_error is not None else f"estimated on the first {len(answers)} answers"
+                early = f"{early} (error rate {basis})"
+                logger.warning("%s", early)
+    threshold = certify_threshold(answers.confidence, answers.correct, target_risk=target_risk, delta=delta)
+    smallest = smallest_certifiable_risk(answers.confidence, answers.correct, delta)
     per_task = {}
-    for name, (conf, ok) in answers.items():
+    for name in questions:
+        pick = np.asarray([t == name for t, _ in order])
+        conf, ok = answers.confidence[pick], answers.correct[pick]
         answered = threshold.answers(conf)
-        per_task[name] = {"n": int(conf.size), "accuracy": float(ok.mean()),
-                          "coverage": float(answered.mean()),
-                          "risk": float(1 - ok[answered].mean()) if answered.any() else None,
-                          "ece": summarize(conf, ok)["ece"]}
-    write_json(path, {"threshold": threshold.to_dict(), "tasks": per_task, "fingerprint": fingerprint})
-    logger.info("certified threshold %s on %d held-out answers (alpha %g, delta %g): saved to %s",
-                threshold.threshold, threshold.n, alpha, delta, path)
-    return threshold, False
+        per_task[f"{name}_held_out"] = {
+            "n": int(conf.size), "accuracy": float(ok.mean()), "coverage": float(answered.mean()),
+            "risk": float(1 - ok[answered].mean()) if answered.any() else None, "ece": summarize(conf, ok)["ece"],
+            "cut_by_max_tokens": float(np.mean([f == "length" for f, p in zip(answers.finish, pick) if p]))}
+    reach = {"early": early, "error_rate": float(1 - answers.correct.mean()), "smallest_target_risk": smallest}
+    write_json(path, {"threshold": threshold.to_dict(), "served": served, "sets": sets, "tasks": per_task,
+                      "reachable": reach, "fingerprint": fingerprint})
+    logger.info("certified threshold %s on %d held-out served answers (target risk %g, delta %g): saved to %s",
+                threshold.threshold, threshold.n, target_risk, delta, path)
+    return Certification(threshold, False, early, smallest)

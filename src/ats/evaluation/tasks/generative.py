@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from ...calibrators.base import Calibrator
+from ...confidence import mean_token_confidence
 from ...generation.decoder import Decoder, Row, eos_ids
 from ...generation.sampling import SamplingParams
-from ...training.answers import mean_token_confidence
 from .base import Task, TaskResult, chunks, progress_bar
 from .scoring import PrefixCache, gather_logits
 

@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from ...calibrators.base import Calibrator
+from ...confidence import softmax_confidence
 from ...errors import ATSError
 from ...padding import pad_batch
-from ...training.answers import softmax_confidence
 from .base import TaskResult, chunks, progress_bar
 
 

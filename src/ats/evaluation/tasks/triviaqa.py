@@ -70,6 +70,23 @@ def exact_match(prediction: str, aliases: list[str]) -> bool:
     return bool(pred) and any(pred == normalize_answer(a) for a in aliases)
 
 
+def contains_match(prediction: str, aliases: list[str]) -> bool:
+    """Whether a normalised alias occurs in the normalised prediction as whole words: the judge of a chat answer,
+    which states the answer inside a sentence ("The capital of France is Paris."), where exact match would fail.
+    An empty alias never matches. It accepts an answer that names the right alias among wrong ones; the certified
+    risk is the risk under this judge.
+
+    Args:
+        prediction: the model's answer.
+        aliases: the accepted answers.
+
+    Returns:
+        True on a match.
+    """
+    pred = f" {normalize_answer(prediction)} "
+    return any(alias and f" {alias} " in pred for alias in (normalize_answer(a) for a in aliases))
+
+
 def answer_aliases(row: dict) -> list[str]:
     """The accepted answers of a TriviaQA row: its aliases, normalised aliases and value.
 

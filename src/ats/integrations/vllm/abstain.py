@@ -24,10 +24,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import ATSError
-from ...evaluation.threshold import CertifiedThreshold, read_threshold
+from ...evaluation.threshold import CertifiedThreshold, read_certificate, template_digest
 from ...generation.logprobs import TokenLogprob, answer_confidence
 from . import CALIBRATOR_FOLDER
 from .export import read_export
+
+
+def _checked_threshold(folder: Path, tokenizer) -> CertifiedThreshold | None:
+    """The export's certified threshold, checked against the calibrator and the backbone the export serves (its
+    record's base model and revision, its tokenizer's chat template); None when it carries none.
+
+    Raises:
+        ATSError: naming the file and the field, if it was certified for another calibrator or backbone.
+    """
+    from ...calibrators import load_calibrator
+
+    certificate = read_certificate(folder / CALIBRATOR_FOLDER)
+    if certificate is None:
+        return None
+    record = read_export(folder)
+    calibrator = None if record.get("calibrator") is None else load_calibrator(folder / record["calibrator"])
+    certificate.check(calibrator=None if calibrator is None else calibrator.digest(),
+                      backbone={"base_model": record.get("base_model"), "revision": record.get("revision"),
+                                "chat_template": template_digest(tokenizer)})
+    return certificate.threshold
 
 
 def _field(item, name: str):
@@ -70,7 +90,7 @@ class AnswerDecider:
             ids.add(int(tokenizer.eos_token_id))
         names = {f"token_id:{i}" for i in ids} | set(tokenizer.convert_ids_to_tokens(sorted(ids)))
         names |= {tokenizer.decode([i]) for i in ids}
-        return cls(read_threshold(folder / CALIBRATOR_FOLDER), frozenset(names))
+        return cls(_checked_threshold(folder, tokenizer), frozenset(names))
 
     def confidence(self, tokens: Iterable, finish_reason: str | None) -> float | None:
         """The answer's confidence from its tokens' calibrated log-probabilities.

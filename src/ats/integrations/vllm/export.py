@@ -24,7 +24,7 @@ from pathlib import Path
 from ... import __version__
 from ...calibrators import Calibrator, load_calibrator
 from ...errors import ATSError
-from ...evaluation.threshold import THRESHOLD_NAME, read_threshold
+from ...evaluation.threshold import THRESHOLD_NAME, read_certificate, read_threshold
 from ...fingerprint import check_reuse, make_fingerprint, stored_fingerprint, write_fingerprint
 from ...hub import MODEL_PATTERNS, resolve_folder
 from ...io import atomic_dir, read_json, write_json
@@ -135,6 +135,11 @@ def export_for_vllm(model: str, calibrator: str | Path | Calibrator | None, out:
     folder, facts, config = base_model(model, revision)
     if calibrator is not None:
         calibrator.check_backbone(facts)
+    if threshold is not None:  # certified for this calibrator and backbone, or refused
+        read_certificate(threshold.parent).check(calibrator=None if calibrator is None else calibrator.digest(),
+                                                 backbone={"base_model": facts.name, "revision": facts.revision,
+                                                           "hidden_size": facts.hidden_size,
+                                                           "vocab_size": facts.vocab_size})
     architecture = config["architectures"][0]
     _check_base_architecture(architecture, folder / "config.json")
     record = {"base_architecture": architecture, "base_model": facts.name, "revision": facts.revision,

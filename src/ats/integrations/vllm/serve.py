@@ -82,7 +82,7 @@ def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_n
         logger.info("the calibrator's certified threshold %s (target risk %g) travels with the export; vLLM's "
                     "responses do not carry the answer-or-abstain field: clients decide with "
                     "ats.integrations.vllm.abstain.AnswerDecider.from_export(%r)", threshold.threshold,
-                    threshold.alpha, str(folder))
+                    threshold.target_risk, str(folder))
     env = dict(os.environ, **({"VLLM_API_KEY": api_key} if api_key else {}))
     for handler in logging.getLogger("ats").handlers:
         handler.flush()
