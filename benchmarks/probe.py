@@ -40,7 +40,7 @@ from ats.evaluation.metrics import paired_differences, summarize
 from ats.io import write_json
 from ats.model.backbone import load_backbone
 from ats.training.answers import score_answers
-from ats.training.probe_fit import fit_probe, probe_inputs
+from ats.training.probe_fit import fit_probe
 from ats.workflows.answer_pool import AnswerPool, held_out_tasks, pool_names, pool_tasks
 from ats.workflows.pipeline import prepare_answers
 
@@ -49,15 +49,6 @@ LOGIT_METHODS = METHODS[:-1]
 ALPHAS = (0.2, 0.3, 0.4)
 METRICS = {"auroc": max, "prr": max, "aurc": min, "ece": min, "brier": min}  # the baselines' best case per metric
 RESULTS = Path(__file__).parent / "results" / "probe"
-
-
-def _probe_scorer(probe, logits_fn):
-    index = [probe.selection["recorded_layers"].index(layer) for layer in probe.layers]
-
-    def score(answers) -> tuple[np.ndarray, np.ndarray]:
-        views, conf, correct = probe_inputs(answers, logits_fn)
-        return probe.answer_confidence(views[:, index], conf), correct
-    return score
 
 
 def fit_methods(backbone, train: dict, pool: AnswerPool, heads: Path, paper) -> dict:
@@ -75,7 +66,7 @@ def fit_methods(backbone, train: dict, pool: AnswerPool, heads: Path, paper) -> 
             "thermometer": lambda a: score_answers(thermometer, a, logits),
             "histogram": lambda a: (np.asarray(histogram(a), dtype=np.float64), score_answers(None, a, logits)[1]),
             "ats-paper": lambda a: score_answers(paper, a, logits),
-            "probe": _probe_scorer(probe, logits)}, probe
+            "probe": lambda a: score_answers(probe, a, logits)}, probe
 
 
 def _record(conf: np.ndarray, correct: np.ndarray) -> dict:

@@ -119,7 +119,7 @@ def halvings(conf: np.ndarray, correct: np.ndarray, alpha: float, repeats: int =
     for _ in range(repeats):
         order = rng.permutation(conf.size)
         a, b = order[: conf.size // 2], order[conf.size // 2:]
-        t = certify_threshold(conf[a], correct[a], alpha=alpha, delta=DELTA)
+        t = certify_threshold(conf[a], correct[a], target_risk=alpha, delta=DELTA)
         d = decide(t, conf[b], correct[b])
         coverage.append(d["coverage"])
         if d["risk"] is not None:
@@ -204,7 +204,7 @@ def analyse(scored: dict, *, repeats: int = 200, bootstrap: int = 500, methods: 
             cert_conf, cert_ok = pooled(method, certify_on)
             rows = {}
             for alpha in ALPHAS:
-                threshold = certify_threshold(cert_conf, cert_ok, alpha=alpha, delta=DELTA)
+                threshold = certify_threshold(cert_conf, cert_ok, target_risk=alpha, delta=DELTA)
                 row = {"threshold": threshold.to_dict(), "halvings": halvings(cert_conf, cert_ok, alpha, repeats),
                        "tasks": {}}
                 for name in names:
@@ -212,7 +212,7 @@ def analyse(scored: dict, *, repeats: int = 200, bootstrap: int = 500, methods: 
                     rule = threshold
                     if name in certify_on:  # left out: certified on the other sets of this kind
                         rule = certify_threshold(*pooled(method, [n for n in certify_on if n != name]),
-                                                 alpha=alpha, delta=DELTA)
+                                                 target_risk=alpha, delta=DELTA)
                     d = decide(rule, conf, ok)
                     d["exceeds"] = d["risk"] is not None and d["risk"] > alpha
                     row["tasks"][name] = d

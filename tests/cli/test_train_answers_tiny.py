@@ -85,3 +85,33 @@ def test_thermometer_and_the_token_term_train_on_answers(model_dir, tmp_path, ca
     capsys.readouterr()
     assert main([*args, "--token-weight", "1.0"]) == 2  # another weight: refused, naming it
     assert "made with other options: training.token_weight 0.5 -> 1.0" in one_error(capsys)
+
+
+def test_a_probe_fits_on_answers_and_is_reused_and_answers_refuse_several_processes(model_dir, tmp_path, capsys,
+                                                                                    monkeypatch):
+    from ats.calibrators import load_calibrator
+    from ats.model.backbone import load_backbone
+    from ats.training.answers import AnswerSet, score_answers
+
+    out = tmp_path / "probe"
+    args = ["-q", "train", "--model", str(model_dir), "--pool-size", "6", "--mmlu-pool", "0", "--method", "probe",
+            "--out", str(out)]
+    assert main(args) == 0
+    config = json.loads((out / "head" / "calibrator_config.json").read_text())
+    assert config["type"] == "probe" and config["layers"] and config["training"]["data"] == "answers"
+    assert [q["name"] for q in config["training"]["questions"]] == config["training"]["tasks"]
+    chosen = config["selection"]["chosen"]
+    assert chosen == min(config["selection"]["settings"], key=lambda s: s["left_out_log_loss"])
+    assert set(chosen["per_fold_log_loss"]) == set(config["training"]["tasks"])  # each pool task left out once
+    printed = capsys.readouterr().out
+    assert "probe" in printed and "| sciq | 6 |" in printed
+    # the table's probe confidence is the saved probe's on the cached answers
+    backbone = load_backbone(str(model_dir))
+    probe = load_calibrator(out / "head", backbone)
+    sciq = AnswerSet.load(out / "answers" / "sciq")
+    conf, _ = score_answers(probe, sciq, backbone.logits)
+    assert conf.shape == (6,) and ((conf > 0) & (conf < 1)).all()
+    assert main(args) == 0 and f"head reused from {out / 'head'}" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(args) == 2
+    assert "--on answers trains on one process (WORLD_SIZE=2)" in one_error(capsys)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 
 from ..checks import check_nonnegative_float, check_nonnegative_int, check_positive_int
@@ -108,6 +109,10 @@ def run_answers(args) -> int:
     for flag, value in (("--online", args.online), ("--resume", args.resume)):
         if value:
             raise ATSError(f"{flag}: instruction data only (answers are cached once and train in minutes)")
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world != "1":  # each process would write the same folder
+        raise ATSError(f"--on answers trains on one process (WORLD_SIZE={world}): run `ats train` without accelerate "
+                       "launch / torchrun (answers are cached once and train in minutes)")
     training = options.training_config(args, loss_type=loss)
     spec = args.method or args.head_type or DEFAULT_ANSWER_METHOD
 

@@ -269,6 +269,9 @@ def score_answers(calibrator, answers: AnswerSet, logits_fn, *, batch_size: int 
     Returns:
         float64 confidences and bool correctness, in question order.
     """
+    if calibrator is not None and calibrator.answer_probe:  # the probe's P(correct) of the model's own answers
+        conf, correct = score_answers(None, answers, logits_fn, batch_size=batch_size, exact=exact)
+        return calibrator.answer_confidence(probe_views(answers, calibrator.layers), conf), correct
     if calibrator is not None:
         calibrator.trainable.eval()
     conf, correct = [], []
@@ -278,3 +281,18 @@ def score_answers(calibrator, answers: AnswerSet, logits_fn, *, batch_size: int 
         conf.append(c.double().numpy())
         correct.append(ok.numpy())
     return np.concatenate(conf), np.concatenate(correct)
+
+
+def probe_views(answers: AnswerSet, layers) -> Tensor:
+    """(Q, len(layers), 3, H): the recorded probe views of `layers` (decoder-layer indices) at each answer.
+
+    Raises:
+        ATSError: if the set records no probe views, or not of every one of `layers`.
+    """
+    recorded = list(answers.meta.get("probe_layers", []))
+    if "probe" not in answers.tensors:
+        raise ATSError(f"answers {answers.name!r}: no probe views recorded (rebuild them with probe layers)")
+    missing = [layer for layer in layers if layer not in recorded]
+    if missing:
+        raise ATSError(f"answers {answers.name!r}: probe layers {missing} are not recorded (recorded: {recorded})")
+    return answers.tensors["probe"][:, [recorded.index(layer) for layer in layers]]

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ..calibrators.probe import VIEWS, CorrectnessProbe
 from ..errors import ATSError
 from ..log_loss import binary_log_loss
-from .answers import AnswerSet, score_answers
+from .answers import AnswerSet, probe_views, score_answers
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,9 @@ def probe_inputs(answers: AnswerSet, logits_fn) -> tuple[Tensor, np.ndarray, np.
     Raises:
         ATSError: if the set records no probe views (made with `probe_layers=()`).
     """
-    if "probe" not in answers.tensors:
-        raise ATSError(f"answers {answers.name!r}: no probe views recorded (rebuild them with probe layers)")
+    views = probe_views(answers, answers.meta.get("probe_layers", []))
     confidence, correct = score_answers(None, answers, logits_fn)
-    return answers.tensors["probe"], confidence, correct
+    return views, confidence, correct
 
 
 def _standardize(x: Tensor) -> tuple[Tensor, Tensor]:

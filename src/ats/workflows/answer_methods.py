@@ -55,14 +55,15 @@ def train_spec(backbone, sets: list[AnswerSet], pool: AnswerPool, *, kind: str, 
     `training` (its answer loss; with `tokens`, plus `pool.token_weight` x the top-label term on `token_store`'s
     instruction tokens, with the pool's window and subset): the one training call of `ats train --on answers` and of
     the answers protocol. A probe is fitted, not trained by the loop (`ats.training.probe_fit`), and records
-    `training`'s answer record for reuse; `sets` may then be a dict (task -> set), so that it leaves tasks out."""
+    `training`'s answer record for reuse; it leaves each set's task out in turn to choose its options."""
     if kind == "probe":
         from ..training.probe_fit import fit_probe
 
-        named = sets if isinstance(sets, dict) else {a.name: a for a in sets}
+        named = {a.name: a for a in (sets.values() if isinstance(sets, dict) else sets)}  # folds by task name
         info = {"hidden_size": backbone.hidden_size, "base_model": backbone.name, "revision": backbone.revision}
         probe = fit_probe(named, backbone.logits, info, progress=progress)
-        probe.config_.training = answer_head_record(training, pool, False, tasks=[a.name for a in named.values()])
+        probe.config_.training = {**answer_head_record(training, pool, False, tasks=[a.name for a in named.values()]),
+                                  "questions": [a.meta.get("task", {"name": a.name}) for a in named.values()]}
         return probe
     calibrator = fresh_head(backbone, kind, training.seed, method, max_scale=max_scale,
                             lr=training.learning_rate(0), epochs=training.epochs, batch_size=training.batch_size)
