@@ -61,12 +61,15 @@ def fit_methods(backbone, train: dict, pool: AnswerPool, heads: Path, paper) -> 
     info = {"hidden_size": backbone.hidden_size, "base_model": backbone.name, "revision": backbone.revision}
     probe = fit_probe(train, logits, info, progress=False)
     probe.save_pretrained(heads / "probe")
-    return {"uncalibrated": lambda a: score_answers(None, a, logits),
+    methods = {"uncalibrated": lambda a: score_answers(None, a, logits),
             "temperature": lambda a: score_answers(control, a, logits),
             "thermometer": lambda a: score_answers(thermometer, a, logits),
             "histogram": lambda a: (np.asarray(histogram(a), dtype=np.float64), score_answers(None, a, logits)[1]),
             "ats-paper": lambda a: score_answers(paper, a, logits),
-            "probe": lambda a: score_answers(probe, a, logits)}, probe
+            "probe": lambda a: score_answers(probe, a, logits)}
+    if paper is None:  # --instruction-limit 0: no paper head (its extraction is the slowest step on large models)
+        del methods["ats-paper"]
+    return methods, probe
 
 
 def _record(conf: np.ndarray, correct: np.ndarray) -> dict:
@@ -77,9 +80,9 @@ def score_all(args) -> dict:
     """The expensive part, cached under --work: every method's (confidence, correct) on every answer set, and the
     leave-one-task-out scores."""
     work = Path(args.work) / args.model
-    paper_folder = paper_head(args.model, work, args.instruction_limit)
+    paper_folder = paper_head(args.model, work, args.instruction_limit) if args.instruction_limit else None
     backbone = load_backbone(args.model)
-    paper = load_calibrator(paper_folder, backbone)
+    paper = load_calibrator(paper_folder, backbone) if paper_folder else None
     pool = AnswerPool(pool_size=args.pool_size, mmlu_per_subject=args.mmlu_pool)
 
     def prepared(tasks: dict, where: str) -> dict:
@@ -88,7 +91,8 @@ def score_all(args) -> dict:
     train = prepared(pool_tasks(pool.pool_size, pool.mmlu_per_subject), "pool")
     held = {**prepared(held_out_tasks(pool, args.held_out, names=tuple(pool_names(1))[:4]
                                       + ("nq_open", "triviaqa_pool")), "held_out"),
-            **prepared(held_out_tasks(pool, args.mmlu_held_out, names=("mmlu_validation",)), "held_out")}
+            **(prepared(held_out_tasks(pool, args.mmlu_held_out, names=("mmlu_validation",)), "held_out")
+               if args.mmlu_held_out else {})}
     reported = prepared(reported_tasks({"mmlu": args.mmlu, "triviaqa": args.triviaqa,
                                         "truthfulqa": args.truthfulqa}), "reported")
     methods, probe = fit_methods(backbone, train, pool, work / "heads" / "all", paper)
@@ -116,8 +120,9 @@ def compare(by_method: dict, *, bootstrap: int) -> dict:
     arrays = {m: (np.asarray(r["confidence"]), np.asarray(r["correct"], dtype=bool)) for m, r in by_method.items()}
     values = {m: summarize(*a) for m, a in arrays.items()}
     out = {"n": int(arrays["probe"][0].size), "values": values, "vs_best": {}}
+    logit_methods = [m for m in LOGIT_METHODS if m in values]
     for key, better in METRICS.items():
-        best = better(LOGIT_METHODS, key=lambda m: values[m][key])
+        best = better(logit_methods, key=lambda m: values[m][key])
         diff = paired_differences(arrays["probe"], arrays[best], keys=(key,), bootstrap=bootstrap)[key]
         out["vs_best"][key] = {"best": best, **diff}
     return out
@@ -128,9 +133,10 @@ def analyse_probe(scored: dict, *, bootstrap: int = 1000) -> dict:
     analysis of `selective.analyse` on this benchmark's methods and target risks."""
     scores = scored["scores"]
     sets = list(scores["uncalibrated"])
-    tables = {name: compare({m: scores[m][name] for m in METHODS}, bootstrap=bootstrap) for name in sets}
+    methods = tuple(m for m in METHODS if m in scores)
+    tables = {name: compare({m: scores[m][name] for m in methods}, bootstrap=bootstrap) for name in sets}
     left_out = {name: compare(by_method, bootstrap=bootstrap) for name, by_method in scored["left_out"].items()}
-    certified = analyse(scored, methods=METHODS, alphas=ALPHAS, bootstrap=200)
+    certified = analyse(scored, methods=methods, alphas=ALPHAS, bootstrap=200)
     return {**{k: scored.get(k) for k in ("command", "machine", "model", "sizes", "seconds", "probe")},
             "tables": tables, "left_out": left_out, "certified": certified}
 
@@ -138,7 +144,7 @@ def analyse_probe(scored: dict, *, bootstrap: int = 1000) -> dict:
 def _metric_table(tables: dict, names: list, key: str) -> list[str]:
     lines = [f"| {key} | " + " | ".join(f"{n} ({tables[n]['n']})" for n in names) + " |",
              "|---|" + "---:|" * len(names)]
-    for m in METHODS:
+    for m in (m for m in METHODS if m in tables[names[0]]["values"]):
         lines.append(f"| {m} | " + " | ".join(f"{tables[n]['values'][m][key]:.3f}" for n in names) + " |")
     cells = []
     for n in names:
@@ -186,11 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-size", type=int, default=AnswerPool().pool_size, help="training pool per task")
     p.add_argument("--mmlu-pool", type=int, default=AnswerPool().mmlu_per_subject)
     p.add_argument("--held-out", type=int, default=100, help="held-out questions per pool task")
-    p.add_argument("--mmlu-held-out", type=int, default=2, help="held-out MMLU validation questions per subject")
+    p.add_argument("--mmlu-held-out", type=int, default=2,
+                   help="held-out MMLU validation questions per subject; 0: none")
     p.add_argument("--mmlu", type=int, default=2, help="reported MMLU test questions per subject")
     p.add_argument("--triviaqa", type=int, default=200)
     p.add_argument("--truthfulqa", type=int, default=200)
-    p.add_argument("--instruction-limit", type=int, default=300, help="Alpaca-GPT4 examples of the paper's head")
+    p.add_argument("--instruction-limit", type=int, default=300,
+                   help="Alpaca-GPT4 examples of the paper's head; 0: no paper head")
     p.add_argument("--work", default="runs/probe", help="answer caches and heads (resumable)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--report", action="store_true", help="only redo OUT/analysis and OUT/README.md from OUT/scores")

@@ -198,7 +198,8 @@ def analyse(scored: dict, *, repeats: int = 200, bootstrap: int = 500, methods: 
 
     names = list(scores["uncalibrated"])
     table, decisions = {}, {}
-    for kind, certify_on in KINDS.items():
+    kinds = {kind: tuple(n for n in certify_on if n in scores["uncalibrated"]) for kind, certify_on in KINDS.items()}
+    for kind, certify_on in kinds.items():  # the certification sets this run made (MMLU's may be left out)
         table[kind] = {}
         for method in METHODS:
             cert_conf, cert_ok = pooled(method, certify_on)
@@ -236,7 +237,7 @@ def analyse(scored: dict, *, repeats: int = 200, bootstrap: int = 500, methods: 
                 ranking[n][m]["vs_uncalibrated"] = paired_differences((conf, ok), arrays("uncalibrated", n),
                                                                       keys=("prr", "aurc"), bootstrap=bootstrap)
     return {**{k: scored.get(k) for k in ("command", "machine", "model", "sizes", "seconds")}, "alphas": list(ALPHAS),
-            "delta": DELTA, "certified_on": {k: list(v) for k, v in KINDS.items()}, "accuracy": accuracy,
+            "delta": DELTA, "certified_on": {k: list(v) for k, v in kinds.items()}, "accuracy": accuracy,
             "ranking": ranking, "n": {n: len(scores["uncalibrated"][n]["correct"]) for n in names}, "results": table}
 
 
@@ -296,7 +297,7 @@ def model_markdown(result: dict) -> list[str]:
                       f"{', '.join(f'{a:g}' for a in result['alphas'] if a not in useful) or 'none'}.", ""]
         if not useful:
             continue
-        columns = list(certify_on) + list(REPORTED[kind]) + list(REPORTED[other])
+        columns = [c for c in list(certify_on) + list(REPORTED[kind]) + list(REPORTED[other]) if c in n]
         lines += ["Realised coverage / risk [95% Clopper-Pearson]: the left-out pool sets of this kind (each judged "
                   "with the threshold certified on the others), the reported tasks of this kind, then the reported "
                   f"tasks of the other kind ({other}); 'over': risk above alpha, **over**: even the interval's lower "
@@ -312,8 +313,8 @@ def model_markdown(result: dict) -> list[str]:
                   f"{other} set (pool and reported):", "",
                   "| method | " + " | ".join(f"alpha {a:g} same / other" for a in useful) + " |",
                   "|---|" + "---:|" * len(useful)]
-        same = list(certify_on) + list(REPORTED[kind])
-        cross = list(result["certified_on"][other]) + list(REPORTED[other])
+        same = [c for c in list(certify_on) + list(REPORTED[kind]) if c in n]
+        cross = [c for c in list(result["certified_on"][other]) + list(REPORTED[other]) if c in n]
         for m, r in rows.items():
             cells = []
             for a in useful:
