@@ -272,9 +272,13 @@ def test_record_shows_the_saved_evaluation_and_one_diagram(served, browser):
     lo, hi = info["evaluation"]["tasks"][0]["metrics"]["ats"]["ece_ci"]
     row = browser.find_element("css selector", "#eval-table tbody tr").text
     assert f"{ece:.3f}" in row and f"[{lo:.3f}, {hi:.3f}]" in row
-    wait_for(browser, "const i = document.getElementById('diagram'); return i.complete && i.naturalWidth > 0")
+    wait_for(browser, "return document.getElementById('diagram').dataset.shown === 'triviaqa/ats'")
     width = browser.execute_script("return document.getElementById('diagram').naturalWidth")
     Select(browser.find_element("id", "diagram-method")).select_by_value("uncalibrated")
-    wait_for(browser, "return document.getElementById('diagram').alt.includes('uncalibrated') && "
-                      "document.getElementById('diagram').naturalWidth > 0")
-    assert browser.execute_script("return document.getElementById('diagram').naturalWidth") == width  # one method
+    wait_for(browser, "return document.getElementById('diagram').dataset.shown === 'triviaqa/uncalibrated'")
+    assert browser.execute_script("return document.getElementById('diagram').naturalWidth") == width > 0
+    png = httpx.get(served.url + "/v1/playground/reliability.png", params={"task": "triviaqa", "method": "ats"},
+                    headers=served.headers(), timeout=30)
+    assert png.headers["content-type"] == "image/png" and png.content[:8] == b"\x89PNG\r\n\x1a\n"
+    assert httpx.get(served.url + "/v1/playground/reliability.png", params={"task": "triviaqa", "method": "x"},
+                     headers=served.headers(), timeout=30).status_code == 404

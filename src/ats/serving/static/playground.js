@@ -350,7 +350,6 @@ function moveCursor(turn, i) {
   const span = turn.tokens[i].span;
   span.classList.add("current");
   span.scrollIntoView({ block: "nearest" });
-  turn.answerEl.setAttribute("aria-activedescendant", "");
   showToken(turn, i);
 }
 
@@ -431,11 +430,13 @@ async function renderRecord() {
   const showDiagram = async () => {
     const task = taskSelect.value, m = methodSelect.value;
     img.alt = `reliability diagram of ${m} on ${task}`;
+    delete img.dataset.shown;
     caption.textContent = "drawing…";
     try {
       const url = `/v1/playground/reliability.png?task=${encodeURIComponent(task)}&method=${encodeURIComponent(m)}`;
       const blob = await (await api(url)).blob();
       if (img.src) URL.revokeObjectURL(img.src);
+      img.onload = () => { img.dataset.shown = `${task}/${m}`; };
       img.src = URL.createObjectURL(blob);
       caption.textContent = `Reliability diagram of ${m} on ${task}: bars are the accuracy per confidence bin, ` +
         "the diagonal is perfect calibration, red is the gap.";
