@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import tomllib
 from importlib import resources
 from pathlib import Path
 
+import pytest
+
+from ats.errors import ATSError
 from ats.serving.playground import PAGE_PATHS, STATIC
+from ats.serving.saved_evaluation import SavedEvaluation
 
 REPO = Path(__file__).resolve().parents[2]
 FILES = ["index.html", *STATIC]
@@ -20,8 +23,10 @@ def _text(name: str) -> str:
 
 
 def test_every_page_file_is_package_data():
-    config = tomllib.loads((REPO / "pyproject.toml").read_text())
-    patterns = config["tool"]["setuptools"]["package-data"]["ats.serving"]
+    section = (REPO / "pyproject.toml").read_text().split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
+    line = next(x for x in section.splitlines() if x.startswith('"ats.serving"'))  # (no tomllib on Python 3.10)
+    patterns = re.findall(r'"([^"]+)"', line.split("=", 1)[1].split("#", 1)[0])
+    assert patterns
     on_disk = sorted(p.name for p in (REPO / "src" / "ats" / "serving" / "static").iterdir())
     assert on_disk == sorted(FILES)
     assert all(any(fnmatch.fnmatch(f"static/{name}", pattern) for pattern in patterns) for name in on_disk)
@@ -39,3 +44,11 @@ def test_the_script_never_parses_text_as_html():
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function",
                  "DOMParser", "createContextualFragment"):
         assert sink not in code.replace("nothing here uses innerHTML", ""), sink
+
+
+def test_a_folder_without_results_is_refused_by_name(tmp_path):
+    with pytest.raises(ATSError, match=f"--eval {tmp_path}: no results.json"):
+        SavedEvaluation(tmp_path)
+    (tmp_path / "results.json").write_text('{"triviaqa": [1, 2]}')
+    with pytest.raises(ATSError, match="expected task -> method -> metrics"):
+        SavedEvaluation(tmp_path)

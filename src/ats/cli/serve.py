@@ -119,6 +119,7 @@ def run(args) -> int:
                     "probability >= %g)", threshold.threshold, threshold.alpha, 1 - threshold.delta)
     playground = _playground(engine, backbone, calibrator, [(folder, threshold)] + [
         (c, None if c is None else read_threshold(c)) for c in compare], evaluation)
+    playground.model = args.model
     app = create_app(engine, model_name=name, api_key=key, threshold=threshold, playground=playground)
     logger.info("serving %s (%s) on http://%s:%d/v1", name, engine.calibration.label, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")

@@ -44,10 +44,12 @@ class Playground:
 
     calibrators: every calibrator rescoring can use, the served one first (its `calibration` is the engine's).
     evaluation: the saved `ats eval` results, or None.
+    model: the `--model` the server loaded, for the commands the page suggests; None: the served model name.
     """
 
     calibrators: list[ServedCalibrator] = field(default_factory=list)
     evaluation: SavedEvaluation | None = None
+    model: str | None = None
 
     def find(self, calibrator_id: str) -> ServedCalibrator:
         """The calibrator named `calibrator_id`.
@@ -93,7 +95,7 @@ def training_record(folder: Path | None) -> dict | None:
 
 
 def _eval_command(model: str, folder: Path | None) -> str:
-    calibrator = str(folder) if folder is not None else "CALIBRATOR_FOLDER"
+    calibrator = str(folder) if folder is not None else "none"
     return (f"ats eval --model {model} --calibrator {calibrator} --tasks mmlu,triviaqa --bootstrap 1000 --out EVAL; "
             f"then start the server with --eval EVAL")
 
@@ -135,7 +137,7 @@ def add_playground_routes(app: FastAPI, service, playground: Playground) -> None
         return {"model": service.model_name, "max_model_len": engine.max_model_len,
                 "chat": bool(getattr(service.tok, "chat_template", None)),
                 "served": playground.calibrators[0].id,
-                "calibrators": describe_calibrators(playground, service.model_name),
+                "calibrators": describe_calibrators(playground, playground.model or service.model_name),
                 "evaluation": None if evaluation is None else evaluation.describe()}
 
     @app.post("/v1/playground/rescore")

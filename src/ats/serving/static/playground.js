@@ -229,7 +229,11 @@ async function send(text) {
     setStatus(`${turn.tokens.length} tokens (${turn.finish === "length" ? "stopped at max tokens" : "finished"}).`);
   } catch (err) {
     if (err.name === "AbortError") { setStatus("stopped."); state.messages.push({ role: "assistant", content }); }
-    else if (!(err instanceof Unauthorized)) setStatus("error: " + err.message, true);
+    else {
+      if (!turn.tokens.length) state.messages.pop(); // nothing came back: the question is not part of the chat
+      else state.messages.push({ role: "assistant", content });
+      if (!(err instanceof Unauthorized)) setStatus("error: " + err.message, true);
+    }
   } finally {
     state.controller = null;
     $("send").disabled = false; $("stop").disabled = true;
