@@ -52,3 +52,18 @@ def test_a_folder_without_results_is_refused_by_name(tmp_path):
     (tmp_path / "results.json").write_text('{"triviaqa": [1, 2]}')
     with pytest.raises(ATSError, match="expected task -> method -> metrics"):
         SavedEvaluation(tmp_path)
+
+
+def test_serve_refuses_playground_options_it_cannot_honour_in_one_line(model_dir, tmp_path, capsys):
+    from ats.cli import main
+
+    cases = [(["serve", "--engine", "vllm", "--model", str(model_dir), "--calibrator", "none", "--compare", "none"],
+              "--compare: an option of the playground"),
+             (["serve", "--model", str(model_dir), "--calibrator", "none", "--eval", str(tmp_path)],
+              f"--eval {tmp_path}: no results.json there"),
+             (["serve", "--model", str(model_dir), "--calibrator", "none", "--compare", str(tmp_path / "missing")],
+              "missing")]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ats: error: ") and message in err and err.count("\n") == 1, err

@@ -372,10 +372,10 @@ function trainingLines(record) {
   const lines = [];
   const seen = new Set();
   (function walk(value, path) {
-    if (lines.length >= 6 || value === null || typeof value !== "object") return;
+    if (lines.length >= 8 || value === null || typeof value !== "object") return;
     for (const [key, v] of Object.entries(value)) {
       const name = path ? path + "." + key : key;
-      if (/^(name|dataset|data|source|task|tasks|method|head_type|loss|examples|limit|n|split|epochs|lr)$/i.test(key) &&
+      if (/^(base_model|source|records|limit|split|task|tasks|name|method|head_type|loss_type|loss|epochs|lr|size|pool_size)$/i.test(key) &&
           (typeof v === "string" || typeof v === "number") && !seen.has(name)) {
         seen.add(name); lines.push(`${name}: ${v}`);
       } else if (typeof v === "object") walk(v, name);
