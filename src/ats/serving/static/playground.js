@@ -129,6 +129,7 @@ function addTokens(turn, text, entries, ats) {
     const entry = entries[i] || {};
     const token = {
       i: turn.tokens.length, id, text: joined === text ? entry.token : (i === 0 ? text : ""),
+      label: entry.token === undefined ? null : entry.token, // the token decoded on its own (e.g. "<|im_end|>")
       raw: ats.uncalibrated_logprobs[i],
       served: { confidence: ats.confidence[i], logprob: entry.logprob, tau: ats.tau[i],
                 top: (entry.top_logprobs || []).map((t) => ({ text: t.token, logprob: t.logprob })) },
@@ -307,8 +308,8 @@ function renderVerdict() {
     el("dt", {}, "calibrator"), el("dd", {}, `${state.calibrator} (${summary.confidence_kind || cal.confidence_kind})`)));
   parts.push(el("p", { class: "muted" }, "The answer confidence is the mean calibrated probability of the answer's " +
     "tokens (as ats eval scores free-form answers). If the calibrator is calibrated for questions like this one, " +
-    `answers given with confidence ${fmt(conf, 2)} are right about ${pct(conf, 0)} of the time; its record below ` +
-    "says how well that held on the tasks it was evaluated on."));
+    `answers given with confidence ${fmt(conf, 2)} are right about ${pct(conf, 0)} of the time; the calibrator's ` +
+    "record says how well that held on the tasks it was evaluated on."));
   box.replaceChildren(...parts);
 }
 
@@ -325,7 +326,7 @@ function showToken(turn, i) {
     let rawLp = alt.uncalibrated_logprob;
     if (rawLp === undefined && rawTop) rawLp = rawTop.tokens[i].top[j] && rawTop.tokens[i].top[j].uncalibrated_logprob;
     const pc = Math.exp(alt.logprob), pr = rawLp === undefined ? null : Math.exp(rawLp);
-    rows.push(el("tr", { class: alt.text === token.text ? "chosen" : null },
+    rows.push(el("tr", { class: alt.text === (token.label === null ? token.text : token.label) ? "chosen" : null },
       el("td", {}, el("code", {}, JSON.stringify(alt.text))),
       el("td", { class: "num" }, fmt(pc), " ", el("span", { class: "bar", style: `width:${(3 * pc).toFixed(2)}rem` })),
       el("td", { class: "num" }, pr === null ? "…" : fmt(pr), " ",
@@ -333,7 +334,8 @@ function showToken(turn, i) {
   });
   const tau = values ? values.tau : null;
   $("token-detail").replaceChildren(
-    el("p", {}, "token ", el("code", { id: "token-text" }, JSON.stringify(token.text || "(part of a character)")),
+    el("p", {}, "token ", el("code", { id: "token-text" }, JSON.stringify(token.label === null ? token.text : token.label)),
+       token.text === "" ? " (not shown in the text)" : null,
        ` #${i + 1} of answer ${turn.index + 1}`),
     el("dl", { class: "figures" },
       el("dt", {}, "calibrated probability"), el("dd", { id: "token-calibrated" }, values ? fmt(values.confidence) : "…"),
@@ -392,20 +394,29 @@ async function renderRecord() {
   if (cal.folder) parts.push(el("p", { class: "muted" }, "folder: ", el("code", {}, cal.folder)));
   if (cal.training) {
     const lines = trainingLines(cal.training);
-    parts.push(el("p", {}, `Trained as a "${cal.training.kind || "?"}" (fingerprint.json)`),
-               el("ul", {}, ...lines.map((l) => el("li", {}, el("code", {}, l)))),
+    parts.push(el("p", {}, `Trained as a "${cal.training.kind || "?"}" (fingerprint.json):`),
+               el("ul", { class: "training" }, ...lines.map((l) => el("li", {}, el("code", {}, l)))),
                el("details", {}, el("summary", {}, "the whole training record"),
                   el("pre", {}, JSON.stringify(cal.training, null, 2))));
   } else {
     parts.push(el("p", { class: "muted" }, cal.folder ? "Its folder has no training record (fingerprint.json): it was " +
       "fitted by hand or downloaded." : "The model's own probabilities: nothing was trained."));
   }
-  parts.push(el("p", {}, cal.threshold ? thresholdWords(cal.threshold) : "No certified threshold (threshold.json) is loaded."));
+  const t = cal.threshold;
+  parts.push(el("p", {}, !t ? "No certified threshold (threshold.json) is loaded."
+    : t.threshold === null || t.threshold === undefined
+      ? `Certified threshold: none could be certified (target risk ${pct(first(t, "target_risk", "alpha"), 0)}, ` +
+        `delta ${fmt(t.delta, 2)}, ${t.n} answers): it abstains on every answer.`
+      : `Certified threshold: answer when the confidence is at least ${fmt(t.threshold)} (target risk ` +
+        `${pct(first(t, "target_risk", "alpha"), 0)}, delta ${fmt(t.delta, 2)}, checked on ${t.n} answers, ` +
+        `coverage ${pct(t.coverage)}).`));
   const evaluation = info.evaluation;
+  const about = parts.splice(0); // left: what the calibrator is; right (parts from here on): its evaluation
+  const show = () => box.replaceChildren(el("div", { class: "record-grid" }, el("div", {}, ...about), el("div", {}, ...parts)));
   if (!evaluation) {
     parts.push(el("h2", {}, "Evaluation"),
                el("p", {}, "No saved evaluation is loaded. Make one and show it here:"), el("pre", {}, cal.make_evaluation));
-    box.replaceChildren(...parts);
+    show();
     return;
   }
   const method = cal.evaluation_method;
@@ -453,7 +464,7 @@ async function renderRecord() {
   methodSelect.addEventListener("change", showDiagram);
   parts.push(el("div", { class: "pickers" },
     el("label", {}, "task ", taskSelect), el("label", {}, "method ", methodSelect)), img, caption);
-  box.replaceChildren(...parts);
+  show();
   showDiagram();
 }
 
