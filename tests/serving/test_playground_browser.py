@@ -32,13 +32,7 @@ CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver"
 MAX_TOKENS = 12
 STOPS = [(0.0, (226, 92, 78)), (0.5, (247, 196, 112)), (0.8, (252, 236, 180)), (1.0, (246, 249, 252))]
 
-pytestmark = [
-    pytest.mark.slow,  # a server process and a browser: about 10-20 s for the module
-    pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-                       reason="needs Debian's chromium and chromium-driver (/usr/bin/chromium, /usr/bin/chromedriver): "
-                              "apt-get install -y chromium chromium-driver (scripts/setup.sh does it)"),
-]
-webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (the test extra)")
+pytestmark = pytest.mark.slow  # a server process and a browser: about 20 s for the module
 
 
 def shade(p: float) -> str:
@@ -103,6 +97,11 @@ def served(model_dir, head_dir, calibrator, backbone, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
+    """Debian's Chromium through its own chromedriver (never one that selenium would download), fresh profile."""
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        pytest.skip("needs Debian's chromium and chromium-driver (/usr/bin/chromium, /usr/bin/chromedriver): "
+                    "apt-get install -y chromium chromium-driver (scripts/setup.sh does it)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (the test extra)")
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 

@@ -18,7 +18,7 @@ import torch
 from ..evaluation.threshold import CertifiedThreshold
 from ..generation.batch import BatchCache, check_attention
 from ..generation.calibration import DecodingCalibration
-from ..generation.logprobs import TokenLogprob, prompt_logprobs
+from ..generation.logprobs import PROMPT_CHUNK, TokenLogprob, prompt_logprobs
 
 
 @dataclass
@@ -73,14 +73,14 @@ def rescore(backbone, calibration: DecodingCalibration, prompt: list[int], compl
     state = hidden[0, start] if calibration.mode == "prompt" else None  # Thermometer: the prompt's last h
     records = prompt_logprobs(backbone, calibration, hidden[0, start:], None if tau is None else tau[0, start:],
                               state, ids[start:], k)[1:]  # (C,) the first record is ids[start], predicted by none
-    raw_top = []
+    raw_top: list[list[float]] = [[] for _ in records]
     if k:
-        z = backbone.logits(hidden[0, start:-1]).float()  # (C, V)
-        logp_z = z.log_softmax(-1)
-        for i, record in enumerate(records):
-            raw_top.append([float(logp_z[i, t]) for t, _ in record.top])
-    else:
-        raw_top = [[] for _ in records]
+        positions = hidden[0, start:-1]  # (C, H): position i predicts completion token i
+        for lo in range(0, len(records), PROMPT_CHUNK):  # (chunk, V) logits at a time, as prompt scoring does
+            logp_z = backbone.logits(positions[lo:lo + PROMPT_CHUNK]).float().log_softmax(-1)  # (chunk, V)
+            for i, record in enumerate(records[lo:lo + PROMPT_CHUNK]):
+                ids_i = torch.tensor([t for t, _ in record.top], dtype=torch.long, device=logp_z.device)
+                raw_top[lo + i] = logp_z[i, ids_i].tolist()
     if records and not ignore_eos and records[-1].token in eos:
         records[-1].answer = False
     return records, raw_top
