@@ -95,6 +95,8 @@ async function load() {
     el("option", { value: c.id }, c.id === info.served ? `${c.id} (generates)` : `${c.id} (rescored)`)));
   select.value = state.calibrator;
   select.disabled = info.calibrators.length < 2;
+  select.title = select.disabled ? "start the server with --compare CALIBRATOR (repeatable) to compare calibrators "
+    + "on the same tokens" : "rescore the same tokens under another loaded calibrator";
   const ramp = $("ramp");
   ramp.style.background = "linear-gradient(to right, " + [0, 0.25, 0.5, 0.65, 0.8, 0.9, 1].map(shade).join(", ") + ")";
   renderRecord();
