@@ -100,6 +100,12 @@ def _eval_command(model: str, folder: Path | None) -> str:
             f"then start the server with --eval EVAL")
 
 
+def _certify_command(model: str, folder: Path | None) -> str | None:
+    if folder is None:
+        return None  # the model's own probabilities: no folder to hold a threshold
+    return f"ats certify --model {model} --calibrator {folder}; then restart the server"
+
+
 def describe_calibrators(playground: Playground, model: str) -> list[dict]:
     """Each loaded calibrator as the page shows it: id, label, what it changes, its threshold, its training record
     and the method of the saved evaluation that is this calibrator (by digest)."""
@@ -112,7 +118,8 @@ def describe_calibrators(playground: Playground, model: str) -> list[dict]:
                     "confidence_kind": cal.confidence_kind, "folder": None if served.folder is None
                     else str(served.folder), "threshold": None if served.threshold is None
                     else served.threshold.to_dict(), "training": training_record(served.folder),
-                    "evaluation_method": method, "make_evaluation": _eval_command(model, served.folder)})
+                    "evaluation_method": method, "make_evaluation": _eval_command(model, served.folder),
+                    "make_threshold": _certify_command(model, served.folder)})
     return out
 
 

@@ -286,9 +286,10 @@ function renderVerdict() {
   if (summary.answered === undefined) {
     box.dataset.answered = "none";
     parts.push(el("p", { class: "decision none" }, "No decision"),
-               el("p", {}, "No certified threshold is loaded for this calibrator. Make one with ",
-                  el("code", {}, `ats certify --calibrator ${cal.folder || "FOLDER"}`),
-                  " (it writes threshold.json into the calibrator's folder), then restart the server."));
+               cal.make_threshold
+                 ? el("p", {}, "No certified threshold is loaded for this calibrator. Make one (it writes " +
+                      "threshold.json into the calibrator's folder):", el("pre", {}, cal.make_threshold))
+                 : el("p", {}, "The model's own probabilities have no folder to hold a certified threshold."));
   } else {
     const answered = summary.answered;
     box.dataset.answered = String(answered);
