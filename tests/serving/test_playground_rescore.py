@@ -119,5 +119,13 @@ def test_engine_call_runs_on_the_engine_thread_and_returns_errors(backbone):
         engine.stop()
 
 
+def test_engine_call_waiting_when_the_engine_stops_fails_instead_of_hanging(backbone):
+    engine = Engine(backbone, None)  # never started: the call waits
+    future = engine.call(lambda: 7)
+    engine.stop()
+    with pytest.raises(RuntimeError, match="shutting down"):
+        future.result(5)
+
+
 def test_unique_ids():
     assert unique_ids(["ats", "thermometer", "ats", "ats"]) == ["ats", "thermometer", "ats#2", "ats#3"]
