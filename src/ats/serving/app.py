@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
     GET /health   POST /tokenize   POST /detokenize   GET /tokenizer_info   (the last three as vLLM's)
+    GET /   the playground page, with its routes under /v1/playground (playground.py)
 
 Handlers run on the event loop and never compute: they validate, tokenize, submit a `Job` and wait for its events
 (`asyncio.Queue`, filled from the engine thread). A client that disconnects has its job cancelled: a stream's
@@ -28,6 +29,8 @@ from ..evaluation.threshold import CertifiedThreshold
 from ..generation.sampling import SamplingParams
 from .api_errors import APIError, validation_error
 from .engine import ContextLengthExceeded, Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull
+from .playground import PAGE_PATHS, Playground, add_playground_routes
+from .rescore import ServedCalibrator
 from .responses import Collector, Renderer, extension, summary
 from .schemas import (
     ChatCompletionRequest,
@@ -40,7 +43,7 @@ from .schemas import (
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health",)  # answered without the API key
+OPEN_PATHS = ("/health", *PAGE_PATHS)  # answered without the API key (the page's files hold no data)
 
 
 class _Gone:
@@ -425,7 +428,7 @@ async def _completion_stream(renderer: Renderer, run: Run, body: CompletionReque
 
 
 def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
-               threshold: CertifiedThreshold | None = None) -> FastAPI:
+               threshold: CertifiedThreshold | None = None, playground: Playground | None = None) -> FastAPI:
     """The app serving `engine` as model `model_name`; with `api_key`, every route but /health needs it.
 
     Args:
@@ -434,6 +437,8 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
         api_key: the key clients must send as `Authorization: Bearer KEY`; None: no key.
         threshold: the calibrator's certified threshold (`ats certify`): every choice's `ats` field then says
             whether it is answered; None: no decision.
+        playground: the calibrators the page can rescore with (the served one first: the engine's) and the saved
+            evaluation; None: the served calibrator only, no evaluation.
 
     Returns:
         The FastAPI app.
@@ -447,4 +452,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
     _add_tokenizer_routes(app, service)
     _add_chat_route(app, service)
     _add_completion_route(app, service)
+    if playground is None:
+        playground = Playground([ServedCalibrator(engine.calibration.label, engine.calibration, threshold)])
+    add_playground_routes(app, service, playground)
     return app

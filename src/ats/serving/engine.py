@@ -21,6 +21,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -156,6 +157,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.cancelled = 0  # jobs cancelled before they finished (clients gone)
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()  # run on the engine thread between steps
 
     @property
     def calibration(self):
@@ -227,6 +229,34 @@ class Engine:
                 self.cancelled += 1
             self._cond.notify()
 
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn()` on the engine thread between two decoding steps (that thread owns the model: e.g. rescoring
+        tokens under another calibrator never runs the backbone beside a step).
+
+        Args:
+            fn: the work; it must not submit jobs and wait for them.
+
+        Returns:
+            A future with `fn`'s result or exception (the exception is a `RuntimeError` if the engine stops first).
+        """
+        future: Future = Future()
+        with self._cond:
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._cond:
+                if not self._calls:
+                    return
+                fn, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as err:  # the caller gets it; the engine goes on
+                    future.set_exception(err)
+
     def stats(self) -> dict:
         """{"running", "waiting", "cancelled", "max_batch", "max_queue", "timing"}: the engine's state now."""
         return {"running": len(self._rows), "waiting": len(self._jobs) + len(self._ready),
@@ -250,6 +280,10 @@ class Engine:
             self._thread = None
         for job in {s.job for s in self._rows} | {s.job for s in self._ready} | set(self._jobs):
             job.emit(JobFailed("the server is shutting down"))
+        while self._calls:
+            _, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the server is shutting down"))
         self.decoder.reset()
         self._ready.clear()
         self._jobs.clear()
@@ -258,10 +292,11 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not (self._rows or self._ready or self._jobs):
+                while not self._stopping and not (self._rows or self._ready or self._jobs or self._calls):
                     self._cond.wait()
                 if self._stopping:
                     return
+            self._run_calls()
             try:
                 self.step()
             except Exception:  # never let the worker die; step() already failed the jobs concerned

@@ -6,8 +6,9 @@ probability through the calibrator's binning map when it has one), `confidence_k
 `calibrator` (its name); `mean_confidence` and `product_confidence` (the mean and the product of the calibrated
 probabilities of its generated tokens, the end-of-sequence token included when there is one, as
 `CalibratedGeneration` counts them), `mean_uncalibrated` and `product_uncalibrated` (the same for the model's own
-probabilities), and per generated token `confidence`, `uncalibrated_logprobs` and `tau` (null for calibrators
-without one). Echoed prompts add `prompt_uncalibrated_logprobs` and `prompt_tau`. In a stream each chunk carries the
+probabilities), and per generated token `confidence`, `uncalibrated_logprobs`, `tau` (null for calibrators
+without one) and `token_ids` (what the playground rescores under another calibrator). Echoed prompts add
+`prompt_uncalibrated_logprobs` and `prompt_tau`. In a stream each chunk carries the
 per-token lists of its own tokens, and the chunk that finishes a choice adds the sequence figures.
 """
 
@@ -112,7 +113,7 @@ def extension(tokens: list[TokenLogprob], *, final: bool, prompt: list[TokenLogp
         The field's dict.
     """
     out = {"confidence": [t.confidence for t in tokens], "uncalibrated_logprobs": [t.uncalibrated for t in tokens],
-           "tau": [t.tau for t in tokens]}
+           "tau": [t.tau for t in tokens], "token_ids": [t.token for t in tokens]}
     if prompt is not None:
         out.update(prompt_uncalibrated_logprobs=[t.uncalibrated for t in prompt], prompt_tau=[t.tau for t in prompt])
     if final:
