@@ -18,8 +18,19 @@ CALIBRATOR_FOLDER = "calibrator"  # the calibrator inside an export, saved as `s
 
 
 def register() -> None:
-    """vLLM's plugin hook: register the calibrated architecture (lazily, by module path)."""
+    """vLLM's plugin hook: check that this vLLM is one the calibrated model supports (`compat.SUPPORTED`: one line
+    naming the installed and the supported versions otherwise), then register the calibrated architecture
+    (lazily, by module path).
+
+    Raises:
+        ATSError: a vLLM outside the supported window (vLLM stops at start with this line).
+    """
+    import vllm
     from vllm import ModelRegistry
+
+    from .compat import check_version
+
+    check_version(vllm.__version__)
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "ats.integrations.vllm.model:ATSCalibratedForCausalLM")
