@@ -205,3 +205,15 @@ def test_float32_scale_of_a_bfloat16_logit_row():
     s = torch.exp(torch.linspace(-1, 1, 2001))
     rounded = s.to(torch.bfloat16).float()
     assert 2**-9 * 0.99 < float(((rounded - s).abs() / s).max()) <= 2**-8
+
+
+@pytest.mark.slow
+def test_engine_refuses_a_setup_before_building_the_model(tiny_models, tmp_path):
+    """`LLM(export, enable_lora=True)`: the calibrated class refuses in its first line (vLLM's engine, no ats CLI)."""
+    from conftest import run_vllm
+
+    folder, _ = tiny_models["llama"]
+    export = export_for_vllm(str(folder), None, tmp_path / "export")
+    with pytest.raises(AssertionError, match=r"ATSError: .*export: LoRA adapters: the calibrator was trained"):
+        run_vllm([{"model": str(export), "engine": {"enable_lora": True, "max_model_len": 512}, "rounds": []}],
+                 tmp_path)

@@ -7,7 +7,8 @@ model and the calibrator, its `compute_logits` returning calibrated logits (docs
 
 Installing ats registers the calibrated architecture with vLLM: the entry point `vllm.general_plugins` calls
 `register` in every vLLM process, which names the class lazily (the module below imports vLLM only when vLLM loads
-it). vLLM's logits processors see logits only, never hidden states, so the calibration lives in the model.
+it) after checking that this vLLM is one it supports (`compat`). vLLM's logits processors see logits only, never
+hidden states, so the calibration lives in the model.
 """
 
 from __future__ import annotations
