@@ -98,7 +98,9 @@ def test_head_route_is_what_the_head_class_says(tiny_models):
     (["--quantization", "fp8"], "quantization 'fp8': the calibrated model runs unquantized base weights"),
     (["-pp", "2"], "pipeline parallel size 2"),
     (["--runner", "pooling"], "runner 'pooling'"),
-    (["--enable-lora"], "LoRA adapters")])
+    (["--enable-lora"], "LoRA adapters"),
+    (["--bogus"], "unrecognized arguments: --bogus"),  # vLLM's parser's own error, in one line
+    (["-tp", "two"], "argument --tensor-parallel-size/-tp: invalid int value: 'two'")])
 def test_serve_refuses_setups_in_one_line_before_exporting(tiny_models, tmp_path, capsys, monkeypatch, args,
                                                            message):
     folder, _ = tiny_models["llama"]

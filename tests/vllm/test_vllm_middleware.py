@@ -1,7 +1,8 @@
 """ats's layer in vLLM's server (`ATSMiddleware`) around a stand-in for vLLM's routes that answers in vLLM's
 format and records what it was sent: the chat roles `ats serve` refuses get its 400, logprobs are asked for and
-the `ats` decision added to each choice (hand-computed), logprobs nobody asked for removed, streams and requests
-without the API key untouched. The slow server test (test_vllm_cli.py) runs it in vLLM's real server."""
+the `ats` decision added to each choice (hand-computed), logprobs nobody asked for removed; streams, echoed
+completions (their logprobs start with the prompt's) and requests without the API key untouched. The slow server
+test (test_vllm_cli.py) runs it in vLLM's real server."""
 
 from __future__ import annotations
 
@@ -76,6 +77,8 @@ def test_the_decision_is_added_and_logprobs_stay_as_asked(client_and_seen):
     assert asked["ats"] == DECISION and asked["logprobs"]["content"] == TOKENS
     completion = client.post("/v1/completions", json={"model": "m", "prompt": "Q"}).json()["choices"][0]
     assert seen[-1]["logprobs"] == 0 and completion["ats"] == DECISION and completion["logprobs"] is None
+    echoed = {"model": "m", "prompt": "Q", "echo": True, "logprobs": 1}  # its logprobs start with the prompt's
+    assert "ats" not in client.post("/v1/completions", json=echoed).json()["choices"][0] and seen[-1] == echoed
 
 
 def test_streams_and_requests_without_the_key_pass_through(monkeypatch):

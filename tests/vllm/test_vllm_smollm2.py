@@ -37,6 +37,7 @@ def test_smollm2_calibrated_in_vllm_equals_ats(smollm2, tmp_path):
         assert max_difference(g, w) <= min(2 * floor * max(1.0, w["scale"]), 1e-3)
 
 
+@torch.no_grad()
 def bfloat16_scale_rounding(backbone, head, prompts: list[list[int]]) -> float:
     """How far the prompt tokens' calibrated logprobs move when the scale is rounded to bfloat16 before it is applied
     (what the calibrated class did before it computed in float32), on ats's own bfloat16 logits."""

@@ -29,7 +29,8 @@ from ...errors import ATSError
 
 GIB = 1 << 30
 CHAT_TOKENS = 2048  # tokens per concurrent sequence the default KV cache holds (prompt + answer of a chat turn)
-RUNTIME_BYTES = int(1.5 * GIB)  # the engine's own memory beside weights and KV cache (Python, torch, vLLM)
+RUNTIME_BYTES = int(1.5 * GIB)  # the engine's own memory beside weights and KV cache: an estimate (its API server
+# and engine-core processes each hold about 0.7 GiB after importing torch and vLLM here)
 SMALL_MACHINE = 4  # cores up to which no core is kept back for vLLM's scheduler
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "F32": 4, "F16": 2, "BF16": 2,
                "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8, "BOOL": 1}

@@ -10,9 +10,10 @@ decision in each response, and the request checks `ats serve` makes that vLLM do
                 (`abstain.AnswerDecider`: the mean calibrated probability of the answer's tokens, the
                 end-of-sequence token that ended it left out); logprobs the client did not ask for are removed.
 
-Streamed responses pass through unchanged (a client decides with `AnswerDecider` on the streamed logprobs). The
-export comes from $ATS_VLLM_EXPORT, which `ats serve --engine vllm` sets. A plain ASGI middleware: vLLM adds it
-outside its own, so requests without the server's API key ($VLLM_API_KEY) pass through untouched to vLLM's 401.
+Streamed responses, and completions that echo the prompt (their logprobs start with the prompt's), pass through
+unchanged (a client decides with `AnswerDecider` on the answer's logprobs). The export comes from $ATS_VLLM_EXPORT,
+which `ats serve --engine vllm` sets. A plain ASGI middleware: vLLM adds it outside its own, so requests without
+the server's API key ($VLLM_API_KEY) pass through untouched to vLLM's 401.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class ATSMiddleware:
         if kind == "chat" and (error := role_error(body)) is not None:
             await error.response()(scope, _replay(b"", receive), send)
             return
-        if body.get("stream") or self.decider is None:
+        if body.get("stream") or body.get("echo") or self.decider is None:
             await self.app(scope, _replay(raw, receive), send)
             return
         strip = ask_for_logprobs(body, kind)

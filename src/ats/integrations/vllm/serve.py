@@ -48,13 +48,14 @@ def given_options(argv: Sequence[str]) -> dict:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm", exit_on_error=False))
+    def refuse(message: str):
+        raise ATSError(f"vLLM's options: {message}")
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm"))
+    parser.error = refuse  # one line instead of argparse's usage and exit
     for action in parser._actions:  # parse only what is given: no defaults in the namespace
         action.default = argparse.SUPPRESS
-    try:
-        return vars(parser.parse_args(list(argv)))
-    except (argparse.ArgumentError, SystemExit, ValueError) as err:
-        raise ATSError(f"vLLM's options ({' '.join(argv)}): {err}") from None
+    return vars(parser.parse_args(list(argv)))
 
 
 def check_setup(options: dict) -> None:
