@@ -89,6 +89,27 @@ def test_head_route_is_what_the_head_class_says(tiny_models):
         head_route(cal)
 
 
+class _AttendingHead(_OpaqueHead):
+    """A head that attends over earlier positions, without the transformer head's layer layout."""
+
+    reads_context = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 1)
+
+
+def test_paged_head_needs_the_transformer_layout(tiny_models):
+    from ats.integrations.vllm.head import PagedTransformerHead
+
+    _, backbone = tiny_models["llama"]
+    cal = ATSCalibrator.for_backbone(backbone, head_type="mlp")
+    cal.head = _AttendingHead()
+    assert head_route(cal) == "paged"
+    with pytest.raises(ATSError, match="_AttendingHead attends over earlier positions but has no 'attn.k_proj.weight'"):
+        PagedTransformerHead(cal, None, 2)  # refused before vLLM's config is read
+
+
 # --- engine setups refused -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args,message", [
     (["--speculative-config", '{"method": "eagle3", "model": "x", "num_speculative_tokens": 2}'],
