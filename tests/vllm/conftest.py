@@ -168,6 +168,16 @@ def max_difference(got: dict, want: dict, keys=("logprobs", "prompt_logprobs")) 
     return worst
 
 
+def prompt_drift(got: list[dict], want: list[dict], prompts: list[list[int]]) -> float:
+    """The largest |logprob difference| of the prompt tokens themselves between two engines' outputs for `prompts`
+    (teacher-forced: the same tokens in both, whatever bfloat16 does to the greedy text)."""
+    worst = 0.0
+    for g, w, ids in zip(got, want, prompts):
+        for i in range(1, len(ids)):
+            worst = max(worst, abs(g["prompt_logprobs"][i][ids[i]] - w["prompt_logprobs"][i][ids[i]]))
+    return worst
+
+
 def run_vllm(jobs: list[dict], work: Path, *, env: dict | None = None, timeout: int = 900) -> list[dict]:
     """Run the jobs (`vllm_runner.py`) in one fresh process; their outputs with token ids as ints."""
     jobs_path, out_path = work / "jobs.json", work / "out.json"

@@ -66,11 +66,12 @@ def test_serve_engine_vllm_answers_the_openai_client_with_calibrated_logprobs(ti
     head = calibrators(backbone, tmp_path, ["transformer"])["transformer"]
     write_certificate(head, CERTIFIED, load_calibrator(head), backbone)
     port = free_port()
-    env = {**os.environ, "ATS_CACHE": str(tmp_path / "cache"), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    # no VLLM_CPU_* settings and no --gpu-memory-utilization: ats serve's CPU defaults start it on this machine
+    env = {key: value for key, value in os.environ.items() if not key.startswith("VLLM_CPU_")}
+    env["ATS_CACHE"] = str(tmp_path / "cache")
     argv = [sys.executable, "-m", "ats", "serve", "--engine", "vllm", "--model", str(folder), "--calibrator",
             str(head), "--served-model-name", "tiny", "--port", str(port), "--max-model-len", "512", "--",
-            "--enforce-eager", "--gpu-memory-utilization", "0.3"]
+            "--enforce-eager"]
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -89,6 +90,10 @@ def test_serve_engine_vllm_answers_the_openai_client_with_calibrated_logprobs(ti
         out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
                                              max_tokens=8, temperature=0, logprobs=True, top_logprobs=5,
                                              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        bare = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        wizard = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                            json={"model": "tiny", "messages": [{"role": "wizard", "content": prompt}]})
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -111,3 +116,12 @@ def test_serve_engine_vllm_answers_the_openai_client_with_calibrated_logprobs(ti
     assert decision["answer_confidence"] == pytest.approx(confidence, abs=1e-4)
     assert decision == {**CERTIFIED.decide(decision["answer_confidence"]),
                         "answer_confidence": decision["answer_confidence"]}
+    # the server's own `ats` field is that decision, also when the client asked for no logprobs (none returned)
+    assert out.choices[0].model_dump()["ats"] == decision
+    assert bare.choices[0].model_dump()["ats"] == decision and bare.choices[0].logprobs is None
+    # a role ats serve refuses: its 400 (vLLM alone answers 200 and generates)
+    assert wizard.status_code == 400
+    assert wizard.json()["error"]["message"].startswith("messages.0.role: Input should be 'system'")
+    log = (tmp_path / "server.log").read_text()
+    for setting in ("VLLM_CPU_NUM_OF_RESERVED_CPU=0", "VLLM_CPU_OMP_THREADS_BIND=", "VLLM_CPU_KVCACHE_SPACE=1"):
+        assert f"vLLM on CPU: {setting}" in log

@@ -11,6 +11,7 @@ after q = s z), never more than 1e-3.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import pytest
@@ -71,6 +72,8 @@ def runs(tiny_models, tmp_path_factory) -> dict[tuple[str, str], Arm]:
             want = [reference(backbone, cal, p, MAX_TOKENS, TOP) for p in rounds]
             arms[(kind, name)] = Arm(model, None, want, rounds, backbone, cal)
     results = run_vllm(jobs, root)
+    wanted = {"1": "v2", "0": "v1"}.get(os.environ.get("VLLM_USE_V2_MODEL_RUNNER", ""))
+    assert wanted is None or {r["model_runner"] for r in results} == {wanted}  # the runner asked for ran
     return {key: arm._replace(got=result["rounds"]) for (key, arm), result in zip(arms.items(), results)}
 
 

@@ -4,8 +4,9 @@ forked from pytest).
 
 JOBS.json: a list of {"model": folder, "engine": {LLM options}, "rounds": [[[token ids], ...], ...],
 "sampling": {SamplingParams options}}: each round is one `generate` call (later rounds find what earlier ones left
-in the prefix cache). OUT.json: per job {"start_seconds", "rounds": per round, per prompt {"tokens", "logprobs"
-(per generated token {id: logprob} of the top-k and the chosen token), "prompt_logprobs" (when asked)}}.
+in the prefix cache). OUT.json: per job {"start_seconds", "model_runner" ("v1" or "v2": which of vLLM's model
+runners ran it), "rounds": per round, per prompt {"tokens", "logprobs" (per generated token {id: logprob} of the
+top-k and the chosen token), "prompt_logprobs" (when asked)}}.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def run(jobs: list[dict]) -> list[dict]:
             outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
             rounds.append([{"tokens": list(o.outputs[0].token_ids), "logprobs": _logprobs(o.outputs[0].logprobs),
                             "prompt_logprobs": _logprobs(o.prompt_logprobs)} for o in outputs])
-        results.append({"start_seconds": started, "rounds": rounds})
+        runner = "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+        results.append({"start_seconds": started, "model_runner": runner, "rounds": rounds})
         del llm
         gc.collect()
     return results

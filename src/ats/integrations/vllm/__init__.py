@@ -7,7 +7,8 @@ model and the calibrator, its `compute_logits` returning calibrated logits (docs
 
 Installing ats registers the calibrated architecture with vLLM: the entry point `vllm.general_plugins` calls
 `register` in every vLLM process, which names the class lazily (the module below imports vLLM only when vLLM loads
-it). vLLM's logits processors see logits only, never hidden states, so the calibration lives in the model.
+it) after checking that this vLLM is one it supports (`compat`). vLLM's logits processors see logits only, never
+hidden states, so the calibration lives in the model.
 """
 
 from __future__ import annotations
@@ -18,8 +19,19 @@ CALIBRATOR_FOLDER = "calibrator"  # the calibrator inside an export, saved as `s
 
 
 def register() -> None:
-    """vLLM's plugin hook: register the calibrated architecture (lazily, by module path)."""
+    """vLLM's plugin hook: check that this vLLM is one the calibrated model supports (`compat.SUPPORTED`: one line
+    naming the installed and the supported versions otherwise), then register the calibrated architecture
+    (lazily, by module path).
+
+    Raises:
+        ATSError: a vLLM outside the supported window (vLLM stops at start with this line).
+    """
+    import vllm
     from vllm import ModelRegistry
+
+    from .compat import check_version
+
+    check_version(vllm.__version__)
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "ats.integrations.vllm.model:ATSCalibratedForCausalLM")

@@ -30,6 +30,7 @@ from ...hub import MODEL_PATTERNS, resolve_folder
 from ...io import atomic_dir, read_json, write_json
 from ...model.backbone import model_source, revision_of
 from . import ARCHITECTURE, CALIBRATOR_FOLDER, CONFIG_KEY
+from .compat import check_version, setup_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -73,20 +74,43 @@ def base_model(model: str, revision: str | None = None) -> tuple[Path, ModelFact
 
 def check_engine_calibrator(calibrator: Calibrator | type[Calibrator], what: str) -> None:
     """Refuse, in one line, a calibrator that cannot run inside vLLM (it maps a confidence, or holds one
-    temperature per prompt), pointing at `ats serve`, which runs every calibrator."""
+    temperature per prompt, or its head says nothing of what it reads), pointing at `ats serve`, which runs every
+    calibrator."""
     reason = calibrator.position_refusal()
     if reason is not None:
         raise ATSError(f"calibrator {what} {reason}, and vLLM computes calibrated logprobs from each position's "
                        f"logits and hidden states alone; serve it with `ats serve` (ats's own engine) instead")
+    if isinstance(calibrator, Calibrator):
+        head_route(calibrator, what)
+
+
+def head_route(calibrator: Calibrator | None, what: str = "") -> str:
+    """How the calibrated vLLM model runs `calibrator`, from what its head is (the head class's `reads_context`):
+    "paged" (the head attends over earlier positions: a decoder layer in vLLM's paged KV cache), "token" (tau from
+    each position's own hidden state), or "logits" (no head: a map of the logits, or none).
+
+    Raises:
+        ATSError: a per-token head whose class does not say what it reads.
+    """
+    if calibrator is None or not calibrator.token_head:
+        return "logits"
+    head = type(calibrator.head)
+    reads_context = getattr(head, "reads_context", None)
+    if reads_context is None:
+        raise ATSError(f"calibrator {what or calibrator.label!r}: its head class {head.__name__} does not declare "
+                       f"`reads_context` (whether tau attends over earlier positions), so vLLM cannot place it; "
+                       f"serve it with `ats serve` (ats's own engine)")
+    return "paged" if reads_context else "token"
 
 
 def _check_base_architecture(architecture: str, where: Path) -> None:
-    """Refuse an architecture this vLLM has no class for (only when vLLM is installed; the export itself needs
-    no vLLM)."""
+    """Refuse a vLLM outside the supported versions, and an architecture this vLLM has no class for (only when
+    vLLM is installed; the export itself needs no vLLM)."""
     try:
         from vllm import ModelRegistry
     except ImportError:
         return
+    check_version()
     if architecture not in ModelRegistry.get_supported_archs():
         raise ATSError(f"{where}: architecture {architecture!r} is not one vLLM supports")
 
@@ -135,6 +159,10 @@ def export_for_vllm(model: str, calibrator: str | Path | Calibrator | None, out:
     folder, facts, config = base_model(model, revision)
     if calibrator is not None:
         calibrator.check_backbone(facts)
+    quantized = config.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else str(quantized)
+        raise ATSError(f"{folder / 'config.json'}: {setup_refusal(quantization=method)}")
     if threshold is not None:  # certified for this calibrator and backbone, or refused
         read_certificate(threshold.parent).check(calibrator=None if calibrator is None else calibrator.digest(),
                                                  backbone={"base_model": facts.name, "revision": facts.revision,

@@ -53,6 +53,10 @@ class PagedTransformerHead(nn.Module):
     def __init__(self, calibrator: ATSCalibrator, vllm_config: VllmConfig, layer_index: int) -> None:
         super().__init__()
         sizes, head = calibrator.config_.head, calibrator.head
+        missing = sorted(set(_LAYER_KEYS) - set(head.state_dict()))
+        if missing:
+            raise ATSError(f"calibration head {type(head).__name__} attends over earlier positions but has no "
+                           f"{missing[0]!r}: vLLM's paged layer takes the transformer head's layout")
         ranks = vllm_config.parallel_config.tensor_parallel_size
         if sizes.num_heads % ranks:
             raise ATSError(f"the calibration head's {sizes.num_heads} attention heads do not divide among "

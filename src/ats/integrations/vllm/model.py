@@ -4,6 +4,8 @@
                                 returns [h, tau] (N, H + 1) in float32, so tau travels with h to the sampled rows
     compute_logits(rows)     -> q = z * exp(tau).clamp(max_scale)   (the ATS family: `ATSCalibrator.scale`)
                                 q = calibrator.apply(z)            (temperature, vector scaling, none)
+                                both in float32 whatever the model's dtype, as ats's decoding core computes them
+                                (a bfloat16 scale would be rounded by up to 2^-8, 0.4%)
 
 Every row vLLM samples from or scores (sampled tokens, prompt logprobs) passes through `compute_logits`, so the
 logprobs of vLLM's OpenAI server and of lm-eval's `vllm` model are the calibrated ones (vLLM's default
@@ -14,7 +16,9 @@ positions (its keys and values are in vLLM's KV cache: `head.PagedTransformerHea
 column but is exact only in real numbers (lm_eval_model.py's docstring measured the difference), so tau is carried.
 
 The base class is whatever vLLM has for the `base_architecture` of the export (Llama, Qwen2, ...): one class for
-all, by composition. Pipeline parallelism, LoRA and quantized base weights are not supported by this class.
+all, by composition. How a head runs is decided by what it is (`export.head_route`: its class's `reads_context`).
+Setups it cannot serve (hidden-state speculative decoders, quantized base weights, pipeline parallelism, the
+pooling runner, LoRA) are refused before the base model is built (`compat.check_vllm_config`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from ...calibrators import Calibrator, load_calibrator
 from ...errors import ATSError
 from ...hub import resolve_folder
 from . import CONFIG_KEY
-from .export import check_engine_calibrator
+from .compat import check_vllm_config
+from .export import check_engine_calibrator, head_route
 
 
 @contextmanager
@@ -69,6 +74,7 @@ class ATSCalibratedForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
+        check_vllm_config(vllm_config)
         hf_config = vllm_config.model_config.hf_config
         record = getattr(hf_config, CONFIG_KEY, None)
         if not isinstance(record, dict) or "base_architecture" not in record:
@@ -80,9 +86,10 @@ class ATSCalibratedForCausalLM(nn.Module):
         self.dtype = vllm_config.model_config.dtype
         self.head: nn.Module | None = None
         self.paged = False  # the head attends over earlier positions (the paper's transformer head)
-        if self.calibrator is not None and self.calibrator.token_head:
+        route = head_route(self.calibrator)
+        if route != "logits":
             device = torch.get_default_device()
-            if self.calibrator.config_.head.head_type == "transformer":
+            if route == "paged":
                 from .head import PagedTransformerHead
 
                 self.head = PagedTransformerHead(self.calibrator, vllm_config, hf_config.num_hidden_layers)
@@ -111,17 +118,19 @@ class ATSCalibratedForCausalLM(nn.Module):
         return torch.cat([hidden.float(), tau[:, None]], dim=-1)  # (N, H + 1)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor | None:
-        """Calibrated logits (n, V) of the n rows vLLM samples from or scores."""
+        """Calibrated logits (n, V) of the n rows vLLM samples from or scores: float32 (ats's decoding core makes
+        z float32 before calibrating it; vLLM's sampler computes in float32 either way), the model's own without a
+        calibrator."""
         if self.calibrator is None:
             return self.base.compute_logits(hidden_states)
         if self.head is None:  # temperature / vector scaling: a map of the logits
             logits = self.base.compute_logits(hidden_states)
-            return None if logits is None else self.calibrator.apply(logits)
-        hidden, tau = hidden_states[:, :-1].to(self.dtype), hidden_states[:, -1]  # (n, H), (n,)
-        logits = self.base.compute_logits(hidden)  # (n, V)
+            return None if logits is None else self.calibrator.apply(logits.float())
+        hidden, tau = hidden_states[:, :-1].to(self.dtype), hidden_states[:, -1]  # (n, H), (n,) float32
+        logits = self.base.compute_logits(hidden)  # (n, V) in the model's dtype
         if logits is None:
             return None
-        return logits * self.calibrator.scale(tau).to(logits.dtype)[:, None]
+        return logits.float() * self.calibrator.scale(tau.float())[:, None]  # (n, V) float32
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """The base model's weights from the folder (vLLM's loader), then the head's from the calibrator."""

@@ -3,9 +3,13 @@ the fly under the cache and reused while they are the same (`export_for_vllm`'s 
 
 The server is vLLM's (`python -m vllm.entrypoints.openai.api_server`; the `vllm` script is not used because vLLM
 built for CPUs installs under another distribution name and the script fails there): its logprobs and
-top_logprobs are the calibrated ones, its sampling temperature applies on top. What it does not return is ats's
-`ats` field per choice (sequence and answer confidence, tau): that is `ats serve`'s own engine; the
-answer-or-abstain decision of a certified threshold is made by the client (`abstain.AnswerDecider`).
+top_logprobs are the calibrated ones, its sampling temperature applies on top. ats's layer in it
+(`middleware.ATSMiddleware`, vLLM's `--middleware`) adds each choice's `ats` decision fields (answer confidence,
+answered, threshold, target risk, delta) and refuses the chat roles `ats serve` refuses.
+
+Before anything starts: the vLLM version (`compat.check_version`), the engine setup read with vLLM's own parser
+(`compat.setup_refusal`: hidden-state speculative decoders, quantization, pipeline parallelism, the pooling
+runner, LoRA), and on CPUs the settings a shared machine needs and the memory they ask for (`cpu`).
 """
 
 from __future__ import annotations
@@ -18,14 +22,52 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ...calibrators import Calibrator, load_calibrator
+from ...errors import ATSError
 from ...evaluation.threshold import read_threshold
 from ...model.backbone import cache_dir
 from . import CALIBRATOR_FOLDER
-from .export import export_for_vllm
+from .compat import check_version, setup_refusal
+from .export import export_for_vllm, head_route
+from .middleware import EXPORT_ENV
 
 logger = logging.getLogger(__name__)
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+MIDDLEWARE = "ats.integrations.vllm.middleware.ATSMiddleware"
+
+
+def given_options(argv: Sequence[str]) -> dict:
+    """The options of vLLM's server command line `argv` (after `-m MODULE`) that it sets, read by vLLM's own parser
+    (its spellings: `--gpu-memory-utilization=0.5`, `-tp 2`, `--speculative-config.method eagle`): dest -> value.
+
+    Raises:
+        ATSError: a command line vLLM's parser refuses (its message).
+    """
+    import argparse
+
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    def refuse(message: str):
+        raise ATSError(f"vLLM's options: {message}")
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm"))
+    parser.error = refuse  # one line instead of argparse's usage and exit
+    for action in parser._actions:  # parse only what is given: no defaults in the namespace
+        action.default = argparse.SUPPRESS
+    return vars(parser.parse_args(list(argv)))
+
+
+def check_setup(options: dict) -> None:
+    """Refuse in one line an engine setup the calibrated model cannot serve (`compat.setup_refusal`)."""
+    speculative = options.get("speculative_config") or {}
+    reason = setup_refusal(
+        speculative_method=options.get("spec_method") or (speculative.get("method")
+                                                          if isinstance(speculative, dict) else None),
+        quantization=options.get("quantization"), pipeline_parallel_size=options.get("pipeline_parallel_size", 1),
+        runner=options.get("runner"), lora=bool(options.get("enable_lora")))
+    if reason is not None:
+        raise ATSError(f"vLLM's options: {reason}")
 
 
 def export_cache(model: str, calibrator: Calibrator | None) -> Path:
@@ -42,7 +84,7 @@ def server_argv(export: Path, *, served_model_name: str, host: str, port: int, d
     `vllm_args` (vLLM's own options, passed through last so they win). The API key goes in the environment
     (VLLM_API_KEY), not on a command line that every user of the machine can read."""
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", str(export), "--served-model-name", served_model_name,
-            "--host", host, "--port", str(port)]
+            "--host", host, "--port", str(port), "--middleware", MIDDLEWARE]
     for flag, value in (("--dtype", dtype), ("--max-model-len", max_model_len), ("--max-num-seqs", max_num_seqs)):
         if value is not None:
             argv += [flag, str(value)]
@@ -70,20 +112,57 @@ def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_n
     Raises:
         ATSError: a calibrator vLLM cannot run or made for another model (before anything starts).
     """
+    check_version()
     loaded = None if calibrator is None or str(calibrator) == "none" else load_calibrator(calibrator)
-    folder = export_for_vllm(model, loaded, export or export_cache(model, loaded), revision=revision,
-                             overwrite=export is None, threshold_from=None if loaded is None else calibrator)
+    folder = Path(export or export_cache(model, loaded))
     argv = server_argv(folder, served_model_name=served_model_name, host=host, port=port, dtype=dtype,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, vllm_args=vllm_args)
+    options = given_options(argv[3:])
+    check_setup(options)
+    export_for_vllm(model, loaded, folder, revision=revision, overwrite=export is None,
+                    threshold_from=None if loaded is None else calibrator)
+    env = dict(os.environ, **({"VLLM_API_KEY": api_key} if api_key else {}), **{EXPORT_ENV: str(folder)})
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        env.update(cpu_environment(folder, loaded, options, env))
     logger.info("starting vLLM's OpenAI server on %s (calibrated by %s): http://%s:%d/v1", folder,
                 "none" if loaded is None else loaded.label, host, port)
     threshold = read_threshold(folder / CALIBRATOR_FOLDER)
     if threshold is not None:
-        logger.info("the calibrator's certified threshold %s (target risk %g) travels with the export; vLLM's "
-                    "responses do not carry the answer-or-abstain field: clients decide with "
-                    "ats.integrations.vllm.abstain.AnswerDecider.from_export(%r)", threshold.threshold,
-                    threshold.target_risk, str(folder))
-    env = dict(os.environ, **({"VLLM_API_KEY": api_key} if api_key else {}))
+        logger.info("answer-or-abstain: each choice's `ats` field says answered when the answer confidence is >= %s "
+                    "(certified: risk <= %g with probability >= %g)", threshold.threshold, threshold.target_risk,
+                    1 - threshold.delta)
     for handler in logging.getLogger("ats").handlers:
         handler.flush()
     os.execve(argv[0], argv, env)
+
+
+def cpu_environment(folder: Path, calibrator: Calibrator | None, options: dict, environ: dict) -> dict[str, str]:
+    """The settings vLLM's CPU backend gets that the user did not make (`cpu.cpu_settings`, each logged), after
+    checking that the memory available now holds the model, its KV cache and the engine (`cpu.check_memory`).
+
+    Raises:
+        ATSError: memory or cores short, in one line naming the setting.
+    """
+    from transformers import AutoConfig
+
+    from .cpu import DTYPE_BYTES, available_memory, check_memory, cpu_settings, weights_bytes
+
+    config = AutoConfig.from_pretrained(str(folder))
+    dtype = options.get("dtype", "auto")
+    if dtype == "auto":
+        dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    dtype_bytes = DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
+    text = config.get_text_config()
+    max_model_len = int(options.get("max_model_len") or getattr(text, "max_position_embeddings", None) or 2048)
+    head_width = calibrator.config_.head.hidden_size if head_route(calibrator) == "paged" else 0
+    settings = cpu_settings(environ, options, folder=folder, config=config, dtype_bytes=dtype_bytes,
+                            max_model_len=max_model_len, max_num_seqs=int(options.get("max_num_seqs", 256)),
+                            tensor_parallel=int(options.get("tensor_parallel_size", 1)), head_width=head_width)
+    for note in settings.notes:
+        logger.info("vLLM on CPU: %s (set it to choose)", note)
+    available, total = available_memory()
+    logger.info("vLLM on CPU: %s", check_memory(settings, options, weights=weights_bytes(folder, dtype_bytes),
+                                                 available=available, total=total))
+    return settings.env

@@ -6,7 +6,10 @@ projection: tau == 0 exactly at step 0 and the calibrated model starts as the or
 
 Four heads share one signature, `head(hidden, attention_mask=None, cache=None) -> tau (B, T) float32`, where
 `hidden` is (B, T, H), `attention_mask` (B, T) is 1 on real tokens (with a cache: (B, T_past + T), covering the
-cached positions too) and `cache` is a `HeadCache` (read by the transformer head only; the others ignore it):
+cached positions too) and `cache` is a `HeadCache` (read by the transformer head only; the others ignore it).
+Each class says what tau reads (`reads_context`: False when tau at a position reads only that position's hidden
+state, True when it attends over the earlier ones), which decides how an engine runs it (vLLM: per token, or as
+a layer in its paged KV cache):
 
 - `ConstantHead`: one learned scalar, the same tau for every token (a global temperature trained with ATS's loss:
   the control that shows what per-token adaptivity adds).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +24,8 @@ class ConstantHead(nn.Module):
     Args:
         hidden_size: H (sets the gain only).
     """
+
+    reads_context: ClassVar[bool] = False  # tau at a position reads that position's hidden state only
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
@@ -48,6 +50,8 @@ class LinearHead(nn.Module):
         hidden_size: H.
     """
 
+    reads_context: ClassVar[bool] = False  # tau at a position reads that position's hidden state only
+
     def __init__(self, hidden_size: int):
         super().__init__()
         self.proj = zero_linear(nn.Linear(hidden_size, 1))
@@ -70,6 +74,8 @@ class MLPHead(nn.Module):
         hidden_size: H.
         mlp_hidden: the hidden layer's width; None: H.
     """
+
+    reads_context: ClassVar[bool] = False  # tau at a position reads that position's hidden state only
 
     def __init__(self, hidden_size: int, mlp_hidden: int | None = None):
         super().__init__()

