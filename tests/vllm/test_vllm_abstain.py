@@ -111,3 +111,28 @@ def test_decide_leaves_out_the_end_token_only_when_it_ended_the_answer():
 def test_decide_refuses_a_choice_without_logprobs():
     with pytest.raises(ATSError, match="logprobs=True"):
         AnswerDecider(CERTIFIED, frozenset()).decide({"finish_reason": "stop", "logprobs": None})
+
+
+def test_a_probe_exports_its_temperature_and_not_its_threshold(tiny_models, tmp_path, caplog):
+    """A probe's certified threshold is of its P(correct), which needs hidden states vLLM does not return: the export
+    carries the probe (its token half, the temperature, is what vLLM applies) and leaves the threshold out."""
+    import torch
+
+    from ats.calibrators import load_calibrator
+    from ats.calibrators.probe import VIEWS, CorrectnessProbe
+
+    folder, backbone = tiny_models["llama"]
+    probe = CorrectnessProbe(layers=[0], views=list(VIEWS), l2=1.0, hidden_size=backbone.hidden_size,
+                             base_model=backbone.name, revision=backbone.revision)
+    d = len(VIEWS) * backbone.hidden_size + 1
+    probe.set_weights(torch.ones(d), 0.0, torch.zeros(d), torch.ones(d))
+    probe.temperature = 1.4
+    probe.save_pretrained(tmp_path / "probe")
+    write_certificate(tmp_path / "probe", CERTIFIED, probe, backbone)
+    with caplog.at_level("WARNING"):
+        out = export_for_vllm(str(folder), str(tmp_path / "probe"), tmp_path / "out")
+    assert not (out / CALIBRATOR_FOLDER / THRESHOLD_NAME).exists()
+    assert "reads hidden states of layers [0] that vLLM's responses do not carry" in caplog.text
+    exported = load_calibrator(out / CALIBRATOR_FOLDER)
+    z = torch.randn(3, backbone.vocab_size)
+    torch.testing.assert_close(exported.apply(z), z / 1.4)

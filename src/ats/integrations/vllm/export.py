@@ -156,6 +156,12 @@ def export_for_vllm(model: str, calibrator: str | Path | Calibrator | None, out:
     threshold = None if threshold_from is None else _threshold_file(threshold_from)
     if calibrator is not None:
         check_engine_calibrator(calibrator, f"{calibrator.label!r}")
+    if threshold is not None and calibrator is not None and calibrator.answer_probe:
+        logger.warning("%s: not exported: it certifies the correctness probe's answer confidence, which reads hidden "
+                       "states of layers %s that vLLM's responses do not carry; the export serves the probe's token "
+                       "probabilities (temperature %.4g) and answer-or-abstain decisions are `ats serve`'s",
+                       threshold, calibrator.layers, calibrator.temperature)
+        threshold = None
     folder, facts, config = base_model(model, revision)
     if calibrator is not None:
         calibrator.check_backbone(facts)
