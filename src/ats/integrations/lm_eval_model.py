@@ -86,7 +86,8 @@ def _check_supported(cls: type[Calibrator], what: str) -> None:
     reason = cls.position_refusal()
     if reason is not None:
         raise ATSError(f"calibrator {what} {reason}: lm-eval scores batched requests position by position; use an "
-                       f"ATS head, temperature or vector scaling")
+                       f"ATS head, temperature, vector scaling or a probe (`ats train --method probe`: one "
+                       f"temperature for tokens)")
 
 
 @torch.no_grad()

@@ -79,7 +79,9 @@ def check_engine_calibrator(calibrator: Calibrator | type[Calibrator], what: str
     reason = calibrator.position_refusal()
     if reason is not None:
         raise ATSError(f"calibrator {what} {reason}, and vLLM computes calibrated logprobs from each position's "
-                       f"logits and hidden states alone; serve it with `ats serve` (ats's own engine) instead")
+                       f"logits and hidden states alone; serve it with `ats serve` (ats's own engine), or train one "
+                       f"that vLLM runs: `ats train --method probe` (one temperature for tokens), temperature or an "
+                       f"ATS head")
     if isinstance(calibrator, Calibrator):
         head_route(calibrator, what)
 
