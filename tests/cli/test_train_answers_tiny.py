@@ -66,6 +66,9 @@ def test_thermometer_and_the_token_term_train_on_answers(model_dir, tmp_path, ca
     assert config["type"] == "thermometer"
     record = config["history"][0]
     assert record["data"] == "answers" and record["loss_type"] == "answer-log" and record["token_weight"] == 0.0
+    history = json.loads((out / "head" / "training_history.json").read_text())  # as an instruction head's folder
+    assert len(history["steps"]) >= 1 and "loss" in history["steps"][0]
+    assert json.loads((out / "head" / "fingerprint.json").read_text())["training"]["data"] == "answers"
     printed = capsys.readouterr().out
     assert "| sciq | 3 |" in printed and "nan" not in printed  # AUROC of an all-wrong task is shown as "-"
     assert main([*base, "--method", "thermometer", "--out", str(out)]) == 0  # the same settings: reused
@@ -105,6 +108,8 @@ def test_a_probe_fits_on_answers_and_is_reused_and_answers_refuse_several_proces
     assert set(chosen["per_fold_log_loss"]) == set(config["training"]["tasks"])  # each pool task left out once
     printed = capsys.readouterr().out
     assert "probe" in printed and "| sciq | 6 |" in printed
+    history = json.loads((out / "head" / "training_history.json").read_text())
+    assert history["selection"]["chosen"] == chosen and (out / "head" / "fingerprint.json").is_file()
     # the table's probe confidence is the saved probe's on the cached answers
     backbone = load_backbone(str(model_dir))
     probe = load_calibrator(out / "head", backbone)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..calibrators.base import CONFIG_NAME
 from ..errors import ATSError
-from ..fingerprint import check_reuse
-from ..io import read_json
+from ..fingerprint import check_reuse, write_fingerprint
+from ..io import read_json, write_json
 from ..model.heads.config import MAX_SCALE
 from ..training.answer_objective import answer_record, train_on_answers
 from ..training.answers import AnswerSet
@@ -67,9 +67,11 @@ def train_spec(backbone, sets: list[AnswerSet], pool: AnswerPool, *, kind: str, 
         return probe
     calibrator = fresh_head(backbone, kind, training.seed, method, max_scale=max_scale,
                             lr=training.learning_rate(0), epochs=training.epochs, batch_size=training.batch_size)
-    train_on_answers(calibrator, sets, backbone.logits, config=training, token_store=token_store if tokens else None,
-                     token_weight=pool.token_weight if tokens else 0.0, token_max=pool.token_max,
-                     token_window=pool.token_window, progress=progress)
+    result = train_on_answers(calibrator, sets, backbone.logits, config=training,
+                              token_store=token_store if tokens else None,
+                              token_weight=pool.token_weight if tokens else 0.0, token_max=pool.token_max,
+                              token_window=pool.token_window, progress=progress)
+    calibrator.training_history_ = {"steps": result.history, "epochs": result.epochs}
     return calibrator
 
 
@@ -170,4 +172,9 @@ def train_answer_head(backbone, out: str | Path, *, spec: str, training: Trainin
                             tokens=tokens, training=training,
                             method=f"{kind}-answers", max_scale=max_scale, token_store=token_store, progress=progress)
     calibrator.save_pretrained(head_dir)
+    # the files an instruction-trained head's folder has (`pipeline.fit_head`): its fingerprint and its history
+    record = answer_head_record(training, pool, tokens)
+    write_fingerprint(head_dir, answer_head_fingerprint(kind, None if kind in UNTOKENED else max_scale, record))
+    history = getattr(calibrator, "training_history_", None) or {"selection": getattr(calibrator, "selection", None)}
+    write_json(head_dir / "training_history.json", history)
     return calibrator, sets, False
