@@ -123,6 +123,23 @@ def temperature_scaling(temperature: float = TEMPERATURE):
     return calibrator
 
 
+def random_probe(backbone, temperature: float = TEMPERATURE):
+    """A correctness probe on three layers (the middle, three quarters, the last) with random weights, as if
+    fitted: its cost, one more forward over prompt + answer per finished answer, does not depend on them."""
+    from ats.calibrators.probe import VIEWS, CorrectnessProbe
+    from ats.model.layers import candidate_layers, decoder_layers
+    from ats.training.probe_fit import layer_set
+
+    layers = layer_set("spread", candidate_layers(len(decoder_layers(backbone.model))))
+    probe = CorrectnessProbe(layers=layers, views=list(VIEWS), l2=1.0, hidden_size=backbone.hidden_size,
+                             base_model=backbone.name, revision=backbone.revision)
+    d = len(layers) * len(VIEWS) * backbone.hidden_size + 1
+    g = torch.Generator().manual_seed(0)
+    probe.set_weights(0.01 * torch.randn(d, generator=g), 0.0, torch.zeros(d), torch.ones(d))
+    probe.temperature = temperature
+    return probe
+
+
 def run_generate(backbone, ids, mask, new_tokens: int) -> tuple[int, dict]:
     """transformers' `generate`, greedy, exactly `new_tokens` per row; (tokens, no timers)."""
     seq = backbone.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
@@ -148,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"arms, of {', '.join(METHODS)} and probe (a correctness probe's extra pass per answer)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "generation"),
                    help="writes OUT.md and OUT.json")
     args = p.parse_args(argv)
@@ -155,8 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     command = command_line(argv)
 
     backbone = load_backbone(args.model)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS) - {"probe"})
+    if unknown or "uncalibrated" not in methods:
+        raise SystemExit(f"--methods: unknown {unknown} or no 'uncalibrated' (the reference)")
     calibrators = {"uncalibrated": None, "temperature": temperature_scaling(),
-                   "ats": randomised_calibrator(backbone, "transformer")}
+                   "ats": randomised_calibrator(backbone, "transformer"), "probe": random_probe(backbone)}
     batches = [int(b) for b in args.batches.split(",") if b]
 
     prompt_lengths, inputs = {}, {}
@@ -173,16 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         return run_core(backbone, calibrators[method], lists, new_tokens)
 
     for b in batches:
-        for method in METHODS:  # warm-up: allocator, lazy initialisation, first-call costs
+        for method in methods:  # warm-up: allocator, lazy initialisation, first-call costs
             assert run(method, b, 4)[0] == 4 * b
 
     load_start = load_average()
     started = time.perf_counter()
-    times: dict[str, dict[str, list[float]]] = {str(b): {m: [] for m in METHODS} for b in batches}
-    shares: dict[str, dict[str, list[float]]] = {str(b): {m: [] for m in METHODS} for b in batches}
+    times: dict[str, dict[str, list[float]]] = {str(b): {m: [] for m in methods} for b in batches}
+    shares: dict[str, dict[str, list[float]]] = {str(b): {m: [] for m in methods} for b in batches}
     for r in range(args.repeats):
         for b in batches:
-            order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]
+            order = methods[r % len(methods):] + methods[:r % len(methods)]
             for method in order:
                 t0 = time.perf_counter()
                 count, timing = run(method, b, args.new_tokens)
@@ -201,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for b in batches:
         base = times[str(b)]["uncalibrated"]
-        for method in METHODS:
+        for method in methods:
             mine = times[str(b)][method]
             median = statistics.median(mine)
             rows.append({
@@ -218,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"name": backbone.name, "revision": backbone.revision, "hidden_size": backbone.hidden_size,
                   "vocab_size": backbone.vocab_size, "dtype": str(backbone.dtype),
                   "parameters": sum(p.numel() for p in backbone.model.parameters())},
-        "head_parameters": sum(p.numel() for p in calibrators["ats"].head.parameters()),
+        "head_parameters": sum(p.numel() for p in calibrators["ats"].head.parameters()), "methods": methods,
         "new_tokens": args.new_tokens, "batches": batches, "repeats": args.repeats, "prompt_lengths": prompt_lengths,
         "decoding": "greedy, min_new_tokens = max_new_tokens, chat template",
         "wall_seconds": wall,
@@ -271,7 +294,10 @@ def format_markdown(result: dict, table: str) -> str:
         f"computing the chosen tokens' calibrated and uncalibrated log-probabilities / decoding-step time; both "
         f"from the decoder's timers. In-run ratio = (1 - head share - scoring share) / (1 - the uncalibrated run's "
         f"head and scoring shares): the arm's tokens/s relative to uncalibrated decoding, estimated inside each run, "
-        f"robust to machine load. Total benchmark time {result['wall_seconds']:.0f} s.",
+        f"robust to machine load. Total benchmark time {result['wall_seconds']:.0f} s."
+        + (" `probe`: a correctness probe on three layers (temperature for tokens): its extra forward over prompt + "
+           "answer when each answer finishes is outside the decoder's step timers, so its cost is the tokens/s "
+           "ratio, not the shares." if "probe" in result.get("methods", ()) else ""),
         "",
         table,
         "",
