@@ -4,8 +4,9 @@ certifies, so that the certified confidence and correctness are those of a serve
 Each question goes alone as one user turn through the backbone's chat template (raw text for a backbone without
 one), and is answered greedily from the calibrated logits by the decoder `ats serve` and `ats generate` run
 (`generation.generate_calibrated`), until an end-of-sequence token or `max_tokens` new tokens (no stop strings).
-The confidence is the served one, `answer_confidence` (the mean calibrated probability of the answer's tokens, the
-end-of-sequence token left out, through the calibrator's map when it has one); an answer without tokens has none and
+The confidence is the served one, `answer_confidence` (a correctness probe's P(correct); otherwise the mean
+calibrated probability of the answer's tokens, the end-of-sequence token left out, through the calibrator's map when
+it has one); an answer without tokens has none and
 is never answered, recorded here as confidence 0. Correct = a normalised alias occurs in the normalised answer as
 whole words (`tasks.triviaqa.contains_match`): a chat answer states its answer inside a sentence.
 """
@@ -29,7 +30,8 @@ def answer_format(backbone, max_tokens: int = ANSWER_MAX_TOKENS) -> dict:
     return {"prompt": "the question alone, one user turn", "chat_template": bool(backbone.is_chat),
             "decoding": "greedy on the calibrated logits (ats serve's decoder)",
             "stop": "end-of-sequence tokens only", "max_tokens": int(max_tokens),
-            "confidence": "answer_confidence (mean calibrated token probability, end-of-sequence left out)",
+            "confidence": "answer_confidence as served (a correctness probe's P(correct); otherwise the mean "
+                          "calibrated token probability, end-of-sequence left out)",
             "judge": JUDGE}
 
 
