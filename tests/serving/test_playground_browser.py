@@ -26,6 +26,7 @@ from ats.evaluation.tasks.base import TaskResult
 from ats.evaluation.threshold import certify_threshold
 from ats.io import write_json
 
+from helpers import write_certificate
 from server_process import API_KEY, MODEL_NAME, Server
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -84,8 +85,8 @@ def served(model_dir, head_dir, calibrator, backbone, tmp_path_factory):
     shutil.copytree(head_dir, head)
     rng = np.random.default_rng(1)
     conf = rng.uniform(size=2000)
-    threshold = certify_threshold(conf, rng.uniform(size=2000) < conf, alpha=0.3, delta=0.1)
-    write_json(head / "threshold.json", {"threshold": threshold.to_dict()})
+    threshold = certify_threshold(conf, rng.uniform(size=2000) < conf, target_risk=0.3, delta=0.1)
+    write_certificate(head, threshold, calibrator, backbone)  # as ats certify writes it, for this head and model
     srv = Server(["--model", str(model_dir), "--calibrator", str(head), "--served-model-name", MODEL_NAME,
                   "--compare", str(_thermometer_folder(backbone, root)), "--compare", "none",
                   "--eval", str(_eval_folder(calibrator, root))], root / "server.log", api_key=API_KEY)
