@@ -314,3 +314,17 @@ def write_certificate(folder: Path, threshold, calibrator, backbone) -> Path:
     path = Path(folder) / THRESHOLD_NAME
     write_json(path, {"threshold": threshold.to_dict(), "served": served, "sets": [], "tasks": {}, "fingerprint": {}})
     return path
+
+
+def random_thermometer(hidden_size: int, seed: int):
+    """A Thermometer away from identity (network weights 0.5 x N(0, 1), seeded), marked fitted: one temperature per
+    prompt that varies from prompt to prompt."""
+    from ats.calibrators.thermometer import Thermometer
+
+    thermometer = Thermometer(hidden_size=hidden_size, mlp_hidden=16)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in thermometer.net.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    thermometer.fitted = True
+    return thermometer

@@ -19,7 +19,7 @@ from ats.generation import (
     print_stream,
 )
 
-from helpers import calibrator_for
+from helpers import calibrator_for, random_thermometer
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea and the wind, please."]
 
@@ -250,18 +250,11 @@ def test_cli_generate_streams_the_api_text_and_confidence(smollm2, tmp_path, cap
 def _fitted(backbone, kind: str):
     """A calibrator of type `kind` away from identity for `backbone` (None for "none")."""
     from ats.calibrators import build_calibrator
-    from ats.calibrators.thermometer import Thermometer
 
     if kind == "none":
         return None
     if kind == "thermometer":
-        thermometer = Thermometer(hidden_size=backbone.hidden_size, mlp_hidden=16)
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in thermometer.net.parameters():
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-        thermometer.fitted = True
-        return thermometer
+        return random_thermometer(backbone.hidden_size, 1)
     ids = torch.tensor([backbone.tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]])
     with torch.no_grad():
         hidden, _ = backbone.forward(ids)

@@ -19,14 +19,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from ats.evaluation.evaluate import summarize_task
 from ats.evaluation.tasks.base import TaskResult
 from ats.evaluation.threshold import certify_threshold
 from ats.io import write_json
 
-from helpers import write_certificate
+from helpers import random_thermometer, write_certificate
 from server_process import API_KEY, MODEL_NAME, Server
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -48,14 +47,7 @@ def shade(p: float) -> str:
 
 
 def _thermometer_folder(backbone, root: Path) -> Path:
-    from ats.calibrators.thermometer import Thermometer
-
-    g = torch.Generator().manual_seed(11)
-    thermometer = Thermometer(hidden_size=backbone.hidden_size, mlp_hidden=16)
-    with torch.no_grad():
-        for p in thermometer.net.parameters():
-            p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    thermometer.fitted = True
+    thermometer = random_thermometer(backbone.hidden_size, 11)
     thermometer.save_pretrained(root / "thermometer")
     return root / "thermometer"
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from ats.calibrators import build_calibrator
-from ats.calibrators.thermometer import Thermometer
 from ats.generation import SamplingParams
 from ats.generation.calibration import DecodingCalibration
 from ats.generation.decoder import eos_ids
@@ -19,19 +18,14 @@ from ats.generation.logprobs import answer_confidence
 from ats.serving.engine import Engine, Job
 from ats.serving.rescore import rescore, unique_ids
 
+from helpers import random_thermometer
 from serving_reference import chat_ids, choices, forward
 
 PROMPT = "Tell me about the sea."
 
 
-def _thermometer(backbone) -> Thermometer:
-    g = torch.Generator().manual_seed(5)
-    thermometer = Thermometer(hidden_size=backbone.hidden_size, mlp_hidden=16)
-    with torch.no_grad():
-        for p in thermometer.net.parameters():
-            p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    thermometer.fitted = True
-    return thermometer
+def _thermometer(backbone):
+    return random_thermometer(backbone.hidden_size, 5)
 
 
 def _vector(backbone):
