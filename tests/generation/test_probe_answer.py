@@ -30,6 +30,9 @@ def test_generated_answer_confidence_is_the_probes(tiny_backbone, probe):
     out = generate_calibrated(tiny_backbone, probe, "the sky is", max_new_tokens=6, chat_template=False)[0]
     plain = generate_calibrated(tiny_backbone, None, "the sky is", max_new_tokens=6, chat_template=False)[0]
     assert out.token_ids == plain.token_ids and out.confidence_kind == "probe"
+    from ats.generation.calibration import DecodingCalibration
+
+    assert "correctness probe's P(correct) from layers [0]" in DecodingCalibration(probe, tiny_backbone).describe()
     prompt = tiny_backbone.tokenizer("the sky is").input_ids
     answer = [t for t in out.token_ids if t not in eos_ids(tiny_backbone)]
     model = tiny_backbone.model(input_ids=torch.tensor([prompt + answer]), output_hidden_states=True)

@@ -153,6 +153,9 @@ class DecodingCalibration:
                   else "leaves log-probabilities and sampling the model's own")
         if self.maps_confidence:
             return f"{name}: {logits}; maps each token's confidence (and the answer confidence) through its bins"
+        if self.answer_probe:
+            return (f"{name}: one temperature {logits}; the answer confidence is a correctness probe's P(correct) "
+                    f"from layers {self.calibrator.layers} at the finished answer (one more forward pass)")
         return f"{name}: {logits}"
 
     # --- prefill and decoding steps ---------------------------------------------------------------------------------

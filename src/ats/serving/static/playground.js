@@ -309,8 +309,13 @@ function renderVerdict() {
     el("dt", {}, "mean token probability, calibrated"), el("dd", {}, fmt(summary.mean_confidence)),
     el("dt", {}, "mean token probability, raw"), el("dd", {}, fmt(summary.mean_uncalibrated)),
     el("dt", {}, "calibrator"), el("dd", {}, `${state.calibrator} (${summary.confidence_kind || cal.confidence_kind})`)));
-  parts.push(el("p", { class: "muted" }, "The answer confidence is the mean calibrated probability of the answer's " +
-    "tokens (as ats eval scores free-form answers). If the calibrator is calibrated for questions like this one, " +
+  const kind = summary.confidence_kind || cal.confidence_kind;
+  const source = kind === "probe"
+    ? "The answer confidence is the correctness probe's P(correct): read from the model's hidden states at the " +
+      "answer, not from its token probabilities. "
+    : "The answer confidence is the mean calibrated probability of the answer's tokens (as ats eval scores " +
+      "free-form answers). ";
+  parts.push(el("p", { class: "muted" }, source + "If the calibrator is calibrated for questions like this one, " +
     `answers given with confidence ${fmt(conf, 2)} are right about ${pct(conf, 0)} of the time; the calibrator's ` +
     "record says how well that held on the tasks it was evaluated on."));
   box.replaceChildren(...parts);
