@@ -131,7 +131,7 @@ def random_probe(backbone, temperature: float = TEMPERATURE):
     from ats.training.probe_fit import layer_set
 
     layers = layer_set("spread", candidate_layers(len(decoder_layers(backbone.model))))
-    probe = CorrectnessProbe(layers=layers, views=list(VIEWS), l2=1.0, hidden_size=backbone.hidden_size,
+    probe = CorrectnessProbe(layers=layers, views=list(VIEWS), c=1.0, hidden_size=backbone.hidden_size,
                              base_model=backbone.name, revision=backbone.revision)
     d = len(layers) * len(VIEWS) * backbone.hidden_size + 1
     g = torch.Generator().manual_seed(0)

@@ -109,7 +109,7 @@ def score_all(args) -> dict:
             "sizes": {"pool": pool.pool_size, "mmlu_pool": pool.mmlu_per_subject, "held_out": args.held_out,
                       "mmlu_held_out": args.mmlu_held_out, "mmlu": args.mmlu, "triviaqa": args.triviaqa,
                       "truthfulqa": args.truthfulqa, "instruction_limit": args.instruction_limit},
-            "probe": {"layers": probe.layers, "views": probe.views, "l2": probe.l2,
+            "probe": {"layers": probe.layers, "views": probe.views, "c": probe.c,
                       "temperature": probe.temperature, "selection": probe.selection},
             "scores": scores, "left_out": left_out}
 
@@ -171,7 +171,7 @@ def write_report(out: Path) -> None:
         held = [n for n in r["tables"] if n.endswith("_held_out")]
         lines += [f"## {r['model']}", "", f"Command: `{r['command']}`. Machine: {r['machine']}. Sizes: {r['sizes']}.",
                   f"Probe chosen on the pool (leave one pool task out): layers {r['probe']['layers']}, views "
-                  f"{r['probe']['views']}, L2 C = {r['probe']['l2']:g}; token temperature "
+                  f"{r['probe']['views']}, C = {r['probe']['c']:g} (confidence-only when no layers); token temperature "
                   f"{r['probe']['temperature']:.3f}.", "", "### Reported tasks (nothing trained or selected on them)", ""]
         for key in METRICS:
             lines += _metric_table(r["tables"], reported, key)

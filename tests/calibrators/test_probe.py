@@ -12,7 +12,7 @@ from ats.calibrators import load_calibrator
 from ats.calibrators.probe import VIEWS, CorrectnessProbe
 from ats.errors import ATSError
 from ats.training.answers import AnswerSet
-from ats.training.probe_fit import ProbeGrid, fit_probe, gold_choice_summary, probe_inputs
+from ats.training.probe_fit import FREE_SCALE, ProbeGrid, fit_probe, gold_choice_summary, probe_inputs
 
 LAYERS = [1, 3, 5, 7]  # recorded; the signal is planted in layer 5 ("three-quarters"), view prompt_last
 INFO = {"hidden_size": 6, "base_model": "tiny", "revision": "r0"}
@@ -44,8 +44,8 @@ def auroc(score: np.ndarray, correct: np.ndarray) -> float:
 @pytest.fixture(scope="module")
 def fitted():
     sets = {f"task{k}": planted(150, k, shift=0.5 * k) for k in range(3)}
-    grid = ProbeGrid(layer_sets=("middle", "three-quarters", "all"), views=(("prompt_last",), ("answer_mean",)),
-                     l2=(0.01, 1.0))
+    grid = ProbeGrid(layer_sets=("none", "middle", "three-quarters", "all"), views=(("prompt_last",), ("answer_mean",)),
+                     c=(0.01, 1.0))
     return fit_probe(sets, None, INFO, grid=grid, progress=False), sets
 
 
@@ -53,9 +53,10 @@ def test_the_left_out_choice_finds_the_planted_layer_and_view_and_ranks_new_answ
     probe, _ = fitted
     assert 5 in probe.layers and probe.views == ["prompt_last"]
     chosen = probe.selection["chosen"]
-    assert chosen == min(probe.selection["settings"], key=lambda s: s["left_out_log_loss"])
-    assert len(probe.selection["settings"]) == 3 * 2 * 2 and set(chosen["per_fold_log_loss"]) == {"task0", "task1",
-                                                                                                    "task2"}
+    assert chosen in probe.selection["settings"]
+    assert len(probe.selection["settings"]) == 3 * 2 * 2 + 1 and set(chosen["per_fold_log_loss"]) == {"task0", "task1",
+                                                                                                        "task2"}
+    assert probe.selection["settings"][0]["layers"] == []  # the confidence alone was tried, and lost
     views, conf, correct = probe_inputs(planted(400, 9, shift=0.25), None)
     p = probe.answer_confidence(views[:, [LAYERS.index(layer) for layer in probe.layers]], conf)
     assert auroc(p, correct) > 0.9 and abs(auroc(conf, correct) - 0.5) < 0.1
@@ -71,8 +72,11 @@ def test_the_fit_meets_the_l2_logistic_regressions_optimality_conditions(fitted)
     x = ((probe.features(views, conf) - probe.mean) / probe.scale).double().numpy()
     p = probe.answer_confidence(views, conf)
     w = probe.weight.double().numpy()
-    # sklearn's objective: 0.5 |w|^2 + C sum(log loss); its gradient vanishes at the optimum (bias unpenalized)
-    grad_w = w + probe.l2 * x.T @ (p - y)
+    # the objective: 0.5 sum(w_j^2 / k_j^2) + C sum(log loss), k = 1 for hidden units and FREE_SCALE for the
+    # confidence (last); its gradient vanishes at the optimum (bias unpenalized)
+    k = np.ones_like(w)
+    k[-1] = FREE_SCALE
+    grad_w = w / k**2 + probe.c * x.T @ (p - y)
     assert np.abs(grad_w).max() < 1e-3 * max(1.0, np.abs(w).max())
     assert abs(float(np.sum(p - y))) < 1e-3 * len(y)
     np.testing.assert_allclose(probe.mean.numpy(), probe.features(views, conf).mean(0).numpy(), atol=1e-5)
@@ -114,3 +118,36 @@ def test_the_temperature_reads_only_the_right_choices_tokens():
          "pos_row": torch.tensor([0, 1, 1, 2, 3, 3, 4, 4]), "summary": summary}
     rows = gold_choice_summary([AnswerSet(kind="choices", tensors=t)])
     assert rows[:, 0].tolist() == [1.0, 2.0, 3.0]
+
+
+def confident(n: int, seed: int) -> AnswerSet:
+    """Letter answers right with probability sigmoid(3 logit(confidence) - 1): the uncalibrated confidence carries
+    the signal, every probe view is noise."""
+    answers = planted(n, seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    letters = torch.randn(n, 3, generator=g) * torch.rand(n, 1, generator=g) * 4  # sharp and flat rows
+    conf = letters.softmax(1).max(1).values.double()
+    right = torch.rand(n, generator=g, dtype=torch.float64) < torch.sigmoid(3 * torch.logit(conf) - 1)
+    top = letters.argmax(1)
+    answers.tensors.update(letter_logits=letters, answer=torch.where(right, top, (top + 1) % 3),
+                           probe=torch.randn(n, len(LAYERS), len(VIEWS), 6, generator=g))
+    return answers
+
+
+def test_without_signal_in_the_layers_the_choice_is_platt_scaling_of_the_confidence():
+    sets = {f"task{k}": confident(200, k) for k in range(3)}
+    grid = ProbeGrid(layer_sets=("none", "middle", "all"), views=(("prompt_last",),), c=(0.01, 1.0))
+    probe = fit_probe(sets, None, INFO, grid=grid, progress=False)
+    assert probe.layers == [] and probe.views == []
+    # independently: an unpenalized logistic regression of correctness on logit(confidence), by Newton's method
+    parts = [probe_inputs(s, None) for s in sets.values()]
+    conf = np.concatenate([c for _, c, _ in parts])
+    y = np.concatenate([ok for _, _, ok in parts]).astype(float)
+    x = np.stack([np.log(conf / (1 - conf)), np.ones_like(conf)], 1)  # (N, 2)
+    beta = np.zeros(2)
+    for _ in range(50):
+        p = 1 / (1 + np.exp(-x @ beta))
+        beta -= np.linalg.solve(x.T @ (x * (p * (1 - p))[:, None]), x.T @ (p - y))
+    views = torch.zeros(len(conf), 0, len(VIEWS), 6)
+    np.testing.assert_allclose(probe.answer_confidence(views, conf), 1 / (1 + np.exp(-x @ beta)), atol=2e-4)
+    assert 2.0 < beta[0] < 4.0  # the planted slope 3, recovered: not shrunk

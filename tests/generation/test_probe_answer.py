@@ -16,7 +16,7 @@ from ats.generation import eos_ids, generate_calibrated
 @pytest.fixture(scope="module")
 def probe(tiny_backbone):
     g = torch.Generator().manual_seed(0)
-    p = CorrectnessProbe(layers=[0], views=list(VIEWS), l2=1.0, hidden_size=tiny_backbone.hidden_size,
+    p = CorrectnessProbe(layers=[0], views=list(VIEWS), c=1.0, hidden_size=tiny_backbone.hidden_size,
                          base_model=tiny_backbone.name, revision=tiny_backbone.revision)
     d = len(VIEWS) * tiny_backbone.hidden_size + 1
     p.set_weights(0.3 * torch.randn(d, generator=g), -0.1, 0.1 * torch.randn(d, generator=g),
@@ -47,3 +47,17 @@ def test_generated_answer_confidence_is_the_probes(tiny_backbone, probe):
     expected_tokens = torch.softmax(logits, -1).gather(1, torch.tensor(answer)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(out.confidences[:len(answer)]), expected_tokens.float(), atol=1e-5,
                                rtol=1e-4)
+
+
+@torch.no_grad()
+def test_a_confidence_only_probe_is_platt_scaling_of_the_answers_mean_token_probability(tiny_backbone):
+    p = CorrectnessProbe(layers=[], views=[], c=1.0, hidden_size=tiny_backbone.hidden_size,
+                         base_model=tiny_backbone.name, revision=tiny_backbone.revision)
+    p.set_weights(torch.tensor([1.7]), -0.4, torch.tensor([0.2]), torch.tensor([2.0]))
+    p.temperature = 1.0
+    out = generate_calibrated(tiny_backbone, p, "the sky is", max_new_tokens=6, chat_template=False)[0]
+    plain = generate_calibrated(tiny_backbone, None, "the sky is", max_new_tokens=6, chat_template=False)[0]
+    answer = [t for t in out.token_ids if t not in eos_ids(tiny_backbone)]
+    raw = sum(plain.confidences[:len(answer)]) / len(answer)
+    expected = 1 / (1 + math.exp(-(1.7 * (math.log(raw / (1 - raw)) - 0.2) / 2.0 - 0.4)))
+    assert out.answer_confidence == pytest.approx(expected, abs=1e-5)

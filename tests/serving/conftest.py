@@ -166,7 +166,7 @@ def hand_probe(backbone, g: torch.Generator):
     temperature of 1.3 for the tokens."""
     from ats.calibrators.probe import VIEWS, CorrectnessProbe
 
-    probe = CorrectnessProbe(layers=[0], views=list(VIEWS), l2=1.0, hidden_size=backbone.hidden_size,
+    probe = CorrectnessProbe(layers=[0], views=list(VIEWS), c=1.0, hidden_size=backbone.hidden_size,
                              base_model=backbone.name, revision=backbone.revision)
     d = len(VIEWS) * backbone.hidden_size + 1
     probe.set_weights(0.3 * torch.randn(d, generator=g), 0.2, 0.1 * torch.randn(d, generator=g),

@@ -122,7 +122,7 @@ def test_a_probe_exports_its_temperature_and_not_its_threshold(tiny_models, tmp_
     from ats.calibrators.probe import VIEWS, CorrectnessProbe
 
     folder, backbone = tiny_models["llama"]
-    probe = CorrectnessProbe(layers=[0], views=list(VIEWS), l2=1.0, hidden_size=backbone.hidden_size,
+    probe = CorrectnessProbe(layers=[0], views=list(VIEWS), c=1.0, hidden_size=backbone.hidden_size,
                              base_model=backbone.name, revision=backbone.revision)
     d = len(VIEWS) * backbone.hidden_size + 1
     probe.set_weights(torch.ones(d), 0.0, torch.zeros(d), torch.ones(d))

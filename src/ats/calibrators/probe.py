@@ -5,7 +5,10 @@ above which. A probe reads what the model "knows" about its own answer instead (
 EMNLP 2025): the outputs of a few decoder layers at the answer (`ats.training.answers.PROBE_VIEWS`: the prompt's last
 position, the mean and the last of the answer's own tokens) and the answer's uncalibrated confidence, standardized,
 into a logistic regression trained with the log loss (a proper scoring rule) on the model's own labelled answers
-(`ats.training.probe_fit` chooses the layers, views and L2 strength on held-out pool tasks and fits it).
+(`ats.training.probe_fit` chooses the layers, views and L2 strength on held-out pool tasks and fits it). The L2
+penalty shrinks the hidden-state weights only: the confidence's weight is left free, so a probe whose hidden
+states carry nothing that transfers falls back to Platt scaling of the answer's confidence. With no layers it IS
+that: the confidence-only setting the choice can pick.
 
 A probe does not change logits: the token half of the artifact is temperature scaling (this class extends it), so
 every route that serves a temperature serves a probe's token probabilities, and the routes that compute an answer's
@@ -35,12 +38,12 @@ EPS = 1e-6  # the answer confidence's clip before its logit
 class ProbeConfig(TemperatureConfig):
     """The probe's options (chosen by `probe_fit.fit_probe` when left empty) and its backbone; the temperature's."""
 
-    layers: list = option(list, "decoder layers read (0-based outputs); empty: chosen on held-out pool tasks",
-                          cli=False)
+    layers: list = option(list, "decoder layers read (0-based outputs); empty: chosen on held-out pool tasks (a "
+                                "fitted probe without layers reads the confidence alone)", cli=False)
     views: list = option(list, f"positions read, of {', '.join(VIEWS)}; empty: chosen on held-out pool tasks",
                          cli=False)
-    l2: float = option(0.0, "inverse L2 strength C of the logistic regression; 0: chosen on held-out pool tasks",
-                       low=0)
+    c: float = option(0.0, "C, the inverse L2 strength on the hidden-state features (the confidence's weight is "
+                           "not shrunk); 0: chosen on held-out pool tasks", low=0)
     with_confidence: bool = option(True, "also read the logit of the answer's uncalibrated confidence")
     hidden_size: int = option(0, "H, the backbone's hidden size", cli=False, low=0)
     base_model: str = option("", "the backbone it was fitted on", cli=False)
@@ -63,7 +66,7 @@ class CorrectnessProbe(TemperatureScaling):
     bias: Tensor | None = None  # ()
     mean: Tensor | None = None  # (D,) the training features' mean
     scale: Tensor | None = None  # (D,) and standard deviation (1 where constant)
-    selection: dict | None = None  # how layers, views and l2 were chosen (`probe_fit`), for the record
+    selection: dict | None = None  # how layers, views and C were chosen (`probe_fit`), for the record
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
@@ -74,7 +77,7 @@ class CorrectnessProbe(TemperatureScaling):
 
     # --- the method ---------------------------------------------------------------------------------------------
     def features(self, views: Tensor, confidence: Tensor | np.ndarray) -> Tensor:
-        """(N, D) float32: the chosen views of the chosen layers, flattened, and the confidence's logit.
+        """(N, D) float32: the chosen views of the chosen layers, flattened, and the confidence's logit (last).
 
         Args:
             views: (N, L, 3, H) the `VIEWS` of exactly `self.layers`, in that order.

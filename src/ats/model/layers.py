@@ -108,7 +108,9 @@ def answer_views(states: Tensor, prompt_last: int, answer_len: int) -> Tensor:
 @torch.no_grad()
 def row_answer_views(backbone, layers: Sequence[int], prompt: Sequence[int], answer: Sequence[int]) -> Tensor:
     """(1, L, 3, H): `answer_views` of one prompt and its answer's tokens, by one forward pass over both (what a
-    correctness probe reads of a generated answer)."""
+    correctness probe reads of a generated answer); no layers: (1, 0, 3, H) without a pass."""
+    if not layers:
+        return torch.zeros(1, 0, len(ANSWER_VIEWS), backbone.hidden_size)
     ids = torch.tensor([list(prompt) + list(answer)], dtype=torch.long, device=backbone.device)
     with LayerCapture(backbone.model, layers) as capture:
         backbone.forward(ids)

@@ -1,11 +1,16 @@
 """Fitting a correctness probe (`ats.calibrators.probe.CorrectnessProbe`) on the backbone's own labelled answers.
 
 The probe's layers, views and L2 strength are chosen by leaving each pool task out in turn: fit on the other tasks,
-score the left-out one by the log loss, and take the setting of lowest mean left-out loss (the probe's known weakness
-is transfer to a new task, so that is what the choice measures; no reported task is ever read). The chosen setting
-is then fitted on every pool task. Its token half, one temperature, is fitted by NLL on the right choices' tokens of
-the pool's multiple-choice sets (reference text, as instruction tokens are; the greedy tokens of free-form answers
-would drive it to zero), through their stored scale summary.
+score the left-out one by the log loss, and take the smallest setting whose mean left-out loss is within one
+standard error of the lowest (`_choose`; the probe's known weakness is transfer to a new task, so that is what the
+choice measures; no reported task is ever read). The settings include
+the confidence alone (no layers: Platt scaling of the answer's uncalibrated confidence), so hidden states are read
+only where they beat it on tasks they were not fitted on. The L2 penalty shrinks hidden-state weights only: the
+confidence's weight is left free (its column is scaled by `FREE_SCALE` before sklearn's uniformly penalized fit,
+which divides its penalty by `FREE_SCALE**2`), so a strong penalty leaves the confidence, not a constant. The chosen
+setting is then fitted on every pool task. Its token half, one temperature, is fitted by NLL on the right choices'
+tokens of the pool's multiple-choice sets (reference text, as instruction tokens are; the greedy tokens of free-form
+answers would drive it to zero), through their stored scale summary.
 """
 
 from __future__ import annotations
@@ -34,16 +39,20 @@ logger = logging.getLogger(__name__)
 class ProbeGrid:
     """The settings tried when a probe's options are left empty."""
 
-    layer_sets: tuple[str, ...] = ("middle", "three-quarters", "last", "spread", "all")
+    layer_sets: tuple[str, ...] = ("none", "middle", "three-quarters", "last", "spread", "all")
     views: tuple[tuple[str, ...], ...] = (("prompt_last",), ("answer_mean",), VIEWS)
-    l2: tuple[float, ...] = (0.003, 0.03, 0.3)
+    c: tuple[float, ...] = (0.003, 0.03, 0.3)
+
+
+FREE_SCALE = 1e3  # the confidence column's scale in the fit: its L2 penalty is 1e-6 of a hidden unit's
 
 
 def layer_set(name: str, candidates: Sequence[int]) -> list[int]:
-    """A named subset of the recorded layers: middle, three-quarters, last, spread (those three) or all."""
+    """A named subset of the recorded layers: none (the confidence alone), middle, three-quarters, last, spread
+    (those three) or all."""
     n = len(candidates)
     middle, late = candidates[max(0, n // 2 - 1)], candidates[max(0, (3 * n) // 4 - 1)]
-    sets = {"middle": [middle], "three-quarters": [late], "last": [candidates[-1]],
+    sets = {"none": [], "middle": [middle], "three-quarters": [late], "last": [candidates[-1]],
             "spread": sorted({middle, late, candidates[-1]}), "all": list(candidates)}
     if name not in sets:
         raise ATSError(f"probe layer set {name!r}: expected one of {', '.join(sets)}")
@@ -67,22 +76,29 @@ def _standardize(x: Tensor) -> tuple[Tensor, Tensor]:
     return mean, torch.where(scale > 1e-8, scale, torch.ones_like(scale))
 
 
-def _fit_logistic(x: Tensor, y: np.ndarray, l2: float) -> tuple[Tensor, float, Tensor, Tensor]:
-    """(weight (D,), bias, mean (D,), scale (D,)) of an L2 logistic regression on standardized `x` (N, D)."""
+def _fit_logistic(x: Tensor, y: np.ndarray, c: float, *, free_last: bool) -> tuple[Tensor, float, Tensor, Tensor]:
+    """(weight (D,), bias, mean (D,), scale (D,)) of a logistic regression on standardized `x` (N, D), its weights
+    L2-penalized with inverse strength `c`, the last one (the confidence) nearly free when `free_last`."""
     if len(set(y.tolist())) < 2:
         raise ATSError(f"probe: the answers are all {'right' if y.all() else 'wrong'}; nothing to tell apart")
     mean, scale = _standardize(x)
-    model = LogisticRegression(C=l2, max_iter=5000, tol=1e-8)  # a tight optimum: the fit is checked against it
-    model.fit(((x - mean) / scale).double().numpy(), y.astype(int))
-    return torch.from_numpy(model.coef_[0]).float(), float(model.intercept_[0]), mean, scale
+    z = ((x - mean) / scale).double()  # (N, D)
+    column = torch.ones(z.shape[1], dtype=torch.float64)
+    if free_last:
+        column[-1] = FREE_SCALE
+    model = LogisticRegression(C=c, max_iter=5000, tol=1e-8)  # a tight optimum: the fit is checked against it
+    model.fit((z * column).numpy(), y.astype(int))
+    weight = torch.from_numpy(model.coef_[0]) * column  # (D,) on the standardized features
+    return weight.float(), float(model.intercept_[0]), mean, scale
 
 
-def _probe(layers, views, l2, *, with_confidence: bool, info: dict) -> CorrectnessProbe:
-    return CorrectnessProbe(layers=list(layers), views=list(views), l2=l2, with_confidence=with_confidence, **info)
+def _probe(layers, views, c, *, with_confidence: bool, info: dict) -> CorrectnessProbe:
+    return CorrectnessProbe(layers=list(layers), views=list(views), c=c, with_confidence=with_confidence, **info)
 
 
 def _fitted(probe: CorrectnessProbe, views: Tensor, confidence: np.ndarray, correct: np.ndarray) -> CorrectnessProbe:
-    probe.set_weights(*_fit_logistic(probe.features(views, confidence), correct, probe.l2))
+    probe.set_weights(*_fit_logistic(probe.features(views, confidence), correct, probe.c,
+                                     free_last=probe.with_confidence))
     probe.temperature = probe.temperature or 1.0
     return probe
 
@@ -101,7 +117,7 @@ def gold_choice_summary(sets: Sequence[AnswerSet]) -> Tensor | None:
 
 
 def fit_probe(sets: Mapping[str, AnswerSet], logits_fn, backbone_info: dict, *, grid: ProbeGrid = ProbeGrid(),
-              layers: Sequence[int] = (), views: Sequence[str] = (), l2: float = 0.0, with_confidence: bool = True,
+              layers: Sequence[int] = (), views: Sequence[str] = (), c: float = 0.0, with_confidence: bool = True,
               progress: bool = True) -> CorrectnessProbe:
     """A probe fitted on the answers of `sets` (task name -> answer set with probe views), its empty options chosen
     on left-out tasks (the module docstring); its `selection` records every setting's left-out scores.
@@ -111,7 +127,7 @@ def fit_probe(sets: Mapping[str, AnswerSet], logits_fn, backbone_info: dict, *, 
         logits_fn: the backbone's output layer (the uncalibrated confidence of sets without a scale summary).
         backbone_info: {"hidden_size", "base_model", "revision"} of the backbone.
         grid: the settings tried for the options left empty.
-        layers, views, l2: fixed options instead of chosen ones.
+        layers, views, c: fixed options instead of chosen ones.
         with_confidence: also read the answer's uncalibrated confidence.
         progress: show a progress bar over the settings.
 
@@ -127,35 +143,57 @@ def fit_probe(sets: Mapping[str, AnswerSet], logits_fn, backbone_info: dict, *, 
     missing = [layer for layer in layer_options[0] if layer not in candidates] if layers else []
     if missing:
         raise ATSError(f"probe layers {missing} are not recorded in the answers (recorded: {candidates})")
-    settings = list(itertools.product(layer_options, [list(views)] if views else [list(v) for v in grid.views],
-                                      [l2] if l2 else list(grid.l2)))
+    cs = [c] if c else list(grid.c)
+    reading = [lay for lay in layer_options if lay]
+    settings = list(itertools.product(reading, [list(views)] if views else [list(v) for v in grid.views], cs))
+    if with_confidence and len(reading) < len(layer_options):  # the confidence alone: one setting (C shrinks nothing)
+        settings.insert(0, ([], [], cs[0]))
+    if not settings:
+        raise ATSError("probe: with_confidence=False and no layers to read: the probe would read nothing")
     folds = _folds(inputs)
     scores = []
-    for lay, vws, c in tqdm(settings, desc="probe settings", disable=not progress or len(settings) == 1):
+    for lay, vws, c_ in tqdm(settings, desc="probe settings", disable=not progress or len(settings) == 1):
         idx = [candidates.index(layer) for layer in lay]
         losses, aurocs = [], []
         for held, (train, test) in folds.items():
-            probe = _fitted(_probe(lay, vws, c, with_confidence=with_confidence, info=backbone_info),
+            probe = _fitted(_probe(lay, vws, c_, with_confidence=with_confidence, info=backbone_info),
                             *(_join(inputs, train, idx)))
             v, conf, ok = _join(inputs, test, idx)
             p = probe.answer_confidence(v, conf)
             losses.append(float(np.mean(binary_log_loss(p, ok))))
             aurocs.append(roc_auc_score(ok, p) if 0 < ok.sum() < ok.size else np.nan)
-        scores.append({"layers": lay, "views": vws, "l2": c, "left_out_log_loss": float(np.mean(losses)),
+        scores.append({"layers": lay, "views": vws, "c": c_, "left_out_log_loss": float(np.mean(losses)),
                        "left_out_auroc": float(np.nanmean(aurocs)), "per_fold_log_loss": dict(zip(folds, losses))})
-    best = min(scores, key=lambda s: s["left_out_log_loss"])
+    best = _choose(scores)
     idx = [candidates.index(layer) for layer in best["layers"]]
-    probe = _fitted(_probe(best["layers"], best["views"], best["l2"], with_confidence=with_confidence,
+    probe = _fitted(_probe(best["layers"], best["views"], best["c"], with_confidence=with_confidence,
                            info=backbone_info), *(_join(inputs, list(inputs), idx)))
     summary = gold_choice_summary(list(sets.values()))
     temperature = "gold choices' tokens" if summary is not None and probe._fit_summary(summary) else "none (T = 1)"
-    probe.selection = {"criterion": "mean left-out log loss (leave one pool task out)", "chosen": best,
+    probe.selection = {"criterion": "the smallest setting within one standard error of the lowest mean left-out "
+                                    "log loss (leave one pool task out)", "chosen": best,
                        "settings": scores, "tasks": {n: int(len(i[2])) for n, i in inputs.items()},
                        "recorded_layers": candidates, "temperature_fitted_on": temperature}
-    logger.info("probe: layers %s, views %s, l2 %g (left-out log loss %.4f, AUROC %.3f); temperature %.4g",
-                best["layers"], best["views"], best["l2"], best["left_out_log_loss"], best["left_out_auroc"],
+    logger.info("probe: layers %s, views %s, C %g (left-out log loss %.4f, AUROC %.3f); temperature %.4g",
+                best["layers"], best["views"], best["c"], best["left_out_log_loss"], best["left_out_auroc"],
                 probe.temperature)
     return probe
+
+
+def _size(setting: dict) -> tuple[int, float]:
+    """How much a setting reads: features (layers x views), then C (a larger C shrinks less)."""
+    return len(setting["layers"]) * len(setting["views"]), setting["c"]
+
+
+def _choose(scores: list[dict]) -> dict:
+    """The smallest setting (`_size`) whose mean left-out log loss is within one standard error of the lowest one
+    (the one-standard-error rule, Hastie et al., ESL 7.10; the error of the best setting's mean over the left-out
+    folds): a setting that reads more must beat a smaller one by more than the left-out tasks' spread, so near-ties
+    go to the confidence alone."""
+    best = min(scores, key=lambda s: s["left_out_log_loss"])
+    losses = np.array(list(best["per_fold_log_loss"].values()))  # (F,)
+    error = losses.std(ddof=1) / np.sqrt(losses.size) if losses.size > 1 else 0.0
+    return min((s for s in scores if s["left_out_log_loss"] <= best["left_out_log_loss"] + error), key=_size)
 
 
 def _folds(inputs: dict) -> dict[str, tuple[list, list]]:
