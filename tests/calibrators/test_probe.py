@@ -151,3 +151,21 @@ def test_without_signal_in_the_layers_the_choice_is_platt_scaling_of_the_confide
     views = torch.zeros(len(conf), 0, len(VIEWS), 6)
     np.testing.assert_allclose(probe.answer_confidence(views, conf), 1 / (1 + np.exp(-x @ beta)), atol=2e-4)
     assert 2.0 < beta[0] < 4.0  # the planted slope 3, recovered: not shrunk
+
+
+@pytest.mark.parametrize("free_last", [True, False])
+def test_more_features_than_answers_fit_through_the_svd_to_the_same_optimum(free_last):
+    from sklearn.linear_model import LogisticRegression
+
+    from ats.training.probe_fit import _fit_logistic
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 120, generator=g) * (1 + torch.rand(120, generator=g))  # N = 40 answers, D = 120
+    y = (x[:, 0] + x[:, -1] + torch.randn(40, generator=g) > 0).numpy()
+    weight, bias, mean, scale = _fit_logistic(x, y, 0.05, free_last=free_last)
+    z = ((x - mean) / scale).double()
+    k = torch.ones(120, dtype=torch.float64)
+    k[-1] = FREE_SCALE if free_last else 1.0
+    direct = LogisticRegression(C=0.05, max_iter=20000, tol=1e-10).fit((z * k).numpy(), y.astype(int))
+    np.testing.assert_allclose(weight.double().numpy(), direct.coef_[0] * k.numpy(), atol=1e-4)
+    assert bias == pytest.approx(float(direct.intercept_[0]), abs=1e-4)

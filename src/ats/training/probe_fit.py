@@ -78,17 +78,28 @@ def _standardize(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def _fit_logistic(x: Tensor, y: np.ndarray, c: float, *, free_last: bool) -> tuple[Tensor, float, Tensor, Tensor]:
     """(weight (D,), bias, mean (D,), scale (D,)) of a logistic regression on standardized `x` (N, D), its weights
-    L2-penalized with inverse strength `c`, the last one (the confidence) nearly free when `free_last`."""
+    L2-penalized with inverse strength `c`, the last one (the confidence) nearly free when `free_last`.
+
+    With more penalized features than answers (P > N: thousands of hidden units, hundreds of answers) the fit runs
+    on their thin SVD, exactly: the optimal penalized weight lies in the span of the answers' feature rows (moving
+    it out of that span changes no logit and adds penalty), so w = V u with u fitted on X V = U S (N, r), whose
+    penalty |u|^2 equals |w|^2.
+    """
     if len(set(y.tolist())) < 2:
         raise ATSError(f"probe: the answers are all {'right' if y.all() else 'wrong'}; nothing to tell apart")
     mean, scale = _standardize(x)
     z = ((x - mean) / scale).double()  # (N, D)
-    column = torch.ones(z.shape[1], dtype=torch.float64)
-    if free_last:
-        column[-1] = FREE_SCALE
+    free = 1 if free_last else 0
+    hidden, basis = z[:, :z.shape[1] - free], None  # (N, P) the penalized features
+    if hidden.shape[1] > hidden.shape[0]:
+        u, sv, vh = torch.linalg.svd(hidden, full_matrices=False)  # (N, r), (r,), (r, P)
+        hidden, basis = u * sv, vh  # (N, r): the same logits for w = vh.T @ coef
+    design = torch.cat([hidden, z[:, z.shape[1] - free:] * FREE_SCALE], dim=1)  # (N, r + free)
     model = LogisticRegression(C=c, max_iter=5000, tol=1e-8)  # a tight optimum: the fit is checked against it
-    model.fit((z * column).numpy(), y.astype(int))
-    weight = torch.from_numpy(model.coef_[0]) * column  # (D,) on the standardized features
+    model.fit(design.numpy(), y.astype(int))
+    coef = torch.from_numpy(model.coef_[0])  # (r + free,)
+    weight = coef[:hidden.shape[1]] if basis is None else basis.T @ coef[:hidden.shape[1]]  # (P,)
+    weight = torch.cat([weight, coef[hidden.shape[1]:] * FREE_SCALE])  # (D,) on the standardized features
     return weight.float(), float(model.intercept_[0]), mean, scale
 
 
