@@ -22,10 +22,9 @@ import pytest
 
 from ats.evaluation.evaluate import summarize_task
 from ats.evaluation.tasks.base import TaskResult
-from ats.evaluation.threshold import certify_threshold
 from ats.io import write_json
 
-from helpers import random_thermometer, write_certificate
+from helpers import certified_copy, random_thermometer
 from server_process import API_KEY, MODEL_NAME, Server
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -73,12 +72,7 @@ def _eval_folder(calibrator, root: Path) -> Path:
 @pytest.fixture(scope="module")
 def served(model_dir, head_dir, calibrator, backbone, tmp_path_factory):
     root = tmp_path_factory.mktemp("playground")
-    head = root / "head"
-    shutil.copytree(head_dir, head)
-    rng = np.random.default_rng(1)
-    conf = rng.uniform(size=2000)
-    threshold = certify_threshold(conf, rng.uniform(size=2000) < conf, target_risk=0.3, delta=0.1)
-    write_certificate(head, threshold, calibrator, backbone)  # as ats certify writes it, for this head and model
+    head = certified_copy(head_dir, root / "head", calibrator, backbone, seed=1)  # as ats certify writes it
     srv = Server(["--model", str(model_dir), "--calibrator", str(head), "--served-model-name", MODEL_NAME,
                   "--compare", str(_thermometer_folder(backbone, root)), "--compare", "none",
                   "--eval", str(_eval_folder(calibrator, root))], root / "server.log", api_key=API_KEY)

@@ -121,7 +121,8 @@ def run(args) -> int:
                     "probability >= %g)", threshold.threshold, threshold.target_risk, 1 - threshold.delta)
     playground = _playground(engine, backbone, calibrator, [(folder, threshold)] + compared, evaluation)
     playground.model = args.model
-    app = create_app(engine, model_name=name, api_key=key, threshold=threshold, playground=playground)
+    app = create_app(engine, model_name=name, api_key=key, threshold=threshold, playground=playground,
+                     certificate=certificate)
     logger.info("serving %s (%s) on http://%s:%d/v1", name, engine.calibration.label, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
     return 0
