@@ -2,14 +2,17 @@
 
     GET  /                                  the page (static/index.html), and its files under /static/
     GET  /v1/playground                     the served model, every loaded calibrator (its threshold, its record,
-                                            its saved evaluation) and how to make what is missing
+                                            its saved evaluation), how to make what is missing, and what the page
+                                            cannot show on this server (`unavailable`: none here)
     POST /v1/playground/rescore             the generated tokens' probabilities under another loaded calibrator
                                             (rescored, not regenerated; `rescore.py`)
     GET  /v1/playground/reliability.png     one method's reliability diagram on one task of the saved evaluation
 
 The page is plain HTML, CSS and JavaScript shipped in the package (no CDN, no build step) and is a client of the API:
-it streams /v1/chat/completions and reads the `ats` field. The page's files are open (they hold no data); every
-route that answers with data needs the API key when the server has one, and the page asks for it.
+it streams /v1/chat/completions and reads the `ats` field. `ats serve --engine vllm` serves the same files
+(`page_file`) and its own GET /v1/playground (`ats.integrations.vllm.page`), whose `unavailable` the page obeys.
+The page's files are open (they hold no data); every route that answers with data needs the API key when the server
+has one, and the page asks for it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 vLLM's OpenAI server returns the calibrated log-probabilities (the export's `compute_logits`) but not ats's `ats`
 field. `ats serve --engine vllm` adds it in the server (`middleware.ATSMiddleware` calls this class); clients of a
-plain vLLM server on an export (or of a stream) make the decision where the response arrives. Both by the same
+plain vLLM server on an export make the decision where the response arrives. Both by the same
 rules `ats serve` applies: the answer's
 confidence is the mean calibrated probability of its tokens, the end-of-sequence token that ended it left out
 (`generation.logprobs.answer_confidence`), and the certified threshold the export carries (`ats certify` wrote it

@@ -214,7 +214,7 @@ class ATSMiddleware:
         if self.key is None:
             return True
         headers = dict(scope.get("headers", []))
-        return hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.key}".encode("latin-1"))
+        return hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.key}".encode())
 
 
 async def _read_body(receive) -> bytes:
