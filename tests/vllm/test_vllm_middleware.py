@@ -150,6 +150,7 @@ def certificate(max_tokens: int = 64) -> Certificate:
     ({"max_tokens": 64, "temperature": 0}, None),
     ({"max_completion_tokens": 64, "temperature": 0.0, "stream": True}, None),
     ({"max_tokens": 64}, "this one is sampled"),  # vLLM's default temperature: 1
+    ({"max_tokens": 64, "temperature": "hot"}, "this one is sampled"),  # no crash here: vLLM answers its 400
     ({"max_tokens": 64, "temperature": 0, "stop": ["\n"]}, "cut by stop strings"),
     ({"max_tokens": 64, "temperature": 0, "ignore_eos": True}, "run past end-of-sequence (ignore_eos)"),
     ({"max_tokens": 32, "temperature": 0}, "at most 64 new tokens, and this one may have 32"),

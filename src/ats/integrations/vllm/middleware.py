@@ -82,9 +82,10 @@ def request_format(body: dict, kind: str, defaults: dict) -> dict:
         max_tokens = 16  # vLLM's default for completions, as OpenAI's
     temperature = body.get("temperature")
     temperature = defaults.get("temperature", 1.0) if temperature is None else temperature
+    greedy = isinstance(temperature, (int, float)) and temperature == 0  # a bad value: vLLM's own 400 follows
     template = (kind == "chat" and not body.get("chat_template") and body.get("add_generation_prompt", True)
                 and not body.get("continue_final_message"))
-    return {"max_tokens": max_tokens, "chat_template": bool(template), "sampled": float(temperature) > 0,
+    return {"max_tokens": max_tokens, "chat_template": bool(template), "sampled": not greedy,
             "stops": bool(body.get("stop")) or bool(body.get("stop_token_ids")),
             "ignore_eos": bool(body.get("ignore_eos"))}
 
