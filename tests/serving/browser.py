@@ -77,10 +77,12 @@ def open_page(driver, url: str, api_key: str, *, forget_key: bool = False) -> No
     wait_for(driver, "return document.body.dataset.ready === 'true'")
 
 
-def ask(driver, text: str, turn: int, max_tokens: int) -> None:
-    """Type `text` as the prompt with `max_tokens` and send it; wait until answer `turn` (counted from 1) is done."""
-    driver.find_element("id", "max-tokens").clear()
-    driver.find_element("id", "max-tokens").send_keys(str(max_tokens))
+def ask(driver, text: str, turn: int, max_tokens: int | None) -> None:
+    """Type `text` as the prompt with `max_tokens` (None: the page's) and send it; wait until answer `turn` (counted
+    from 1) is done."""
+    if max_tokens is not None:
+        driver.find_element("id", "max-tokens").clear()
+        driver.find_element("id", "max-tokens").send_keys(str(max_tokens))
     driver.find_element("id", "prompt").send_keys(text)
     driver.find_element("id", "send").click()
     wait_for(driver, f"return document.body.dataset.turns === '{turn}' && document.body.dataset.streaming === 'false'")

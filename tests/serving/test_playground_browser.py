@@ -147,6 +147,17 @@ def test_shading_switch_and_decision_equal_the_api(served, browser):
     assert browser.find_element("id", "token-calibrated").text == f"{ats['confidence'][1]:.3f}"
 
 
+def test_the_page_asks_for_certified_answers_by_default(served, browser):
+    _open(browser, served)  # a fresh page: max tokens at the certified limit, temperature 0
+    limit = httpx.get(served.url + "/v1/playground", headers=served.headers(), timeout=10).json()[
+        "certified_format"]["max_tokens"]
+    assert browser.find_element("id", "max-tokens").get_attribute("value") == str(limit)
+    ask(browser, "Name a colour.", 1, None)
+    assert browser.find_element("id", "verdict").get_attribute("data-certified-format") == "true"
+    assert browser.find_elements("id", "outside-certificate") == []
+    _open(browser, served)
+
+
 def test_comparing_calibrators_rescores_the_same_tokens(served, browser):
     from selenium.webdriver.support.ui import Select
 

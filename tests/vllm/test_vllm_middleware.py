@@ -193,6 +193,7 @@ def test_the_page_is_ats_serves_and_its_info_needs_the_key(monkeypatch, tmp_path
     info = client.get("/v1/playground", headers={"Authorization": "Bearer k"}).json()
     assert info["model"] == "tiny" and info["engine"] == "vllm" and info["served"] == "uncalibrated"
     assert set(info["unavailable"]) == {"raw", "tau", "rescore", "evaluation"} and info["evaluation"] is None
+    assert info["certified_format"] is None  # no certificate in this export
     assert info["calibrators"][0]["threshold"] is None and "tiny-base" in info["calibrators"][0]["make_evaluation"]
     assert client.get("/static/other.js").status_code == 404 and not seen  # not the page's: vLLM's (here a 404)
 

@@ -204,6 +204,8 @@ def test_the_page_shows_what_vllm_returns(vllm_server, browser):
     assert httpx.get(vllm_server.url + "/v1/playground", timeout=10).status_code == 401  # its data needs the key
     text = "Tell me about the sea."
     open_page(browser, vllm_server.url, API_KEY, forget_key=True)
+    limit = read_certificate(vllm_server.export / CALIBRATOR_FOLDER).served["format"]["max_tokens"]
+    assert browser.find_element("id", "max-tokens").get_attribute("value") == str(limit)  # the certified length
     ask(browser, text, 1, MAX_TOKENS)
     choice = api_chat(vllm_server, text)
     content, ats = choice["logprobs"]["content"], choice["ats"]

@@ -3,7 +3,8 @@
     GET  /                                  the page (static/index.html), and its files under /static/
     GET  /v1/playground                     the served model, every loaded calibrator (its threshold, its record,
                                             its saved evaluation), how to make what is missing, and what the page
-                                            cannot show on this server (`unavailable`: none here)
+                                            cannot show on this server (`unavailable`: none here) and the
+                                            served threshold's certified answer format (`certified_format`)
     POST /v1/playground/rescore             the generated tokens' probabilities under another loaded calibrator
                                             (rescored, not regenerated; `rescore.py`)
     GET  /v1/playground/reliability.png     one method's reliability diagram on one task of the saved evaluation
@@ -153,7 +154,9 @@ def add_playground_routes(app: FastAPI, service, playground: Playground) -> None
     @app.get("/v1/playground")
     async def info():
         evaluation = playground.evaluation
+        certificate = service.certificate
         return {"model": service.model_name, "engine": "ats", "unavailable": {},
+                "certified_format": None if certificate is None else certificate.served.get("format"),
                 "max_model_len": engine.max_model_len, "chat": bool(getattr(service.tok, "chat_template", None)),
                 "served": playground.calibrators[0].id,
                 "calibrators": describe_calibrators(playground, playground.model or service.model_name),

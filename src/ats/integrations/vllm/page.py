@@ -34,7 +34,8 @@ def describe(label: str, calibrated: bool) -> str:
 
 def playground_info(folder: Path, model_name: str, decider) -> dict:
     """GET /v1/playground on vLLM's server: the served model, its one calibrator (the export's, with the threshold
-    `decider` applies) and what the page cannot show there (`UNAVAILABLE`).
+    `decider` applies and the answer format its certificate covers) and what the page cannot show there
+    (`UNAVAILABLE`).
 
     Args:
         folder: the export (`$ATS_VLLM_EXPORT`).
@@ -53,8 +54,10 @@ def playground_info(folder: Path, model_name: str, decider) -> dict:
     if calibrator is not None:  # the export holds a copy: certify the calibrator itself, the export is remade
         entry["make_threshold"] = (f"ats certify --model {entry_model(record, model_name)} --calibrator CALIBRATOR "
                                    f"(the folder this export was made from); then restart ats serve --engine vllm")
-    return {"model": model_name, "engine": "vllm", "unavailable": dict(UNAVAILABLE), "served": entry["id"],
-            "calibrators": [entry], "evaluation": None}
+    certificate = getattr(decider, "certificate", None)
+    return {"model": model_name, "engine": "vllm", "unavailable": dict(UNAVAILABLE),
+            "certified_format": None if certificate is None else certificate.served.get("format"),
+            "served": entry["id"], "calibrators": [entry], "evaluation": None}
 
 
 def entry_model(record: dict, model_name: str) -> str:

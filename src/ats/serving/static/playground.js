@@ -96,6 +96,7 @@ async function load() {
   $("model-line").textContent = `model ${info.model}, generating with calibrator ${info.served}` +
     (info.engine === "vllm" ? " in vLLM" : "");
   showUnavailable();
+  useCertifiedLength(info.certified_format);
   const select = $("calibrator");
   select.replaceChildren(...info.calibrators.map((c) =>
     el("option", { value: c.id }, c.id === info.served ? `${c.id} (generates)` : `${c.id} (rescored)`)));
@@ -107,6 +108,16 @@ async function load() {
   ramp.style.background = "linear-gradient(to right, " + [0, 0.25, 0.5, 0.65, 0.8, 0.9, 1].map(shade).join(", ") + ")";
   renderRecord();
   document.body.dataset.ready = "true";
+}
+
+// The max tokens start at the certified limit (with temperature 0: greedy), so that the page's answers are by default
+// the ones the threshold's certificate covers (any other length is outside it: the verdict says so).
+function useCertifiedLength(format) {
+  const input = $("max-tokens");
+  if (!format || !Number.isInteger(format.max_tokens) || input.dataset.set) return;
+  input.value = String(format.max_tokens);
+  input.dataset.set = "certified";
+  input.title = "the certified limit: answers cut at another length are outside the certificate";
 }
 
 const FEATURE_NAMES = { raw: "Raw probabilities", tau: "Tau", rescore: "Comparing calibrators",
