@@ -25,7 +25,7 @@ from ats.evaluation.threshold import read_certificate
 from ats.generation.api import encode_prompts
 from ats.integrations.vllm import CALIBRATOR_FOLDER
 from ats.integrations.vllm.abstain import AnswerDecider
-from ats.integrations.vllm.page import UNAVAILABLE
+from ats.integrations.vllm.page import NO_TRAINING_RECORD, UNAVAILABLE
 
 from conftest import calibrators, max_difference, reference
 from helpers import write_certificate
@@ -225,7 +225,9 @@ def test_the_page_shows_what_vllm_returns(vllm_server, browser):
     assert browser.find_element("css selector", "input[name=shade][value=raw]").get_attribute("disabled") is not None
     notes = {li.get_attribute("data-feature"): li.text for li in
              browser.find_elements("css selector", "#unavailable li")}
-    assert set(notes) == set(UNAVAILABLE) and all(UNAVAILABLE[k] in notes[k] for k in notes)
+    reasons = {**UNAVAILABLE, "training": NO_TRAINING_RECORD}  # the export's copy of the head has no fingerprint
+    assert set(notes) == set(reasons) and all(reasons[k] in notes[k] for k in notes)
+    assert NO_TRAINING_RECORD in browser.find_element("id", "no-training").text
     assert browser.find_element("id", "calibrator").get_attribute("disabled") is not None
     assert UNAVAILABLE["evaluation"] in browser.find_element("id", "no-evaluation").text
     browser.find_elements("css selector", ".turn.assistant .tok")[0].click()

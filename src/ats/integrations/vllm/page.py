@@ -3,7 +3,8 @@
 
 vLLM's server returns the calibrated log-probabilities only (the export's `compute_logits`), so the page's raw
 switch and tau are unavailable there; rescoring under another calibrator and a saved evaluation are options of
-ats's own engine (`--compare`, `--eval`). Each is named in `unavailable` with the one-line reason the page shows.
+ats's own engine (`--compare`, `--eval`); and the export's copy of the calibrator has no training record. Each is
+named in `unavailable` with the one-line reason the page shows.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ UNAVAILABLE = {
                "serves one calibrator",
     "evaluation": "a saved evaluation is shown by ats serve's own engine (--eval EVAL)",
 }
+
+NO_TRAINING_RECORD = ("the export holds the calibrator as save_pretrained writes it: its training record "
+                      "(fingerprint.json) stays in the folder it was exported from")
 
 
 def describe(label: str, calibrated: bool) -> str:
@@ -54,8 +58,11 @@ def playground_info(folder: Path, model_name: str, decider) -> dict:
     if calibrator is not None:  # the export holds a copy: certify the calibrator itself, the export is remade
         entry["make_threshold"] = (f"ats certify --model {entry_model(record, model_name)} --calibrator CALIBRATOR "
                                    f"(the folder this export was made from); then restart ats serve --engine vllm")
+    unavailable = dict(UNAVAILABLE)
+    if calibrator is not None and entry["training"] is None:
+        unavailable["training"] = NO_TRAINING_RECORD
     certificate = getattr(decider, "certificate", None)
-    return {"model": model_name, "engine": "vllm", "unavailable": dict(UNAVAILABLE),
+    return {"model": model_name, "engine": "vllm", "unavailable": unavailable,
             "certified_format": None if certificate is None else certificate.served.get("format"),
             "served": entry["id"], "calibrators": [entry], "evaluation": None}
 

@@ -121,7 +121,7 @@ function useCertifiedLength(format) {
 }
 
 const FEATURE_NAMES = { raw: "Raw probabilities", tau: "Tau", rescore: "Comparing calibrators",
-                        evaluation: "The saved evaluation" };
+                        evaluation: "The saved evaluation", training: "The training record" };
 function showUnavailable() {
   const missing = state.unavailable;
   const raw = document.querySelector("input[name=shade][value=raw]");
@@ -458,8 +458,10 @@ async function renderRecord() {
                el("details", {}, el("summary", {}, "the whole training record"),
                   el("pre", {}, JSON.stringify(cal.training, null, 2))));
   } else {
-    parts.push(el("p", { class: "muted" }, cal.folder ? "Its folder has no training record (fingerprint.json): it was " +
-      "fitted by hand or downloaded." : "The model's own probabilities: nothing was trained."));
+    parts.push(el("p", { class: "muted", id: "no-training" }, state.unavailable.training
+      ? `No training record here: ${state.unavailable.training}.`
+      : cal.folder ? "Its folder has no training record (fingerprint.json): it was fitted by hand or downloaded."
+        : "The model's own probabilities: nothing was trained."));
   }
   const t = cal.threshold;
   parts.push(el("p", {}, !t ? "No certified threshold (threshold.json) is loaded."
