@@ -316,6 +316,21 @@ def write_certificate(folder: Path, threshold, calibrator, backbone) -> Path:
     return path
 
 
+def certified_copy(folder: Path, to: Path, calibrator, backbone, *, seed: int) -> Path:
+    """A copy of the calibrator folder `folder` at `to` with a threshold certified (target risk 0.3, delta 0.1) on
+    2000 made-up answers (seeded), saved as `ats certify` saves it for `calibrator` and `backbone`; returns `to`."""
+    import shutil
+
+    from ats.evaluation.threshold import certify_threshold
+
+    shutil.copytree(folder, to)
+    rng = np.random.default_rng(seed)
+    conf = rng.uniform(size=2000)
+    threshold = certify_threshold(conf, rng.uniform(size=2000) < conf, target_risk=0.3, delta=0.1)
+    write_certificate(to, threshold, calibrator, backbone)
+    return to
+
+
 def random_thermometer(hidden_size: int, seed: int):
     """A Thermometer away from identity (network weights 0.5 x N(0, 1), seeded), marked fitted: one temperature per
     prompt that varies from prompt to prompt."""

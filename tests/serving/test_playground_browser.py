@@ -5,15 +5,13 @@ greedy request through the API gives the values), the switch shows the raw one, 
 field's; a calibrator picked to compare shows what the rescore route returns for the same tokens; markup and script
 in a prompt are shown as text; the record shows the saved evaluation's ECE and one method's diagram.
 
-The shading is recomputed here from the colour stops of playground.js (`shade`), independently of the page.
+The shading is recomputed from the colour stops of playground.js (browser.py's `shade`), independently of the page.
 Skipped with the reason when Chromium, chromedriver or selenium is missing (scripts/setup.sh installs them).
 """
 
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 from pathlib import Path
 
 import httpx
@@ -22,28 +20,15 @@ import pytest
 
 from ats.evaluation.evaluate import summarize_task
 from ats.evaluation.tasks.base import TaskResult
-from ats.evaluation.threshold import certify_threshold
 from ats.io import write_json
 
-from helpers import random_thermometer, write_certificate
+from browser import ask, chromium, markup_is_text, open_page, shade, spans, wait_for
+from helpers import certified_copy, random_thermometer
 from server_process import API_KEY, MODEL_NAME, Server
 
-CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 MAX_TOKENS = 12
-STOPS = [(0.0, (226, 92, 78)), (0.5, (247, 196, 112)), (0.8, (252, 236, 180)), (1.0, (246, 249, 252))]
 
 pytestmark = pytest.mark.slow  # a server process and a browser: about 20 s for the module
-
-
-def shade(p: float) -> str:
-    """The page's colour of probability p, computed here from the same stops."""
-    x = min(1.0, max(0.0, p))
-    for (p0, c0), (p1, c1) in zip(STOPS, STOPS[1:]):
-        if x <= p1:
-            t = (x - p0) / (p1 - p0)
-            r, g, b = (math.floor(v + t * (w - v) + 0.5) for v, w in zip(c0, c1))
-            return f"rgb({r}, {g}, {b})"
-    return "rgb(246, 249, 252)"
 
 
 def _thermometer_folder(backbone, root: Path) -> Path:
@@ -73,12 +58,7 @@ def _eval_folder(calibrator, root: Path) -> Path:
 @pytest.fixture(scope="module")
 def served(model_dir, head_dir, calibrator, backbone, tmp_path_factory):
     root = tmp_path_factory.mktemp("playground")
-    head = root / "head"
-    shutil.copytree(head_dir, head)
-    rng = np.random.default_rng(1)
-    conf = rng.uniform(size=2000)
-    threshold = certify_threshold(conf, rng.uniform(size=2000) < conf, target_risk=0.3, delta=0.1)
-    write_certificate(head, threshold, calibrator, backbone)  # as ats certify writes it, for this head and model
+    head = certified_copy(head_dir, root / "head", calibrator, backbone, seed=1)  # as ats certify writes it
     srv = Server(["--model", str(model_dir), "--calibrator", str(head), "--served-model-name", MODEL_NAME,
                   "--compare", str(_thermometer_folder(backbone, root)), "--compare", "none",
                   "--eval", str(_eval_folder(calibrator, root))], root / "server.log", api_key=API_KEY)
@@ -90,65 +70,15 @@ def served(model_dir, head_dir, calibrator, backbone, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    """Debian's Chromium through its own chromedriver (never one that selenium would download), fresh profile."""
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        pytest.skip("needs Debian's chromium and chromium-driver (/usr/bin/chromium, /usr/bin/chromedriver): "
-                    "apt-get install -y chromium chromium-driver (scripts/setup.sh does it)")
-    webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (the test extra)")
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="ats-chromium-")
-    options = Options()
-    options.binary_location = str(CHROMIUM)
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
-                 f"--user-data-dir={profile}", "--window-size=1400,1000"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
-    driver.set_script_timeout(120)
-    yield driver
-    driver.quit()
-    shutil.rmtree(profile, ignore_errors=True)
-
-
-def wait_for(driver, script: str, timeout: float = 120):
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: d.execute_script(script))
+    yield from chromium()
 
 
 def _open(driver, served, *, forget_key: bool = False) -> None:
-    """Load the page; `forget_key`: as a new visitor, who must give the key (else the tab's stored key is used)."""
-    driver.get(served.url + "/")
-    if forget_key:
-        driver.execute_script("sessionStorage.clear()")
-        driver.get(served.url + "/")
-        wait_for(driver, "return !document.getElementById('key-panel').hidden")  # the page asks for the key first
-        assert driver.find_element("id", "app").get_attribute("hidden") is not None
-        key = driver.find_element("id", "key-input")
-        key.send_keys("wrong-key\n")
-        wait_for(driver, "return document.getElementById('key-error').textContent.includes('refused')")
-        key.clear()
-        key.send_keys(API_KEY + "\n")
-    wait_for(driver, "return document.body.dataset.ready === 'true'")
+    open_page(driver, served.url, API_KEY, forget_key=forget_key)
 
 
 def _ask(driver, text: str, turn: int) -> None:
-    driver.find_element("id", "max-tokens").clear()
-    driver.find_element("id", "max-tokens").send_keys(str(MAX_TOKENS))
-    prompt = driver.find_element("id", "prompt")
-    prompt.send_keys(text)
-    driver.find_element("id", "send").click()
-    wait_for(driver, f"return document.body.dataset.turns === '{turn}' && document.body.dataset.streaming === 'false'")
-
-
-def _spans(driver, turn: int):
-    return driver.execute_script(
-        "return [...document.querySelectorAll('.turn.assistant')][arguments[0]].querySelectorAll('.tok').length ? "
-        "[...[...document.querySelectorAll('.turn.assistant')][arguments[0]].querySelectorAll('.tok')].map(s => "
-        "({confidence: s.dataset.confidence, raw: s.dataset.raw, p: s.dataset.p, calibrator: s.dataset.calibrator, "
-        "colour: getComputedStyle(s).backgroundColor})) : []", turn)
+    ask(driver, text, turn, MAX_TOKENS)
 
 
 def _api_chat(served, text: str) -> dict:
@@ -164,6 +94,7 @@ def test_page_is_open_but_its_data_needs_the_key(served):
     assert httpx.get(served.url + "/static/playground.js", timeout=10).status_code == 200
     assert httpx.get(served.url + "/v1/playground", timeout=10).status_code == 401
     info = httpx.get(served.url + "/v1/playground", headers=served.headers(), timeout=10).json()
+    assert info["engine"] == "ats" and info["unavailable"] == {}  # the page shows everything here
     assert [c["id"] for c in info["calibrators"]] == ["ats", "thermometer", "uncalibrated"]
     assert info["calibrators"][0]["evaluation_method"] == "ats"  # matched by digest
     assert info["calibrators"][2]["evaluation_method"] == "uncalibrated"
@@ -176,9 +107,9 @@ def test_shading_switch_and_decision_equal_the_api(served, browser):
     _ask(browser, text, 1)
     choice = _api_chat(served, text)
     ats = choice["ats"]
-    spans = _spans(browser, 0)
-    assert len(spans) == len(ats["confidence"]) > 0
-    for span, conf, raw in zip(spans, ats["confidence"], ats["uncalibrated_logprobs"]):
+    shown = spans(browser, 0)
+    assert len(shown) == len(ats["confidence"]) > 0
+    for span, conf, raw in zip(shown, ats["confidence"], ats["uncalibrated_logprobs"]):
         assert float(span["confidence"]) == pytest.approx(conf, abs=1e-6)
         assert float(span["p"]) == float(span["confidence"]) and span["calibrator"] == "ats"
         assert span["colour"] == shade(float(span["p"]))
@@ -189,13 +120,16 @@ def test_shading_switch_and_decision_equal_the_api(served, browser):
     assert browser.find_element("id", "decision").text == ("Answer" if ats["answered"] else "Abstain")
     assert float(verdict.get_attribute("data-answer-confidence")) == pytest.approx(ats["answer_confidence"], abs=1e-9)
     assert browser.find_element("id", "answer-confidence").text == f"{ats['answer_confidence']:.3f}"
+    assert ats["certified_format"] is False  # 12 new tokens, the certificate's are 64: the page says so
+    assert verdict.get_attribute("data-certified-format") == "false"
+    assert ats["outside_certificate"] in browser.find_element("id", "outside-certificate").text
 
     browser.find_element("css selector", "input[name=shade][value=raw]").click()  # the switch: raw probabilities
-    for span, raw in zip(_spans(browser, 0), ats["uncalibrated_logprobs"]):
+    for span, raw in zip(spans(browser, 0), ats["uncalibrated_logprobs"]):
         assert float(span["p"]) == pytest.approx(math.exp(raw), abs=1e-6)
         assert span["colour"] == shade(float(span["p"]))
     browser.find_element("css selector", "input[name=shade][value=calibrated]").click()
-    assert [float(s["p"]) for s in _spans(browser, 0)] == pytest.approx(ats["confidence"], abs=1e-6)
+    assert [float(s["p"]) for s in spans(browser, 0)] == pytest.approx(ats["confidence"], abs=1e-6)
 
     # hovering a token shows its values and alternatives; the keyboard moves between tokens
     from selenium.webdriver.common.action_chains import ActionChains
@@ -213,17 +147,28 @@ def test_shading_switch_and_decision_equal_the_api(served, browser):
     assert browser.find_element("id", "token-calibrated").text == f"{ats['confidence'][1]:.3f}"
 
 
+def test_the_page_asks_for_certified_answers_by_default(served, browser):
+    _open(browser, served)  # a fresh page: max tokens at the certified limit, temperature 0
+    limit = httpx.get(served.url + "/v1/playground", headers=served.headers(), timeout=10).json()[
+        "certified_format"]["max_tokens"]
+    assert browser.find_element("id", "max-tokens").get_attribute("value") == str(limit)
+    ask(browser, "Name a colour.", 1, None)
+    assert browser.find_element("id", "verdict").get_attribute("data-certified-format") == "true"
+    assert browser.find_elements("id", "outside-certificate") == []
+    _open(browser, served)
+
+
 def test_comparing_calibrators_rescores_the_same_tokens(served, browser):
     from selenium.webdriver.support.ui import Select
 
     if browser.execute_script("return document.body.dataset.turns") != "1":
         _open(browser, served)
         _ask(browser, "Tell me about the sea.", 1)
-    before = _spans(browser, 0)
+    before = spans(browser, 0)
     Select(browser.find_element("id", "calibrator")).select_by_value("thermometer")
     wait_for(browser, "return document.body.dataset.rescoring === 'false' && "
                       "document.getElementById('verdict').dataset.calibrator === 'thermometer'")
-    after = _spans(browser, 0)
+    after = spans(browser, 0)
     choice = _api_chat(served, "Tell me about the sea.")
     ids = httpx.post(served.url + "/tokenize", headers=served.headers(), timeout=30, json={
         "model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me about the sea."}]}).json()["tokens"]
@@ -245,14 +190,7 @@ def test_comparing_calibrators_rescores_the_same_tokens(served, browser):
 
 
 def test_markup_in_a_prompt_is_text(served, browser):
-    text = '<b id="bold">bold</b><img src="x" onerror="window.__pwned=1"><script>window.__pwned=2</script> & &amp;'
-    _open(browser, served)  # a fresh page
-    _ask(browser, text, 1)
-    shown = browser.execute_script("return document.querySelector('.turn.user .text').textContent")
-    assert shown == text
-    assert browser.find_elements("css selector", "#transcript b, #transcript img, #transcript script") == []
-    assert browser.execute_script("return window.__pwned") is None
-    assert browser.execute_script("return document.getElementById('bold')") is None
+    markup_is_text(browser, served.url, API_KEY, MAX_TOKENS)
 
 
 def test_record_shows_the_saved_evaluation_and_one_diagram(served, browser):

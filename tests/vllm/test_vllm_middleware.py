@@ -1,8 +1,10 @@
 """ats's layer in vLLM's server (`ATSMiddleware`) around a stand-in for vLLM's routes that answers in vLLM's
-format and records what it was sent: the chat roles `ats serve` refuses get its 400, logprobs are asked for and
-the `ats` decision added to each choice (hand-computed), logprobs nobody asked for removed; streams, echoed
-completions (their logprobs start with the prompt's) and requests without the API key untouched. The slow server
-test (test_vllm_cli.py) runs it in vLLM's real server."""
+format (plain and streamed, a stream's events split across writes as a network may split them) and records what it
+was sent: the chat roles `ats serve` refuses get its 400, logprobs are asked for and the `ats` decision added to
+each choice (hand-computed), on a stream to the chunk that finishes each choice, with the request's word on the
+certified format; logprobs nobody asked for removed; echoed completions (their logprobs start with the prompt's)
+and requests without the API key untouched; the playground's files are the page `ats serve` serves, its info route
+needs the key. The slow server tests (test_vllm_server.py) run it in vLLM's real server."""
 
 from __future__ import annotations
 
@@ -11,13 +13,16 @@ import math
 
 import pytest
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 from test_vllm_abstain import CERTIFIED
 
+from ats.evaluation.threshold import Certificate
+from ats.integrations.vllm import CONFIG_KEY
 from ats.integrations.vllm.abstain import AnswerDecider
-from ats.integrations.vllm.middleware import ATSMiddleware
+from ats.integrations.vllm.middleware import EXPORT_ENV, MODEL_NAME_ENV, ATSMiddleware
+from ats.serving.playground import STATIC, page_file
 
 TOKENS = [{"token": "Par", "logprob": -0.1, "top_logprobs": []}, {"token": "is", "logprob": -0.9, "top_logprobs": []},
           {"token": "<eos>", "logprob": -0.01, "top_logprobs": []}]
@@ -42,8 +47,46 @@ def stand_in(seen: list):
         return JSONResponse({"object": "text_completion", "choices": [
             {"index": 0, "text": "Paris", "logprobs": logprobs, "finish_reason": "stop"}]})
 
-    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
-                             Route("/v1/completions", completion, methods=["POST"])])
+    async def stream(request):
+        body = await request.json()
+        seen.append(body)
+        return StreamingResponse(events(body, request.url.path.endswith("/chat/completions")),
+                                 media_type="text/event-stream")
+
+    async def route(request):
+        body = await request.json()
+        return await (stream(request) if body.get("stream") else
+                      chat(request) if request.url.path.endswith("/chat/completions") else completion(request))
+
+    return Starlette(routes=[Route("/v1/chat/completions", route, methods=["POST"]),
+                             Route("/v1/completions", route, methods=["POST"])])
+
+
+async def events(body: dict, chat: bool):
+    """vLLM's stream: (chat) a role chunk, then one chunk per token, the last with finish_reason "stop", then
+    [DONE]; written in pieces that cut events (and a JSON object) in two."""
+    def chunk(i: int, token: dict | None, finish: str | None) -> dict:
+        if chat:
+            logprobs = {"content": [token]} if body.get("logprobs") and token else None
+            delta = {"content": token["token"]} if token else {"role": "assistant", "content": ""}
+            return {"object": "chat.completion.chunk", "choices": [
+                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        logprobs = None if body.get("logprobs") is None else {"tokens": [token["token"]],
+                                                                "token_logprobs": [token["logprob"]]}
+        return {"object": "text_completion", "choices": [
+            {"index": 0, "text": token["token"], "logprobs": logprobs, "finish_reason": finish}]}
+
+    chunks = ([chunk(0, None, None)] if chat else []) + [
+        chunk(0, t, "stop" if i == len(TOKENS) - 1 else None) for i, t in enumerate(TOKENS)]
+    text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    for start in range(0, len(text), 37):
+        yield text[start:start + 37]
+
+
+def read_stream(response) -> list:
+    """The data of each server-sent event of a response, JSON decoded ([DONE] as the string)."""
+    data = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
 
 
 @pytest.fixture
@@ -81,15 +124,88 @@ def test_the_decision_is_added_and_logprobs_stay_as_asked(client_and_seen):
     assert "ats" not in client.post("/v1/completions", json=echoed).json()["choices"][0] and seen[-1] == echoed
 
 
-def test_streams_and_requests_without_the_key_pass_through(monkeypatch):
+def test_a_stream_carries_the_decision_on_the_chunk_that_finishes_the_choice(client_and_seen):
+    client, seen = client_and_seen
+    chat = read_stream(client.post("/v1/chat/completions", json={**CHAT, "stream": True}))
+    assert seen[-1]["logprobs"] is True and chat[-1] == "[DONE]" and len(chat) == 1 + len(TOKENS) + 1
+    *middle, last = [c["choices"][0] for c in chat[:-1]]
+    assert last["finish_reason"] == "stop" and last["ats"] == DECISION  # as ats serve's stream places it
+    assert all("ats" not in c and c["logprobs"] is None for c in middle) and last["logprobs"] is None
+    assert "".join(c["delta"]["content"] for c in [*middle, last]) == "Paris<eos>"  # the text as vLLM sent it
+    asked = read_stream(client.post("/v1/chat/completions", json={**CHAT, "stream": True, "logprobs": True}))
+    assert [t for c in asked[1:-1] for t in c["choices"][0]["logprobs"]["content"]] == TOKENS
+    assert asked[-2]["choices"][0]["ats"] == DECISION
+    completion = read_stream(client.post("/v1/completions", json={"model": "m", "prompt": "Q", "stream": True}))
+    assert seen[-1]["logprobs"] == 0 and completion[-2]["choices"][0]["ats"] == DECISION
+    assert all(c["choices"][0]["logprobs"] is None for c in completion[:-1])
+
+
+def certificate(max_tokens: int = 64) -> Certificate:
+    """A certificate of greedy answers through the chat template, at most `max_tokens` new tokens."""
+    return Certificate(CERTIFIED, {"format": {"chat_template": True, "max_tokens": max_tokens}, "calibrator": None,
+                                   "backbone": {}}, [], "cal/threshold.json")
+
+
+@pytest.mark.parametrize("request_, reason", [
+    ({"max_tokens": 64, "temperature": 0}, None),
+    ({"max_completion_tokens": 64, "temperature": 0.0, "stream": True}, None),
+    ({"max_tokens": 64}, "this one is sampled"),  # vLLM's default temperature: 1
+    ({"max_tokens": 64, "temperature": "hot"}, "this one is sampled"),  # no crash here: vLLM answers its 400
+    ({"max_tokens": 64, "temperature": 0, "stop": ["\n"]}, "cut by stop strings"),
+    ({"max_tokens": 64, "temperature": 0, "ignore_eos": True}, "run past end-of-sequence (ignore_eos)"),
+    ({"max_tokens": 32, "temperature": 0}, "at most 64 new tokens, and this one may have 32"),
+    ({"temperature": 0}, "and this one may have up to the context length"),
+    ({"max_tokens": 64, "temperature": 0, "chat_template": "{{ x }}"}, "made without it"),
+])
+def test_the_decision_says_whether_the_request_is_in_the_certified_format(monkeypatch, request_, reason):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    decider = AnswerDecider(CERTIFIED, frozenset({"<eos>"}), certificate())
+    client = TestClient(ATSMiddleware(stand_in([]), decider=decider))
+    out = client.post("/v1/chat/completions", json={**CHAT, **request_})
+    ats = (read_stream(out)[-2] if request_.get("stream") else out.json())["choices"][0]["ats"]
+    outside = ats.pop("outside_certificate")
+    assert ats == {**DECISION, "certified_format": reason is None}
+    if reason is None:
+        assert outside is None
+    else:
+        assert outside.startswith("cal/threshold.json certifies ") and reason in outside
+    completion = client.post("/v1/completions", json={"model": "m", "prompt": "Q", "max_tokens": 64,
+                                                       "temperature": 0}).json()["choices"][0]["ats"]
+    assert completion["outside_certificate"].endswith("through the chat template, and this one is made without it")
+
+
+def test_the_page_is_ats_serves_and_its_info_needs_the_key(monkeypatch, tmp_path):
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({CONFIG_KEY: {"calibrator": None, "base_model": "tiny-base"}}))
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    monkeypatch.setenv(EXPORT_ENV, str(export))
+    monkeypatch.setenv(MODEL_NAME_ENV, "tiny")
+    seen: list = []
+    client = TestClient(ATSMiddleware(stand_in(seen), decider=AnswerDecider(None, frozenset({"<eos>"}))))
+    page = client.get("/")
+    assert page.status_code == 200 and page.text == page_file("index.html")
+    for name, media in STATIC.items():
+        served = client.get(f"/static/{name}")
+        assert served.text == page_file(name) and served.headers["content-type"] == media
+    refused = client.get("/v1/playground")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    info = client.get("/v1/playground", headers={"Authorization": "Bearer k"}).json()
+    assert info["model"] == "tiny" and info["engine"] == "vllm" and info["served"] == "uncalibrated"
+    assert set(info["unavailable"]) == {"raw", "tau", "rescore", "evaluation"} and info["evaluation"] is None
+    assert info["certified_format"] is None  # no certificate in this export
+    assert info["calibrators"][0]["threshold"] is None and "tiny-base" in info["calibrators"][0]["make_evaluation"]
+    assert client.get("/static/other.js").status_code == 404 and not seen  # not the page's: vLLM's (here a 404)
+
+
+def test_requests_without_the_key_pass_through(monkeypatch):
     seen: list = []
     monkeypatch.setenv("VLLM_API_KEY", "k")
     client = TestClient(ATSMiddleware(stand_in(seen), decider=AnswerDecider(CERTIFIED, frozenset({"<eos>"}))))
     bad = {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}
     assert client.post("/v1/chat/completions", json=bad).status_code == 200  # vLLM's auth answers it (401) there
     assert "ats" not in client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]
-    keyed = client.post("/v1/chat/completions", json={**CHAT, "stream": True},
-                        headers={"Authorization": "Bearer k"}).json()["choices"][0]
-    assert "ats" not in keyed and seen[-1] == {**CHAT, "stream": True}
+    unkeyed = read_stream(client.post("/v1/chat/completions", json={**CHAT, "stream": True}))
+    assert all("ats" not in c["choices"][0] for c in unkeyed[:-1]) and seen[-1] == {**CHAT, "stream": True}
     assert client.post("/v1/chat/completions", json=bad, headers={"Authorization": "Bearer k"}).status_code == 400
     assert json.loads(json.dumps(seen))  # the stand-in saw JSON bodies throughout

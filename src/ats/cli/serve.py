@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
                         "probabilities (a baseline)")
     p.add_argument("--compare", action="append", default=[], metavar="CALIBRATOR",
                    help="another calibrator (folder, Hub id or 'none'; repeatable) the playground at / rescores the "
-                        "generated tokens under, beside --calibrator (which generates); --engine ats")
+                        "generated tokens under, beside --calibrator (which generates); --engine ats only")
     p.add_argument("--eval", default=None, metavar="EVAL",
                    help="a folder of `ats eval --out EVAL`: the playground shows its reliability diagrams and ECE for "
                         "the calibrators it evaluated (matched by digest); --engine ats")
@@ -121,7 +121,8 @@ def run(args) -> int:
                     "probability >= %g)", threshold.threshold, threshold.target_risk, 1 - threshold.delta)
     playground = _playground(engine, backbone, calibrator, [(folder, threshold)] + compared, evaluation)
     playground.model = args.model
-    app = create_app(engine, model_name=name, api_key=key, threshold=threshold, playground=playground)
+    app = create_app(engine, model_name=name, api_key=key, threshold=threshold, playground=playground,
+                     certificate=certificate)
     logger.info("serving %s (%s) on http://%s:%d/v1", name, engine.calibration.label, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
     return 0
@@ -152,8 +153,8 @@ def _run_vllm(args, calibrator, key: str | None) -> int:
     """`ats serve --engine vllm`: the export (made or reused), then vLLM's OpenAI server until it exits."""
     for flag, value in (("--compare", args.compare), ("--eval", args.eval)):
         if value:
-            raise ATSError(f"{flag}: an option of the playground, which runs on ats's own engine (--engine ats); "
-                           f"vLLM's server has no page")
+            raise ATSError(f"{flag}: an option of the playground on ats's own engine (--engine ats); the page of "
+                           f"vLLM's server shows the served calibrator only (it cannot rescore or read an evaluation)")
     for flag, value in (("--threads", args.threads), ("--device", args.device)):
         if value is not None:
             raise ATSError(f"{flag}: an option of ats's own engine; vLLM sets threads and devices itself "

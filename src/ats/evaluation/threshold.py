@@ -314,20 +314,31 @@ class Certificate:
         self.check(backbone=backbone_identity(backbone), calibrator=None if calibrator is None else calibrator.digest())
         return self.threshold
 
-    def outside(self, *, max_tokens: int, chat_template: bool, sampled: bool = False,
-                stops: bool = False) -> str | None:
-        """Why answers made with `max_tokens`, with or without the chat template, sampled or greedy, with or without
-        stop strings, are not in the certified format (None: they are, as far as these go)."""
+    def outside(self, *, max_tokens: int | None, chat_template: bool, sampled: bool = False,
+                stops: bool = False, ignore_eos: bool = False) -> str | None:
+        """Why answers made with `max_tokens` (None: up to the context length), with or without the chat template,
+        sampled or greedy, with or without stop strings, run past end-of-sequence or not, are not in the certified
+        format (None: they are, as far as these go)."""
         fmt = self.served.get("format") or {}
-        if sampled or stops:
-            return (f"{self.path} certifies greedy answers stopped only by end-of-sequence, and this one is "
-                    f"{'sampled' if sampled else 'cut by stop strings'}: outside what it certifies")
+        if sampled or stops or ignore_eos:
+            how = "sampled" if sampled else "cut by stop strings" if stops else "run past end-of-sequence (ignore_eos)"
+            return (f"{self.path} certifies greedy answers stopped only by end-of-sequence, and this one is {how}: "
+                    f"outside what it certifies")
         if bool(fmt.get("chat_template")) and not chat_template:
             return f"{self.path} certifies answers through the chat template, and this one is made without it"
         if fmt.get("max_tokens") != max_tokens:
+            limit = "up to the context length" if max_tokens is None else max_tokens
             return (f"{self.path} certifies answers of at most {fmt.get('max_tokens')} new tokens, and this one may "
-                    f"have {max_tokens}: answers cut at another length are outside what it certifies")
+                    f"have {limit}: answers cut at another length are outside what it certifies")
         return None
+
+    def format_fields(self, **request) -> dict:
+        """The `ats` field's per-request word on the format (`outside`'s arguments): {"certified_format": whether
+        the answer is made as the certified ones were, "outside_certificate": why not, in one line, or None}. Both
+        servers (`ats serve`, and vLLM's through `ats serve --engine vllm`) report it beside the decision, which
+        holds only inside."""
+        reason = self.outside(**request)
+        return {"certified_format": reason is None, "outside_certificate": reason}
 
 
 def read_certificate(folder) -> Certificate | None:

@@ -25,7 +25,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ATSError
-from ..evaluation.threshold import CertifiedThreshold
+from ..evaluation.threshold import Certificate, CertifiedThreshold
 from ..generation.sampling import SamplingParams
 from .api_errors import APIError, validation_error
 from .engine import ContextLengthExceeded, Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull
@@ -177,14 +177,26 @@ class Service:
         engine: the engine serving the requests.
         model_name: the model name the API reports and accepts.
         threshold: the calibrator's certified threshold, or None.
+        certificate: what the threshold certifies (the answer format), or None: no word on the format.
     """
 
-    def __init__(self, engine: Engine, model_name: str, threshold: CertifiedThreshold | None = None) -> None:
+    def __init__(self, engine: Engine, model_name: str, threshold: CertifiedThreshold | None = None,
+                 certificate: Certificate | None = None) -> None:
         self.engine, self.model_name, self.tok = engine, model_name, engine.tokenizer
+        self.certificate = certificate
         self.renderer = Renderer(self.tok, model_name, {"calibrator": engine.calibration.label,
                                                         "confidence_kind": engine.calibration.confidence_kind},
                                  threshold)
         self.started = int(time.time())
+
+    def renderer_for(self, body: GenerationRequest, *, chat: bool, max_tokens: int | None) -> Renderer:
+        """The renderer of one request: each decision it renders says whether the request is made as the certified
+        answers were (`Certificate.format_fields`; `max_tokens` None: up to the context length)."""
+        if self.certificate is None:
+            return self.renderer
+        return self.renderer.with_info(self.certificate.format_fields(
+            max_tokens=max_tokens, chat_template=chat, sampled=not _sampling(body).greedy, stops=bool(body.stops),
+            ignore_eos=body.ignore_eos))
 
     def check_model(self, name: str) -> None:
         """Refuse a request for another model than the served one.
@@ -328,10 +340,11 @@ def _add_chat_route(app: FastAPI, service: Service) -> None:
         job = Job([ids], n=body.n, max_tokens=max_tokens, sampling=_sampling(body), stop=body.stops,
                   top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0, ignore_eos=body.ignore_eos)
         run = Run(engine, job, "messages")
+        renderer = service.renderer_for(body, chat=True, max_tokens=body.new_tokens)
         if body.stream:
-            return EventSourceResponse(_chat_stream(service.renderer, run, body, len(ids)))
+            return EventSourceResponse(_chat_stream(renderer, run, body, len(ids)))
         collected = await run.collect(request, Collector(1, body.n))
-        return service.renderer.chat(collected, logprobs=body.logprobs, prompt_tokens=len(ids))
+        return renderer.chat(collected, logprobs=body.logprobs, prompt_tokens=len(ids))
 
 
 async def _chat_stream(renderer: Renderer, run: Run, body: ChatCompletionRequest, prompt_tokens: int):
@@ -362,14 +375,16 @@ async def _chat_stream(renderer: Renderer, run: Run, body: ChatCompletionRequest
 
 def _add_completion_route(app: FastAPI, service: Service) -> None:
     """POST /v1/completions: text or token-id prompts, optionally echoed with their scores, whole or streamed."""
-    engine, renderer = service.engine, service.renderer
+    engine = service.engine
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         service.check_model(body.model)
         prompts = service.completion_prompts(body)  # (text, ids)
         logprobs = body.logprobs is not None
-        job = Job([ids for _, ids in prompts], n=body.n, max_tokens=16 if body.max_tokens is None else body.max_tokens,
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        renderer = service.renderer_for(body, chat=False, max_tokens=max_tokens)
+        job = Job([ids for _, ids in prompts], n=body.n, max_tokens=max_tokens,
                   sampling=_sampling(body), stop=body.stops, top_logprobs=body.logprobs or 0,
                   prompt_logprobs=body.echo and logprobs, ignore_eos=body.ignore_eos)
         run = Run(engine, job, "prompt")
@@ -428,7 +443,8 @@ async def _completion_stream(renderer: Renderer, run: Run, body: CompletionReque
 
 
 def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
-               threshold: CertifiedThreshold | None = None, playground: Playground | None = None) -> FastAPI:
+               threshold: CertifiedThreshold | None = None, playground: Playground | None = None,
+               certificate: Certificate | None = None) -> FastAPI:
     """The app serving `engine` as model `model_name`; with `api_key`, every route but /health needs it.
 
     Args:
@@ -439,11 +455,13 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
             whether it is answered; None: no decision.
         playground: the calibrators the page can rescore with (the served one first: the engine's) and the saved
             evaluation; None: the served calibrator only, no evaluation.
+        certificate: what `threshold` certifies (`read_certificate`): every decision then says whether its request
+            is made as the certified answers were (`certified_format`, `outside_certificate`); None: it does not.
 
     Returns:
         The FastAPI app.
     """
-    service = Service(engine, model_name, threshold)
+    service = Service(engine, model_name, threshold, certificate)
     app = FastAPI(title="ats: calibrated OpenAI-compatible server", lifespan=_lifespan(engine))
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)

@@ -2,14 +2,18 @@
 
     GET  /                                  the page (static/index.html), and its files under /static/
     GET  /v1/playground                     the served model, every loaded calibrator (its threshold, its record,
-                                            its saved evaluation) and how to make what is missing
+                                            its saved evaluation), how to make what is missing, and what the page
+                                            cannot show on this server (`unavailable`: none here) and the
+                                            served threshold's certified answer format (`certified_format`)
     POST /v1/playground/rescore             the generated tokens' probabilities under another loaded calibrator
                                             (rescored, not regenerated; `rescore.py`)
     GET  /v1/playground/reliability.png     one method's reliability diagram on one task of the saved evaluation
 
 The page is plain HTML, CSS and JavaScript shipped in the package (no CDN, no build step) and is a client of the API:
-it streams /v1/chat/completions and reads the `ats` field. The page's files are open (they hold no data); every
-route that answers with data needs the API key when the server has one, and the page asks for it.
+it streams /v1/chat/completions and reads the `ats` field. `ats serve --engine vllm` serves the same files
+(`page_file`) and its own GET /v1/playground (`ats.integrations.vllm.page`), whose `unavailable` the page obeys.
+The page's files are open (they hold no data); every route that answers with data needs the API key when the server
+has one, and the page asks for it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ..errors import ATSError
+from ..evaluation.threshold import CertifiedThreshold
 from ..fingerprint import FINGERPRINT_NAME
 from ..generation.decoder import eos_ids
 from ..io import read_json
@@ -79,7 +84,9 @@ class RescoreRequest(BaseModel):
     ignore_eos: bool = False
 
 
-def _page(name: str) -> str:
+def page_file(name: str) -> str:
+    """The text of one of the page's files (`index.html` or a STATIC name), from the package; also served by the
+    vLLM route's middleware (one page for both servers)."""
     return resources.files("ats.serving").joinpath("static", name).read_text(encoding="utf-8")
 
 
@@ -106,21 +113,27 @@ def _certify_command(model: str, folder: Path | None) -> str | None:
     return f"ats certify --model {model} --calibrator {folder}; then restart the server"
 
 
+def calibrator_entry(*, id: str, label: str, describe: str, confidence_kind: str, folder: Path | None,
+                     threshold: CertifiedThreshold | None, evaluation_method: str | None, model: str) -> dict:
+    """One calibrator as the page shows it (GET /v1/playground's `calibrators`, on both servers): what it is and
+    changes, its threshold, its training record, its method in the saved evaluation and the commands that make what
+    is missing."""
+    return {"id": id, "label": label, "describe": describe, "confidence_kind": confidence_kind,
+            "folder": None if folder is None else str(folder),
+            "threshold": None if threshold is None else threshold.to_dict(), "training": training_record(folder),
+            "evaluation_method": evaluation_method, "make_evaluation": _eval_command(model, folder),
+            "make_threshold": _certify_command(model, folder)}
+
+
 def describe_calibrators(playground: Playground, model: str) -> list[dict]:
-    """Each loaded calibrator as the page shows it: id, label, what it changes, its threshold, its training record
-    and the method of the saved evaluation that is this calibrator (by digest)."""
-    out = []
+    """Each loaded calibrator as the page shows it (`calibrator_entry`), the saved evaluation's method that is
+    this calibrator found by digest."""
     evaluation = playground.evaluation
-    for served in playground.calibrators:
-        cal = served.calibration
-        method = evaluation.method_of(served.digest) if evaluation is not None else None
-        out.append({"id": served.id, "label": cal.label, "describe": cal.describe(),
-                    "confidence_kind": cal.confidence_kind, "folder": None if served.folder is None
-                    else str(served.folder), "threshold": None if served.threshold is None
-                    else served.threshold.to_dict(), "training": training_record(served.folder),
-                    "evaluation_method": method, "make_evaluation": _eval_command(model, served.folder),
-                    "make_threshold": _certify_command(model, served.folder)})
-    return out
+    return [calibrator_entry(id=served.id, label=served.calibration.label, describe=served.calibration.describe(),
+                             confidence_kind=served.calibration.confidence_kind, folder=served.folder,
+                             threshold=served.threshold, model=model,
+                             evaluation_method=None if evaluation is None else evaluation.method_of(served.digest))
+            for served in playground.calibrators]
 
 
 def add_playground_routes(app: FastAPI, service, playground: Playground) -> None:
@@ -130,19 +143,21 @@ def add_playground_routes(app: FastAPI, service, playground: Playground) -> None
 
     @app.get("/", include_in_schema=False)
     async def page():
-        return HTMLResponse(_page("index.html"), headers={"Cache-Control": "no-cache"})
+        return HTMLResponse(page_file("index.html"), headers={"Cache-Control": "no-cache"})
 
     for name, media in STATIC.items():
         def static(name=name, media=media):
-            return Response(_page(name), media_type=media, headers={"Cache-Control": "no-cache"})
+            return Response(page_file(name), media_type=media, headers={"Cache-Control": "no-cache"})
 
         app.add_api_route(f"/static/{name}", static, methods=["GET"], include_in_schema=False)
 
     @app.get("/v1/playground")
     async def info():
         evaluation = playground.evaluation
-        return {"model": service.model_name, "max_model_len": engine.max_model_len,
-                "chat": bool(getattr(service.tok, "chat_template", None)),
+        certificate = service.certificate
+        return {"model": service.model_name, "engine": "ats", "unavailable": {},
+                "certified_format": None if certificate is None else certificate.served.get("format"),
+                "max_model_len": engine.max_model_len, "chat": bool(getattr(service.tok, "chat_template", None)),
                 "served": playground.calibrators[0].id,
                 "calibrators": describe_calibrators(playground, playground.model or service.model_name),
                 "evaluation": None if evaluation is None else evaluation.describe()}

@@ -14,6 +14,7 @@ per-token lists of its own tokens, and the chunk that finishes a choice adds the
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 import uuid
@@ -136,6 +137,15 @@ class Renderer:
         self.tokenizer, self.model_name, self.info = tokenizer, model_name, dict(info or {})
         self.threshold = threshold
         self._strings: dict[int, str] = {}
+
+    def with_info(self, extra: dict) -> "Renderer":
+        """This renderer with `extra` (a request's own fields, e.g. its word on the certified format) added to what
+        every sequence summary copies; the token cache is shared."""
+        if not extra:
+            return self
+        other = copy.copy(self)
+        other.info = {**self.info, **extra}
+        return other
 
     def token(self, token_id: int) -> str:
         """The text of one token, decoded on its own (cached)."""

@@ -2,7 +2,7 @@
 
 vLLM's OpenAI server returns the calibrated log-probabilities (the export's `compute_logits`) but not ats's `ats`
 field. `ats serve --engine vllm` adds it in the server (`middleware.ATSMiddleware` calls this class); clients of a
-plain vLLM server on an export (or of a stream) make the decision where the response arrives. Both by the same
+plain vLLM server on an export make the decision where the response arrives. Both by the same
 rules `ats serve` applies: the answer's
 confidence is the mean calibrated probability of its tokens, the end-of-sequence token that ended it left out
 (`generation.logprobs.answer_confidence`), and the certified threshold the export carries (`ats certify` wrote it
@@ -26,15 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import ATSError
-from ...evaluation.threshold import CertifiedThreshold, read_certificate, template_digest
+from ...evaluation.threshold import Certificate, CertifiedThreshold, read_certificate, template_digest
 from ...generation.logprobs import TokenLogprob, answer_confidence
 from . import CALIBRATOR_FOLDER
 from .export import read_export
 
 
-def _checked_threshold(folder: Path, tokenizer) -> CertifiedThreshold | None:
-    """The export's certified threshold, checked against the calibrator and the backbone the export serves (its
-    record's base model and revision, its tokenizer's chat template); None when it carries none.
+def _checked_certificate(folder: Path, tokenizer) -> Certificate | None:
+    """The export's certificate (its threshold and the answer format it certifies), checked against the calibrator
+    and the backbone the export serves (its record's base model and revision, its tokenizer's chat template); None
+    when it carries none.
 
     Raises:
         ATSError: naming the file and the field, if it was certified for another calibrator or backbone.
@@ -49,7 +50,7 @@ def _checked_threshold(folder: Path, tokenizer) -> CertifiedThreshold | None:
     certificate.check(calibrator=None if calibrator is None else calibrator.digest(),
                       backbone={"base_model": record.get("base_model"), "revision": record.get("revision"),
                                 "chat_template": template_digest(tokenizer)})
-    return certificate.threshold
+    return certificate
 
 
 def _field(item, name: str):
@@ -65,10 +66,12 @@ class AnswerDecider:
         threshold: the certified threshold, or None (then only the confidence is reported).
         end_tokens: the end-of-sequence tokens as a response names them: the token's text and "token_id:N" (vLLM's
             `return_tokens_as_token_ids`).
+        certificate: what the threshold certifies (the answer format, `Certificate.format_fields`), or None.
     """
 
     threshold: CertifiedThreshold | None
     end_tokens: frozenset[str]
+    certificate: Certificate | None = None
 
     @classmethod
     def from_export(cls, folder: str | Path) -> "AnswerDecider":
@@ -92,7 +95,8 @@ class AnswerDecider:
             ids.add(int(tokenizer.eos_token_id))
         names = {f"token_id:{i}" for i in ids} | set(tokenizer.convert_ids_to_tokens(sorted(ids)))
         names |= {tokenizer.decode([i]) for i in ids}
-        return cls(_checked_threshold(folder, tokenizer), frozenset(names))
+        certificate = _checked_certificate(folder, tokenizer)
+        return cls(None if certificate is None else certificate.threshold, frozenset(names), certificate)
 
     def confidence(self, tokens: Iterable, finish_reason: str | None) -> float | None:
         """The answer's confidence from its tokens' calibrated log-probabilities.
@@ -127,8 +131,11 @@ class AnswerDecider:
         logprobs = _field(choice, "logprobs")
         if logprobs is None:
             raise ATSError("choice.logprobs: missing; request the answer with logprobs=True (chat) or logprobs=1")
-        content = _field(logprobs, "content") if not _has_tokens(logprobs) else _completion_tokens(logprobs)
-        confidence = self.confidence(content or [], _field(choice, "finish_reason"))
+        return self.decide_tokens(answer_entries(logprobs), _field(choice, "finish_reason"))
+
+    def decide_tokens(self, tokens: Iterable, finish_reason: str | None) -> dict:
+        """`decide` on an answer's logprobs entries in the chat layout (a stream's, gathered over its chunks)."""
+        confidence = self.confidence(tokens, finish_reason)
         out = {"answer_confidence": confidence}
         if self.threshold is not None:
             out.update(self.threshold.decide(confidence))
@@ -144,6 +151,9 @@ def _has_tokens(logprobs) -> bool:
     return True
 
 
-def _completion_tokens(logprobs) -> list[dict]:
-    """The completions API's parallel lists as the chat layout's entries."""
+def answer_entries(logprobs) -> list:
+    """A choice's (or a stream chunk's) logprobs entries in the chat layout ("token", "logprob"): the chat API's
+    `content`, or the completions API's parallel lists made into entries."""
+    if not _has_tokens(logprobs):
+        return list(_field(logprobs, "content") or [])
     return [{"token": t, "logprob": p} for t, p in zip(_field(logprobs, "tokens"), _field(logprobs, "token_logprobs"))]

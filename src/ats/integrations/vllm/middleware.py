@@ -1,31 +1,40 @@
 """`ats serve --engine vllm`'s layer inside vLLM's own OpenAI server (its `--middleware` option): the answer-or-abstain
-decision in each response, and the request checks `ats serve` makes that vLLM does not.
+decision in each response, the request checks `ats serve` makes that vLLM does not, and the playground page.
 
-    POST /v1/chat/completions, /v1/completions (not streamed)
+    POST /v1/chat/completions, /v1/completions (plain and streamed)
       request : a chat message whose role `ats serve` refuses (not system, developer, user or assistant) -> 400 in
                 OpenAI's error format, as `ats serve` answers it (vLLM would accept it and generate);
                 logprobs asked for when the client did not (the decision reads them)
       response: each choice gets `"ats"`: {"answer_confidence"} and, when the export carries a certified threshold,
-                {"answered", "threshold", "target_risk", "delta"}: `ats serve`'s decision fields, by the same rules
-                (`abstain.AnswerDecider`: the mean calibrated probability of the answer's tokens, the
-                end-of-sequence token that ended it left out); logprobs the client did not ask for are removed.
+                {"answered", "threshold", "target_risk", "delta", "certified_format", "outside_certificate"}:
+                `ats serve`'s decision fields, by the same rules (`abstain.AnswerDecider`: the mean calibrated
+                probability of the answer's tokens, the end-of-sequence token that ended it left out; whether the
+                request is made as the certified answers were, `Certificate.format_fields`). A stream carries it
+                where `ats serve`'s does: on the choice of the chunk that finishes it (its tokens gathered over the
+                chunks). Logprobs the client did not ask for are removed, from every chunk of a stream too.
+    GET  /, /static/*   the playground page (`ats.serving.playground`'s files: one page for both servers), open
+    GET  /v1/playground what the page shows here (`page.playground_info`), with the API key
 
-Streamed responses, and completions that echo the prompt (their logprobs start with the prompt's), pass through
-unchanged (a client decides with `AnswerDecider` on the answer's logprobs). The export comes from $ATS_VLLM_EXPORT,
-which `ats serve --engine vllm` sets. A plain ASGI middleware: vLLM adds it outside its own, so requests without
-the server's API key ($VLLM_API_KEY) pass through untouched to vLLM's 401.
+Completions that echo the prompt (their logprobs start with the prompt's) pass through unchanged. The export comes
+from $ATS_VLLM_EXPORT and the served model's name from $ATS_VLLM_MODEL_NAME, which `ats serve --engine vllm` sets. A
+plain ASGI middleware: vLLM adds it outside its own, so requests without the server's API key ($VLLM_API_KEY) pass
+through untouched to vLLM's 401 (the page's info route answers that 401 itself, in OpenAI's format).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
+from pathlib import Path
 from typing import get_args
 
 from ...serving.api_errors import APIError
 from ...serving.schemas import ChatMessage
+from .stream import StreamDecisions, StreamRewriter
 
 EXPORT_ENV = "ATS_VLLM_EXPORT"  # the export whose threshold and end tokens decide (set by `ats serve --engine vllm`)
+MODEL_NAME_ENV = "ATS_VLLM_MODEL_NAME"  # the model id clients send (--served-model-name), for the page
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 ROLES = get_args(ChatMessage.model_fields["role"].annotation)  # the roles `ats serve` accepts (its schema's)
 
@@ -55,11 +64,39 @@ def ask_for_logprobs(body: dict, kind: str) -> bool:
     return False
 
 
-def add_decisions(response: dict, decider, strip_logprobs: bool) -> dict:
-    """Put each choice's `ats` field (`AnswerDecider.decide`) in a response body; drop logprobs nobody asked for."""
+def vllm_defaults(export: Path | None) -> dict:
+    """The sampling defaults vLLM's server applies to a request that leaves them out: the export's generation
+    config's (vLLM's `--generation-config auto`), else vLLM's own (temperature 1)."""
+    config = {}
+    path = None if export is None else export / "generation_config.json"
+    if path is not None and path.is_file():
+        config = json.loads(path.read_text())
+    return {"temperature": config.get("temperature", 1.0), "max_tokens": config.get("max_new_tokens")}
+
+
+def request_format(body: dict, kind: str, defaults: dict) -> dict:
+    """How vLLM makes the answers of request `body` (`Certificate.outside`'s arguments): its new-token limit (None:
+    up to the context; completions: 16 by default), through the chat template or not, sampled or greedy, cut by stop
+    strings or tokens, run past end-of-sequence."""
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or defaults.get("max_tokens")
+    if max_tokens is None and kind == "completion":
+        max_tokens = 16  # vLLM's default for completions, as OpenAI's
+    temperature = body.get("temperature")
+    temperature = defaults.get("temperature", 1.0) if temperature is None else temperature
+    greedy = isinstance(temperature, (int, float)) and temperature == 0  # a bad value: vLLM's own 400 follows
+    template = (kind == "chat" and not body.get("chat_template") and body.get("add_generation_prompt", True)
+                and not body.get("continue_final_message"))
+    return {"max_tokens": max_tokens, "chat_template": bool(template), "sampled": not greedy,
+            "stops": bool(body.get("stop")) or bool(body.get("stop_token_ids")),
+            "ignore_eos": bool(body.get("ignore_eos"))}
+
+
+def add_decisions(response: dict, decider, strip_logprobs: bool, fields: dict | None = None) -> dict:
+    """Put each choice's `ats` field (`AnswerDecider.decide`, and the request's word on the certified format
+    `fields`) in a response body; drop logprobs nobody asked for."""
     for choice in response.get("choices", []):
         if choice.get("logprobs") is not None:
-            choice["ats"] = decider.decide(choice)
+            choice["ats"] = {**decider.decide(choice), **(fields or {})}
         if strip_logprobs:
             choice["logprobs"] = None
     return response
@@ -75,14 +112,21 @@ class ATSMiddleware:
 
     def __init__(self, app, decider=None) -> None:
         self.app = app
-        if decider is None and os.environ.get(EXPORT_ENV):
+        self.export = Path(os.environ[EXPORT_ENV]) if os.environ.get(EXPORT_ENV) else None
+        if decider is None and self.export is not None:
             from .abstain import AnswerDecider
 
-            decider = AnswerDecider.from_export(os.environ[EXPORT_ENV])
+            decider = AnswerDecider.from_export(self.export)
         self.decider = decider
+        self.defaults = vllm_defaults(self.export)
         self.key = os.environ.get("VLLM_API_KEY") or None
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "GET" and self.export is not None:
+            response = self._page(scope)
+            if response is not None:
+                await response(scope, receive, send)
+                return
         kind = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" and scope.get("method") == "POST" else None
         if kind is None or not self._authorized(scope):
             await self.app(scope, receive, send)
@@ -98,20 +142,52 @@ class ATSMiddleware:
         if kind == "chat" and (error := role_error(body)) is not None:
             await error.response()(scope, _replay(b"", receive), send)
             return
-        if body.get("stream") or body.get("echo") or self.decider is None:
+        if body.get("echo") or self.decider is None:
             await self.app(scope, _replay(raw, receive), send)
             return
+        fields = self._format_fields(body, kind)
         strip = ask_for_logprobs(body, kind)
         raw = json.dumps(body).encode()
         scope = {**scope, "headers": _with_length(scope["headers"], len(raw))}
-        await self.app(scope, _replay(raw, receive), _Rewriter(send, lambda r: add_decisions(r, self.decider, strip)))
+        if body.get("stream"):
+            send = StreamRewriter(send, StreamDecisions(self.decider, strip, fields).edit)
+        else:
+            send = _Rewriter(send, lambda r: add_decisions(r, self.decider, strip, fields))
+        await self.app(scope, _replay(raw, receive), send)
+
+    def _format_fields(self, body: dict, kind: str) -> dict:
+        """The request's word on the certified format (`Certificate.format_fields`), {} without a certificate."""
+        certificate = getattr(self.decider, "certificate", None)
+        return {} if certificate is None else certificate.format_fields(**request_format(body, kind, self.defaults))
+
+    def _page(self, scope):
+        """The playground's response to a GET, or None for a path that is not the page's."""
+        from starlette.responses import HTMLResponse, JSONResponse, Response
+
+        from ...serving.playground import STATIC, page_file
+
+        path = scope.get("path", "")
+        if path == "/":
+            return HTMLResponse(page_file("index.html"), headers={"Cache-Control": "no-cache"})
+        name = path.removeprefix("/static/")
+        if path.startswith("/static/") and name in STATIC:
+            return Response(page_file(name), media_type=STATIC[name], headers={"Cache-Control": "no-cache"})
+        if path != "/v1/playground":
+            return None
+        if not self._authorized(scope):
+            return APIError(401, "incorrect or missing API key: send the header 'Authorization: Bearer KEY'",
+                            code="invalid_api_key").response()
+        from .page import playground_info
+
+        name = os.environ.get(MODEL_NAME_ENV) or str(self.export)  # vLLM's default served name: the --model path
+        return JSONResponse(playground_info(self.export, name, self.decider))
 
     def _authorized(self, scope) -> bool:
         """Whether the request carries the server's API key (or the server has none)."""
         if self.key is None:
             return True
         headers = dict(scope.get("headers", []))
-        return headers.get(b"authorization", b"").decode("latin-1") == f"Bearer {self.key}"
+        return hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.key}".encode())
 
 
 async def _read_body(receive) -> bytes:

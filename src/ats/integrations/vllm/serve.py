@@ -5,7 +5,8 @@ The server is vLLM's (`python -m vllm.entrypoints.openai.api_server`; the `vllm`
 built for CPUs installs under another distribution name and the script fails there): its logprobs and
 top_logprobs are the calibrated ones, its sampling temperature applies on top. ats's layer in it
 (`middleware.ATSMiddleware`, vLLM's `--middleware`) adds each choice's `ats` decision fields (answer confidence,
-answered, threshold, target risk, delta) and refuses the chat roles `ats serve` refuses.
+answered, threshold, target risk, delta, whether the request is in the certified format), plain and streamed,
+refuses the chat roles `ats serve` refuses, and serves the playground page at `/`.
 
 Before anything starts: the vLLM version (`compat.check_version`), the engine setup read with vLLM's own parser
 (`compat.setup_refusal`: hidden-state speculative decoders, quantization, pipeline parallelism, the pooling
@@ -28,7 +29,7 @@ from ...model.backbone import cache_dir
 from . import CALIBRATOR_FOLDER
 from .compat import check_version, setup_refusal
 from .export import export_for_vllm, head_route
-from .middleware import EXPORT_ENV
+from .middleware import EXPORT_ENV, MODEL_NAME_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_n
     check_setup(options)
     export_for_vllm(model, loaded, folder, revision=revision, overwrite=export is None,
                     threshold_from=None if loaded is None else calibrator)
-    env = dict(os.environ, **({"VLLM_API_KEY": api_key} if api_key else {}), **{EXPORT_ENV: str(folder)})
+    env = dict(os.environ, **({"VLLM_API_KEY": api_key} if api_key else {}),
+               **{EXPORT_ENV: str(folder), MODEL_NAME_ENV: served_model_name})
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():

@@ -1,4 +1,6 @@
-// ats playground: a client of the server's own API (no framework, no build step, works offline).
+// ats playground: a client of the server's own API (no framework, no build step, works offline). One page for both
+// servers: `ats serve` and `ats serve --engine vllm` (whose middleware serves these files); GET /v1/playground says
+// what the server offers, and what it cannot show (`unavailable`: feature -> one-line reason) is disabled and said.
 // Safety rule: no text from a user, the model or the server is ever parsed as HTML: every node is built with
 // document.createElement and filled with textContent (see el()); nothing here uses innerHTML.
 "use strict";
@@ -8,6 +10,7 @@ const TOP_K = 5;
 const state = {
   key: sessionStorage.getItem(KEY_STORE) || "",
   info: null,
+  unavailable: {}, // feature ("raw", "tau", "rescore", "evaluation") -> why this server cannot show it
   calibrator: null, // id of the calibrator the page shows
   shade: "calibrated",
   messages: [], // the chat so far, as sent to /v1/chat/completions
@@ -86,21 +89,52 @@ async function load() {
     return;
   }
   state.info = info;
+  state.unavailable = info.unavailable || {};
   state.calibrator = state.calibrator || info.served;
   $("key-panel").hidden = true;
   $("app").hidden = false;
-  $("model-line").textContent = `model ${info.model}, generating with calibrator ${info.served}`;
+  $("model-line").textContent = `model ${info.model}, generating with calibrator ${info.served}` +
+    (info.engine === "vllm" ? " in vLLM" : "");
+  showUnavailable();
+  useCertifiedLength(info.certified_format);
   const select = $("calibrator");
   select.replaceChildren(...info.calibrators.map((c) =>
     el("option", { value: c.id }, c.id === info.served ? `${c.id} (generates)` : `${c.id} (rescored)`)));
   select.value = state.calibrator;
   select.disabled = info.calibrators.length < 2;
-  select.title = select.disabled ? "start the server with --compare CALIBRATOR (repeatable) to compare calibrators "
-    + "on the same tokens" : "rescore the same tokens under another loaded calibrator";
+  select.title = state.unavailable.rescore || (select.disabled ? "start the server with --compare CALIBRATOR "
+    + "(repeatable) to compare calibrators on the same tokens" : "rescore the same tokens under another loaded calibrator");
   const ramp = $("ramp");
   ramp.style.background = "linear-gradient(to right, " + [0, 0.25, 0.5, 0.65, 0.8, 0.9, 1].map(shade).join(", ") + ")";
   renderRecord();
   document.body.dataset.ready = "true";
+}
+
+// The max tokens start at the certified limit (with temperature 0: greedy), so that the page's answers are by default
+// the ones the threshold's certificate covers (any other length is outside it: the verdict says so).
+function useCertifiedLength(format) {
+  const input = $("max-tokens");
+  if (!format || !Number.isInteger(format.max_tokens) || input.dataset.set) return;
+  input.value = String(format.max_tokens);
+  input.dataset.set = "certified";
+  input.title = "the certified limit: answers cut at another length are outside the certificate";
+}
+
+const FEATURE_NAMES = { raw: "Raw probabilities", tau: "Tau", rescore: "Comparing calibrators",
+                        evaluation: "The saved evaluation", training: "The training record" };
+function showUnavailable() {
+  const missing = state.unavailable;
+  const raw = document.querySelector("input[name=shade][value=raw]");
+  raw.disabled = Boolean(missing.raw);
+  $("raw-choice").title = missing.raw || "";
+  if (missing.raw && state.shade === "raw") {
+    state.shade = "calibrated";
+    document.querySelector("input[name=shade][value=calibrated]").checked = true;
+  }
+  const list = $("unavailable");
+  list.replaceChildren(...Object.entries(missing).map(([name, reason]) =>
+    el("li", { "data-feature": name }, `${FEATURE_NAMES[name] || name}: not on this server: ${reason}.`)));
+  list.hidden = !list.children.length;
 }
 
 // --- chat ------------------------------------------------------------------------------------------------------------
@@ -124,16 +158,20 @@ function addAssistantTurn() {
 
 // One chunk's tokens: a span per token. When their own strings spell the chunk's text, each shows its string;
 // otherwise (a character split over tokens) the first shows the chunk's text and the others are thin marks.
+// `ats serve` gives each token's confidence, raw logprob, tau and id in the chunk's `ats` field; vLLM's stream gives
+// the calibrated logprob only, and its confidence is exp(logprob) (only calibrators of the logits run in vLLM).
 function addTokens(turn, text, entries, ats) {
   const ids = ats.token_ids || [];
   const joined = entries.map((e) => e.token).join("");
-  ids.forEach((id, i) => {
+  const count = ids.length || entries.length;
+  for (let i = 0; i < count; i++) {
     const entry = entries[i] || {};
     const token = {
-      i: turn.tokens.length, id, text: joined === text ? entry.token : (i === 0 ? text : ""),
+      i: turn.tokens.length, id: i < ids.length ? ids[i] : null, text: joined === text ? entry.token : (i === 0 ? text : ""),
       label: entry.token === undefined ? null : entry.token, // the token decoded on its own (e.g. "<|im_end|>")
-      raw: ats.uncalibrated_logprobs[i],
-      served: { confidence: ats.confidence[i], logprob: entry.logprob, tau: ats.tau[i],
+      raw: ats.uncalibrated_logprobs ? ats.uncalibrated_logprobs[i] : null,
+      served: { confidence: ats.confidence ? ats.confidence[i] : Math.exp(entry.logprob), logprob: entry.logprob,
+                tau: ats.tau ? ats.tau[i] : null,
                 top: (entry.top_logprobs || []).map((t) => ({ text: t.token, logprob: t.logprob })) },
     };
     const span = el("span", { class: token.text === "" ? "tok joined" : "tok", "data-index": token.i }, token.text);
@@ -143,8 +181,8 @@ function addTokens(turn, text, entries, ats) {
     turn.tokens.push(token);
     turn.answerEl.append(span);
     paintToken(turn, token);
-  });
-  if (!ids.length && text) turn.answerEl.append(document.createTextNode(text));
+  }
+  if (!count && text) turn.answerEl.append(document.createTextNode(text));
 }
 
 // What a token shows under the chosen calibrator: the stream's values for the one that generated, else the rescore.
@@ -160,9 +198,9 @@ function calValues(turn, token) {
 
 function paintToken(turn, token) {
   const values = calValues(turn, token);
-  const raw = Math.exp(token.raw);
+  const raw = token.raw === null ? null : Math.exp(token.raw);
   const span = token.span;
-  span.dataset.raw = String(raw);
+  span.dataset.raw = raw === null ? "" : String(raw);
   span.dataset.calibrator = state.calibrator;
   if (values) span.dataset.confidence = String(values.confidence); else delete span.dataset.confidence;
   const p = state.shade === "raw" ? raw : values ? values.confidence : null;
@@ -192,7 +230,8 @@ async function send(text) {
   setStatus("generating…");
   let content = "";
   try {
-    const tokenized = api("/tokenize", { json: { model: info.model, messages } }).then((r) => r.json());
+    const tokenized = state.unavailable.rescore ? null  // the prompt's ids serve only rescoring
+      : api("/tokenize", { json: { model: info.model, messages } }).then((r) => r.json());
     const body = { model: info.model, messages, stream: true, logprobs: true, top_logprobs: TOP_K,
                    max_tokens: Number($("max-tokens").value) || 96, temperature: Number($("temperature").value) || 0 };
     const response = await api("/v1/chat/completions", { json: body, signal: controller.signal });
@@ -216,7 +255,8 @@ async function send(text) {
         const text = (choice.delta && choice.delta.content) || "";
         content += text;
         const ats = choice.ats || {};
-        if ((ats.token_ids || []).length || text) addTokens(turn, text, (choice.logprobs && choice.logprobs.content) || [], ats);
+        const entries = (choice.logprobs && choice.logprobs.content) || [];
+        if ((ats.token_ids || []).length || entries.length || text) addTokens(turn, text, entries, ats);
         if (choice.finish_reason) {
           turn.summary[info.served] = ats;
           turn.finish = choice.finish_reason;
@@ -224,11 +264,13 @@ async function send(text) {
       }
     }
     state.messages.push({ role: "assistant", content });
-    turn.promptIds = (await tokenized).tokens;
+    turn.promptIds = tokenized ? (await tokenized).tokens : null;
     turn.done = true;
-    setStatus("rescoring the tokens' alternatives…");
-    await rescoreTurn(turn, info.served);
-    if (state.calibrator !== info.served) await rescoreTurn(turn, state.calibrator);
+    if (!state.unavailable.rescore) {
+      setStatus("rescoring the tokens' alternatives…");
+      await rescoreTurn(turn, info.served);
+      if (state.calibrator !== info.served) await rescoreTurn(turn, state.calibrator);
+    }
     setStatus(`${turn.tokens.length} tokens (${turn.finish === "length" ? "stopped at max tokens" : "finished"}).`);
   } catch (err) {
     if (err.name === "AbortError") { setStatus("stopped."); state.messages.push({ role: "assistant", content }); }
@@ -247,7 +289,7 @@ async function send(text) {
 }
 
 async function rescoreTurn(turn, calibratorId) {
-  if (!turn.done || !turn.tokens.length || turn.byCal[calibratorId]) return;
+  if (!turn.done || !turn.tokens.length || turn.byCal[calibratorId] || state.unavailable.rescore) return;
   const body = { model: state.info.model, calibrator: calibratorId, prompt_tokens: turn.promptIds,
                  tokens: turn.tokens.map((t) => t.id), top_logprobs: TOP_K };
   const result = await (await api("/v1/playground/rescore", { json: body })).json();
@@ -302,12 +344,19 @@ function renderVerdict() {
                    ? "No threshold was certified: this calibrator abstains on every answer."
                    : `The answer's confidence ${fmt(conf)} is below the certified threshold ${fmt(threshold)}: ` +
                      "the calibrator cannot vouch for it."));
+    if (summary.certified_format === false) {
+      parts.push(el("p", { class: "outside", id: "outside-certificate" }, "Outside the certified format: ",
+                    summary.outside_certificate, ". The decision holds only for answers made as the certified ones were."));
+    }
     if (cal.threshold) parts.push(el("p", { class: "muted" }, thresholdWords(cal.threshold)));
   }
-  parts.push(el("dl", { class: "figures" },
-    el("dt", {}, "answer confidence"), el("dd", { id: "answer-confidence" }, fmt(conf)),
-    el("dt", {}, "mean token probability, calibrated"), el("dd", {}, fmt(summary.mean_confidence)),
-    el("dt", {}, "mean token probability, raw"), el("dd", {}, fmt(summary.mean_uncalibrated)),
+  box.dataset.certifiedFormat = summary.certified_format === undefined ? "none" : String(summary.certified_format);
+  const figures = [["answer confidence", conf, "answer-confidence"],
+                   ["mean token probability, calibrated", summary.mean_confidence],
+                   ["mean token probability, raw", summary.mean_uncalibrated]]
+    .filter(([, value, id]) => id || value !== undefined) // vLLM's `ats` field has the answer confidence only
+    .flatMap(([name, value, id]) => [el("dt", {}, name), el("dd", { id }, fmt(value))]);
+  parts.push(el("dl", { class: "figures" }, ...figures,
     el("dt", {}, "calibrator"), el("dd", {}, `${state.calibrator} (${summary.confidence_kind || cal.confidence_kind})`)));
   const kind = summary.confidence_kind || cal.confidence_kind;
   const source = kind === "probe"
@@ -326,7 +375,8 @@ function showToken(turn, i) {
   const token = turn.tokens[i];
   if (!token) return;
   const values = calValues(turn, token);
-  const raw = Math.exp(token.raw);
+  const raw = token.raw === null ? null : Math.exp(token.raw);
+  const missing = state.unavailable;
   const rows = [];
   const rawTop = turn.byCal[state.info.served];
   const alternatives = values ? values.top : [];
@@ -337,7 +387,7 @@ function showToken(turn, i) {
     rows.push(el("tr", { class: alt.text === (token.label === null ? token.text : token.label) ? "chosen" : null },
       el("td", {}, el("code", {}, JSON.stringify(alt.text))),
       el("td", { class: "num" }, fmt(pc), " ", el("span", { class: "bar", style: `width:${(3 * pc).toFixed(2)}rem` })),
-      el("td", { class: "num" }, pr === null ? "…" : fmt(pr), " ",
+      el("td", { class: "num" }, missing.raw ? "n/a" : pr === null ? "…" : fmt(pr), " ",
          pr === null ? null : el("span", { class: "bar raw", style: `width:${(3 * pr).toFixed(2)}rem` }))));
   });
   const tau = values ? values.tau : null;
@@ -347,9 +397,10 @@ function showToken(turn, i) {
        ` #${i + 1} of answer ${turn.index + 1}`),
     el("dl", { class: "figures" },
       el("dt", {}, "calibrated probability"), el("dd", { id: "token-calibrated" }, values ? fmt(values.confidence) : "…"),
-      el("dt", {}, "raw probability"), el("dd", { id: "token-raw" }, fmt(raw)),
-      el("dt", {}, "tau (log 1/T)"), el("dd", {}, tau === null || tau === undefined ? "none (this calibrator has no per-token tau)"
-        : `${fmt(tau)}  (temperature T = ${fmt(Math.exp(-tau), 2)})`)),
+      el("dt", {}, "raw probability"), el("dd", { id: "token-raw" }, raw === null ? `n/a: ${missing.raw}` : fmt(raw)),
+      el("dt", {}, "tau (log 1/T)"), el("dd", {}, missing.tau ? `n/a: ${missing.tau}`
+        : tau === null || tau === undefined ? "none (this calibrator has no per-token tau)"
+          : `${fmt(tau)}  (temperature T = ${fmt(Math.exp(-tau), 2)})`)),
     alternatives.length
       ? el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "top alternatives"), el("th", { class: "num" }, "calibrated"),
                                             el("th", { class: "num" }, "raw"))), el("tbody", {}, ...rows))
@@ -407,8 +458,10 @@ async function renderRecord() {
                el("details", {}, el("summary", {}, "the whole training record"),
                   el("pre", {}, JSON.stringify(cal.training, null, 2))));
   } else {
-    parts.push(el("p", { class: "muted" }, cal.folder ? "Its folder has no training record (fingerprint.json): it was " +
-      "fitted by hand or downloaded." : "The model's own probabilities: nothing was trained."));
+    parts.push(el("p", { class: "muted", id: "no-training" }, state.unavailable.training
+      ? `No training record here: ${state.unavailable.training}.`
+      : cal.folder ? "Its folder has no training record (fingerprint.json): it was fitted by hand or downloaded."
+        : "The model's own probabilities: nothing was trained."));
   }
   const t = cal.threshold;
   parts.push(el("p", {}, !t ? "No certified threshold (threshold.json) is loaded."
@@ -421,6 +474,11 @@ async function renderRecord() {
   const evaluation = info.evaluation;
   const about = parts.splice(0); // left: what the calibrator is; right (parts from here on): its evaluation
   const show = () => box.replaceChildren(el("div", { class: "record-grid" }, el("div", {}, ...about), el("div", {}, ...parts)));
+  if (state.unavailable.evaluation) {
+    parts.push(el("h2", {}, "Evaluation"), el("p", { class: "muted", id: "no-evaluation" }, `Not on this server: ${state.unavailable.evaluation}.`));
+    show();
+    return;
+  }
   if (!evaluation) {
     parts.push(el("h2", {}, "Evaluation"),
                el("p", {}, "No saved evaluation is loaded. Make one and show it here:"), el("pre", {}, cal.make_evaluation));
