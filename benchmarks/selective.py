@@ -80,7 +80,7 @@ def answer_head(backbone, kind: str, sets: list, pool: AnswerPool, folder: Path)
     its training record matches (`reusable_answer_head`, the CLI's rule; a head trained otherwise is refused, naming
     what differs). The pool's sizes are guarded one step earlier: its cached answer sets refuse another size."""
     training = TrainingConfig(loss_type="answer-log")
-    record = answer_head_record(training, pool, False)
+    record = answer_head_record(training, pool, False, tasks=[a.name for a in sets])  # those it trains on
     if reusable_answer_head(folder, record, head_type=kind, max_scale=MAX_SCALE, overwrite=False):
         return load_calibrator(folder, backbone)
     calibrator = train_spec(backbone, sets, pool, kind=kind, tokens=False, training=training,
