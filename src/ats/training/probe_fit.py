@@ -76,40 +76,53 @@ def _standardize(x: Tensor) -> tuple[Tensor, Tensor]:
     return mean, torch.where(scale > 1e-8, scale, torch.ones_like(scale))
 
 
-def _fit_logistic(x: Tensor, y: np.ndarray, c: float, *, free_last: bool) -> tuple[Tensor, float, Tensor, Tensor]:
-    """(weight (D,), bias, mean (D,), scale (D,)) of a logistic regression on standardized `x` (N, D), its weights
-    L2-penalized with inverse strength `c`, the last one (the confidence) nearly free when `free_last`.
+class _Design:
+    """Standardized features (N, D) ready for the logistic fits of several C: the last one (the confidence) nearly
+    free when `free_last`; with more penalized features than answers (P > N: thousands of hidden units, hundreds of
+    answers) reduced, exactly, to their thin SVD from the answers' Gram matrix (N^2 P, not a wide SVD): the optimal
+    penalized weight lies in the span of the answers' feature rows (moving it out of that span changes no logit and
+    adds penalty), so w = V u with u fitted on X V = U S (N, r), whose penalty |u|^2 equals |w|^2."""
 
-    With more penalized features than answers (P > N: thousands of hidden units, hundreds of answers) the fit runs
-    on their thin SVD, exactly: the optimal penalized weight lies in the span of the answers' feature rows (moving
-    it out of that span changes no logit and adds penalty), so w = V u with u fitted on X V = U S (N, r), whose
-    penalty |u|^2 equals |w|^2.
-    """
-    if len(set(y.tolist())) < 2:
-        raise ATSError(f"probe: the answers are all {'right' if y.all() else 'wrong'}; nothing to tell apart")
-    mean, scale = _standardize(x)
-    z = ((x - mean) / scale).double()  # (N, D)
-    free = 1 if free_last else 0
-    hidden, basis = z[:, :z.shape[1] - free], None  # (N, P) the penalized features
-    if hidden.shape[1] > hidden.shape[0]:
-        u, sv, vh = torch.linalg.svd(hidden, full_matrices=False)  # (N, r), (r,), (r, P)
-        hidden, basis = u * sv, vh  # (N, r): the same logits for w = vh.T @ coef
-    design = torch.cat([hidden, z[:, z.shape[1] - free:] * FREE_SCALE], dim=1)  # (N, r + free)
-    model = LogisticRegression(C=c, max_iter=5000, tol=1e-8)  # a tight optimum: the fit is checked against it
-    model.fit(design.numpy(), y.astype(int))
-    coef = torch.from_numpy(model.coef_[0])  # (r + free,)
-    weight = coef[:hidden.shape[1]] if basis is None else basis.T @ coef[:hidden.shape[1]]  # (P,)
-    weight = torch.cat([weight, coef[hidden.shape[1]:] * FREE_SCALE])  # (D,) on the standardized features
-    return weight.float(), float(model.intercept_[0]), mean, scale
+    def __init__(self, x: Tensor, y: np.ndarray, *, free_last: bool) -> None:
+        if len(set(y.tolist())) < 2:
+            raise ATSError(f"probe: the answers are all {'right' if y.all() else 'wrong'}; nothing to tell apart")
+        self.y = y.astype(int)
+        self.mean, self.scale = _standardize(x)
+        z = ((x - self.mean) / self.scale).double()  # (N, D)
+        free = 1 if free_last else 0
+        hidden, self.basis = z[:, :z.shape[1] - free], None  # (N, P) the penalized features
+        if hidden.shape[1] > hidden.shape[0]:
+            eigenvalues, u = torch.linalg.eigh(hidden @ hidden.T)  # (N,), (N, N) ascending
+            keep = eigenvalues > eigenvalues[-1] * 1e-10  # rank r (standardized answers: at most N - 1)
+            sv, u = eigenvalues[keep].sqrt(), u[:, keep]  # (r,), (N, r)
+            hidden, self.basis = u * sv, (hidden.T @ u / sv).T  # (N, r) = X V and V^T (r, P)
+        self.penalized = hidden.shape[1]
+        self.design = torch.cat([hidden, z[:, z.shape[1] - free:] * FREE_SCALE], dim=1).numpy()  # (N, r + free)
+
+    def fit(self, c: float) -> tuple[Tensor, float, Tensor, Tensor]:
+        """(weight (D,), bias, mean (D,), scale (D,)): the weights L2-penalized with inverse strength `c`."""
+        model = LogisticRegression(C=c, max_iter=5000, tol=1e-8)  # a tight optimum: the fit is checked against it
+        model.fit(self.design, self.y)
+        coef = torch.from_numpy(model.coef_[0])  # (r + free,)
+        weight = coef[:self.penalized] if self.basis is None else self.basis.T @ coef[:self.penalized]  # (P,)
+        weight = torch.cat([weight, coef[self.penalized:] * FREE_SCALE])  # (D,) on the standardized features
+        return weight.float(), float(model.intercept_[0]), self.mean, self.scale
+
+
+def _fit_logistic(x: Tensor, y: np.ndarray, c: float, *, free_last: bool) -> tuple[Tensor, float, Tensor, Tensor]:
+    """(weight (D,), bias, mean (D,), scale (D,)) of the logistic regression `_Design` describes."""
+    return _Design(x, y, free_last=free_last).fit(c)
 
 
 def _probe(layers, views, c, *, with_confidence: bool, info: dict) -> CorrectnessProbe:
     return CorrectnessProbe(layers=list(layers), views=list(views), c=c, with_confidence=with_confidence, **info)
 
 
-def _fitted(probe: CorrectnessProbe, views: Tensor, confidence: np.ndarray, correct: np.ndarray) -> CorrectnessProbe:
-    probe.set_weights(*_fit_logistic(probe.features(views, confidence), correct, probe.c,
-                                     free_last=probe.with_confidence))
+def _fitted(probe: CorrectnessProbe, views: Tensor, confidence: np.ndarray, correct: np.ndarray,
+            design: _Design | None = None) -> CorrectnessProbe:
+    """`probe` with its logistic regression fitted on these answers (on `design` when given: their features)."""
+    design = design or _Design(probe.features(views, confidence), correct, free_last=probe.with_confidence)
+    probe.set_weights(*design.fit(probe.c))
     probe.temperature = probe.temperature or 1.0
     return probe
 
@@ -162,19 +175,28 @@ def fit_probe(sets: Mapping[str, AnswerSet], logits_fn, backbone_info: dict, *, 
     if not settings:
         raise ATSError("probe: with_confidence=False and no layers to read: the probe would read nothing")
     folds = _folds(inputs)
-    scores = []
-    for lay, vws, c_ in tqdm(settings, desc="probe settings", disable=not progress or len(settings) == 1):
+    results = {}  # (setting index, fold) -> (left-out log loss, AUROC)
+    groups = itertools.groupby(enumerate(settings), key=lambda s: (s[1][0], s[1][1]))  # same features, several C
+    for (lay, vws), group in tqdm(list((k, list(g)) for k, g in groups), desc="probe settings",
+                                  disable=not progress or len(settings) == 1):
         idx = [candidates.index(layer) for layer in lay]
-        losses, aurocs = [], []
         for held, (train, test) in folds.items():
-            probe = _fitted(_probe(lay, vws, c_, with_confidence=with_confidence, info=backbone_info),
-                            *(_join(inputs, train, idx)))
+            views_, conf_, ok_ = _join(inputs, train, idx)
+            shape = _probe(lay, vws, 1.0, with_confidence=with_confidence, info=backbone_info)
+            design = _Design(shape.features(views_, conf_), ok_, free_last=with_confidence)
             v, conf, ok = _join(inputs, test, idx)
-            p = probe.answer_confidence(v, conf)
-            losses.append(float(np.mean(binary_log_loss(p, ok))))
-            aurocs.append(roc_auc_score(ok, p) if 0 < ok.sum() < ok.size else np.nan)
+            for i, (_, _, c_) in group:
+                probe = _fitted(_probe(lay, vws, c_, with_confidence=with_confidence, info=backbone_info),
+                                views_, conf_, ok_, design)
+                p = probe.answer_confidence(v, conf)
+                results[i, held] = (float(np.mean(binary_log_loss(p, ok))),
+                                    roc_auc_score(ok, p) if 0 < ok.sum() < ok.size else np.nan)
+    scores = []
+    for i, (lay, vws, c_) in enumerate(settings):
+        losses = [results[i, held][0] for held in folds]
         scores.append({"layers": lay, "views": vws, "c": c_, "left_out_log_loss": float(np.mean(losses)),
-                       "left_out_auroc": float(np.nanmean(aurocs)), "per_fold_log_loss": dict(zip(folds, losses))})
+                       "left_out_auroc": float(np.nanmean([results[i, held][1] for held in folds])),
+                       "per_fold_log_loss": dict(zip(folds, losses))})
     best = _choose(scores)
     idx = [candidates.index(layer) for layer in best["layers"]]
     probe = _fitted(_probe(best["layers"], best["views"], best["c"], with_confidence=with_confidence,
