@@ -103,17 +103,21 @@ class Calibrator:
         return cls(**options)
 
     @classmethod
-    def position_refusal(cls) -> str | None:
+    def position_refusal(cls, prompt_end_known: bool = False) -> str | None:
         """Why this method cannot run where logits are calibrated one position at a time from that position's
         logits and the hidden states up to it (lm-eval's batched requests, an inference engine such as vLLM);
-        None when it can (the ATS family, temperature and vector scaling, none).
+        None when it can (the ATS family, temperature and vector scaling, none; Thermometer too where the caller
+        knows where each prompt ends, as lm-eval's (context, continuation) requests say).
+
+        Args:
+            prompt_end_known: whether the caller knows each row's prompt end (`prompt_hidden` methods read there).
 
         Returns:
             The reason in a few words, to quote in an error, or None.
         """
         if cls.maps_confidence:
             return "maps the top-1 confidence, not the logits"
-        if cls.needs_hidden and not cls.token_head:
+        if cls.needs_hidden and not cls.token_head and not (prompt_end_known and cls.prompt_hidden):
             return "reads one temperature per prompt from the prompt's last hidden state and holds it over the answer"
         return None
 
