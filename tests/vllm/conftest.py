@@ -128,8 +128,8 @@ def calibrators(backbone: Backbone, root: Path, names: list[str]) -> dict[str, P
 def reference(backbone: Backbone, calibrator, prompts: list[list[int]], max_tokens: int, top: int) -> list[dict]:
     """What ats's decoding core gives for the prompts, greedy, batched: per prompt the tokens, per generated token
     {id: calibrated logprob} of the chosen and top tokens, per prompt token (after the first) the same, and the
-    largest factor the calibrator put on a logit there ("scale": exp(tau) of a head, 1 / T, max |a| of vector
-    scaling, 1 uncalibrated)."""
+    largest factor the calibrator put on a logit there ("scale": exp(tau) of a head, 1 / T (Thermometer's, read at
+    the prompt's end), max |a| of vector scaling, 1 uncalibrated)."""
     rows = [Row(ids, i, backbone.tokenizer, max_tokens=max_tokens, sampling=SamplingParams(temperature=0),
                 top_logprobs=top, ignore_eos=True, score_prompt=True) for i, ids in enumerate(prompts)]
     Decoder(backbone, calibrator).run(rows)
@@ -137,7 +137,7 @@ def reference(backbone: Backbone, calibrator, prompts: list[list[int]], max_toke
     def entry(record) -> dict[int, float]:
         return {**{token: lp for token, lp in record.top}, record.token: record.logprob}
 
-    def scale(records) -> float:
+    def scale(records, ids) -> float:
         taus = [r.tau for r in records if r.tau is not None]
         if taus:
             return math.exp(max(taus))
@@ -145,11 +145,14 @@ def reference(backbone: Backbone, calibrator, prompts: list[list[int]], max_toke
             return 1.0
         if calibrator.name == "temperature":
             return 1.0 / calibrator.temperature
+        if calibrator.prompt_hidden:  # Thermometer: 1/T read at the prompt's last token
+            hidden, _ = backbone.forward(torch.tensor([ids]))
+            return float(1.0 / calibrator.temperature(hidden[:, -1])[0])
         return float(calibrator.scale.abs().max())  # vector scaling
 
     return [{"tokens": [r.token for r in row.records], "logprobs": [entry(r) for r in row.records],
              "prompt_logprobs": [None] + [entry(r) for r in row.prompt_scores[1:]],
-             "scale": scale(row.records + row.prompt_scores[1:])} for row in rows]
+             "scale": scale(row.records + row.prompt_scores[1:], ids)} for row, ids in zip(rows, prompts)]
 
 
 def max_difference(got: dict, want: dict, keys=("logprobs", "prompt_logprobs")) -> float:
@@ -189,6 +192,8 @@ def run_vllm(jobs: list[dict], work: Path, *, env: dict | None = None, timeout: 
     results = json.loads(out_path.read_text())
     for result in results:
         for outputs in result["rounds"]:
+            if isinstance(outputs, dict):  # {"error": ...}: a refused round
+                continue
             for output in outputs:
                 for key in ("logprobs", "prompt_logprobs"):
                     if output[key] is not None:

@@ -1,0 +1,153 @@
+"""Thermometer inside vLLM: one temperature per request, read at the prompt's last token and kept in the paged KV
+cache (`prompt_temperature`), gives the calibrated logprobs of ats's decoding core (`ats generate`, `ats serve`) on
+the same token ids: mixed lengths in one batch, a prompt found in the prefix cache, a chat's next turn whose cached
+blocks hold the previous turn's prompt end, prefix caching off, and a prompt longer than the chunked-prefill budget.
+Prompt logprobs are refused in one line. The layer's arithmetic (the position selected, the value kept in 16-bit
+caches) is checked without an engine.
+
+The tolerance is test_vllm_equivalence's: twice the plain-vLLM floor of the same run, times the largest 1/T, at most
+1e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ats.calibrators import load_calibrator
+from ats.integrations.vllm.export import export_for_vllm
+
+from conftest import max_difference, reference, run_vllm
+from helpers import random_thermometer
+
+MAX_TOKENS, TOP, BLOCK = 10, 5, 32  # vLLM's CPU attention takes blocks of 32k
+SAMPLING = {"max_tokens": MAX_TOKENS, "logprobs": TOP, "ignore_eos": True}
+BUDGET = 64  # the chunked-prefill budget: below the longest prompt
+
+
+def prompts_of(tokenizer) -> tuple[list[list[int]], list[int], list[int]]:
+    """Three prompts of 5-150 tokens, and a chat turn: its prompt (ending 8 tokens before a block's end, so that its
+    answer fills that block, which is cached with the prompt's end inside) and the next turn's text."""
+    texts = ["The capital of France is",
+             "Write a short poem about the sea and the wind, and say why the tide comes in twice a day. " * 2,
+             "Rome is the capital of Italy and Madrid is the capital of Spain. " * 9]
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    chat = tokenizer("Hi! Hello world, this is a test. What colour is the sky on a clear day? " * 5,
+                     add_special_tokens=False).input_ids
+    chat = chat[: len(chat) // BLOCK * BLOCK - 8]
+    turn = tokenizer(" And how many legs does a spider have?", add_special_tokens=False).input_ids
+    return prompts, chat, turn
+
+
+@pytest.fixture(scope="session")
+def thermometer_runs(tiny_models, tmp_path_factory):
+    """name -> (vLLM's rounds, ats's rounds); one vLLM process for every engine."""
+    root = tmp_path_factory.mktemp("vllm-thermometer")
+    folder, backbone = tiny_models["llama"]
+    random_thermometer(backbone.hidden_size, 3).save_pretrained(root / "thermometer")
+    thermometer = load_calibrator(root / "thermometer", backbone=backbone)
+    export = str(export_for_vllm(str(folder), root / "thermometer", root / "export"))
+    prompts, chat, turn = prompts_of(backbone.tokenizer)
+    answer = reference(backbone, thermometer, [chat], MAX_TOKENS, TOP)[0]["tokens"]
+    rounds = [prompts + [chat], [prompts[2] + prompts[0], chat + answer + turn]]  # the second: cached prefixes
+    plan = {"plain": (str(folder), {}), "thermometer": (export, {}),
+            "no-prefix-cache": (export, {"enable_prefix_caching": False}),
+            "chunked": (export, {"max_num_batched_tokens": BUDGET, "enable_chunked_prefill": True})}
+    jobs = [{"model": model, "engine": {"max_model_len": 512, "block_size": BLOCK, **engine}, "sampling": SAMPLING,
+             "rounds": rounds} for model, engine in plan.values()]
+    jobs.append({"model": export, "engine": {"max_model_len": 512}, "expect_error": True,
+                 "sampling": {**SAMPLING, "prompt_logprobs": TOP}, "rounds": [prompts[:1]]})
+    results = run_vllm(jobs, root)
+    want = {"plain": [reference(backbone, None, r, MAX_TOKENS, TOP) for r in rounds]}
+    want["thermometer"] = [reference(backbone, thermometer, r, MAX_TOKENS, TOP) for r in rounds]
+    runs = {name: (result["rounds"], want["plain" if name == "plain" else "thermometer"])
+            for name, result in zip(plan, results)}
+    runs["prompt-logprobs"] = (results[-1]["rounds"], None)
+    return runs
+
+
+def floor(runs) -> float:
+    got, want = runs["plain"]
+    return max(max_difference(g, w, keys=("logprobs",)) for gr, wr in zip(got, want) for g, w in zip(gr, wr))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["thermometer", "no-prefix-cache", "chunked"])
+def test_thermometer_logprobs_equal_ats(thermometer_runs, name):
+    got, want = thermometer_runs[name]
+    base = floor(thermometer_runs)
+    assert 0.0 < base < 1e-4
+    for got_round, want_round in zip(got, want):
+        for g, w in zip(got_round, want_round):
+            assert max_difference(g, w, keys=("logprobs",)) <= min(2 * base * max(1.0, w["scale"]), 1e-3)
+    scales = [w["scale"] for w in want[0]]
+    assert max(scales) / min(scales) > 1.2  # one temperature per request, not one for all
+    plain = thermometer_runs["plain"][0][0][2]["logprobs"]
+    moved = max(abs(g[t] - p[t]) for g, p in zip(got[0][2]["logprobs"], plain) for t in g if t in p)
+    assert moved > 0.05
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_are_refused_in_one_line(thermometer_runs):
+    (refused,), _ = thermometer_runs["prompt-logprobs"]
+    assert "prompt_logprobs: this export's calibrator (Thermometer) reads one temperature" in refused["error"]
+
+
+def test_the_query_selects_exactly_one_position():
+    """Scores W x (shared bits): the selected position weighs 1 in float32 whatever the other positions."""
+    from ats.integrations.vllm.prompt_temperature import SELECT, position_bits
+
+    keys = position_bits(torch.arange(5000), torch.bfloat16).float()  # (5000, 64)
+    for target in (0, 1, 2047, 2048, 4095, 4999):
+        query = position_bits(torch.tensor([target]), torch.bfloat16).float() * SELECT  # (1, 64)
+        weights = torch.softmax(query @ keys.T, dim=-1)[0]  # (5000,)
+        assert weights[target] == 1.0 and float(weights.sum() - weights[target]) < 1e-25
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 0.0), (torch.bfloat16, 2**-23), (torch.float16, 2**-18)])
+def test_the_kept_scale_survives_a_16_bit_cache(dtype, bound):
+    """s in [0.01, 100] kept as hi + mid + lo of the cache's dtype: within 2^-23 relative in bfloat16 (one piece
+    alone: about 2^-9), 2^-18 in float16 (its subnormals cut the last piece of s near 0.01), exact in float32."""
+    from ats.integrations.vllm.prompt_temperature import joined_value, split_value
+
+    s = torch.exp(torch.linspace(-4.6, 4.6, 10001))  # (N,) 0.01 .. 100
+    kept = joined_value(split_value(s, dtype))
+    assert float(((kept - s).abs() / s).max()) <= bound
+
+
+class _Model:
+    """Records what a runner hands to `set_prompt_lens`."""
+
+    needs_prompt_lens = True
+
+    def __init__(self) -> None:
+        self.lens = None
+
+    def set_prompt_lens(self, lens) -> None:
+        self.lens = lens.tolist()
+
+
+def test_each_runner_hands_over_each_tokens_prompt_length():
+    """Three requests scheduling 4, 1 and 2 tokens, prompts of 9, 30 and 2 tokens, in batch order: the V1 runner's
+    wrapped `_init_model_kwargs` and the V2 runner's model state (which cannot run on this CPU: it needs Triton)
+    give the model [9, 9, 9, 9, 30, 2, 2]."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ats.integrations.vllm.runner_patch import install, v2_model_state
+
+    install()
+    want = [9, 9, 9, 9, 30, 2, 2]
+    query_start_loc = np.array([0, 4, 5, 7, 7, 7], dtype=np.int32)  # padded past the 3 requests, as vLLM's is
+    v1 = SimpleNamespace(model=_Model(), get_model=lambda: v1.model, lookback_token_ids=None, is_pooling_model=False,
+                         query_start_loc=SimpleNamespace(np=query_start_loc),
+                         input_batch=SimpleNamespace(num_reqs=3, num_prompt_tokens=np.array([9, 30, 2, 0, 0])))
+    assert GPUModelRunner._init_model_kwargs(v1) == {} and v1.model.lens == want
+    state_cls = v2_model_state()
+    v2 = state_cls.__new__(state_cls)  # a model state without an engine
+    v2.model, v2.rope_state = _Model(), None
+    batch = SimpleNamespace(num_reqs=3, query_start_loc_np=query_start_loc, idx_mapping_np=np.array([2, 0, 5, 0]))
+    states = SimpleNamespace(prompt_len=SimpleNamespace(np=np.array([30, 0, 9, 0, 0, 2])))  # by request slot
+    assert v2.prepare_inputs(batch, states) == {} and v2.model.lens == want
