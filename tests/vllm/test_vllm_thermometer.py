@@ -1,7 +1,8 @@
 """Thermometer inside vLLM: one temperature per request, read at the prompt's last token and kept in the paged KV
 cache (`prompt_temperature`), gives the calibrated logprobs of ats's decoding core (`ats generate`, `ats serve`) on
 the same token ids: mixed lengths in one batch, a prompt found in the prefix cache, a chat's next turn whose cached
-blocks hold the previous turn's prompt end, prefix caching off, and a prompt longer than the chunked-prefill budget.
+blocks hold the previous turn's prompt end (96 tokens from the cache, checked by hand with vLLM's counters), prefix
+caching off, a prompt longer than the chunked-prefill budget, and requests preempted and recomputed.
 Prompt logprobs are refused in one line. The layer's arithmetic (the position selected, the value kept in 16-bit
 caches) is checked without an engine.
 
@@ -55,6 +56,11 @@ def thermometer_runs(tiny_models, tmp_path_factory):
             "chunked": (export, {"max_num_batched_tokens": BUDGET, "enable_chunked_prefill": True})}
     jobs = [{"model": model, "engine": {"max_model_len": 512, "block_size": BLOCK, **engine}, "sampling": SAMPLING,
              "rounds": rounds} for model, engine in plan.values()]
+    # eight requests of one block that need a second one, ten blocks: vLLM preempts and recomputes some
+    short = [[prompts[2][i: i + BLOCK - 2] for i in range(0, 24, 3)]]
+    jobs.append({"model": export, "sampling": SAMPLING, "rounds": short,
+                 "engine": {"max_model_len": 2 * BLOCK, "block_size": BLOCK, "num_gpu_blocks_override": 10,
+                            "enable_prefix_caching": False, "disable_log_stats": False}})
     jobs.append({"model": export, "engine": {"max_model_len": 512}, "expect_error": True,
                  "sampling": {**SAMPLING, "prompt_logprobs": TOP}, "rounds": [prompts[:1]]})
     results = run_vllm(jobs, root)
@@ -62,6 +68,8 @@ def thermometer_runs(tiny_models, tmp_path_factory):
     want["thermometer"] = [reference(backbone, thermometer, r, MAX_TOKENS, TOP) for r in rounds]
     runs = {name: (result["rounds"], want["plain" if name == "plain" else "thermometer"])
             for name, result in zip(plan, results)}
+    runs["preempted"] = (results[-2]["rounds"], [reference(backbone, thermometer, short[0], MAX_TOKENS, TOP)],
+                         results[-2]["counters"])
     runs["prompt-logprobs"] = (results[-1]["rounds"], None)
     return runs
 
@@ -85,6 +93,17 @@ def test_thermometer_logprobs_equal_ats(thermometer_runs, name):
     plain = thermometer_runs["plain"][0][0][2]["logprobs"]
     moved = max(abs(g[t] - p[t]) for g, p in zip(got[0][2]["logprobs"], plain) for t in g if t in p)
     assert moved > 0.05
+
+
+@pytest.mark.slow
+def test_preempted_requests_keep_their_temperature(thermometer_runs):
+    """Requests preempted for want of KV blocks are recomputed (prompt and output as a new prefill): the
+    temperature is read again at the prompt's end, where the request's prompt length still puts it."""
+    got, want, counters = thermometer_runs["preempted"]
+    assert counters["vllm:num_preemptions"] > 0
+    base = floor(thermometer_runs)
+    for g, w in zip(got[0], want[0]):
+        assert max_difference(g, w, keys=("logprobs",)) <= min(2 * base * max(1.0, w["scale"]), 1e-3)
 
 
 @pytest.mark.slow
