@@ -8,11 +8,13 @@ the same token ids, in float32.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,6 +201,36 @@ def run_vllm(jobs: list[dict], work: Path, *, env: dict | None = None, timeout: 
                     if output[key] is not None:
                         output[key] = [None if e is None else {int(k): v for k, v in e.items()} for e in output[key]]
     return results
+
+
+@contextlib.contextmanager
+def ats_serve_vllm(argv: list[str], env: dict, log_path: Path, timeout: float = 600):
+    """`python -m ats serve --engine vllm ARGV --port PORT` started, healthy, then stopped; yields its base URL."""
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))
+    from server_process import free_port
+
+    port = free_port()
+    log = log_path.open("w")
+    server = subprocess.Popen([sys.executable, "-m", "ats", "serve", "--engine", "vllm", *argv, "--port", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "vLLM server not up"
+            time.sleep(1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -22,11 +19,8 @@ from ats.generation.api import encode_prompts
 from ats.integrations.vllm import CONFIG_KEY
 from ats.integrations.vllm.abstain import AnswerDecider
 
-from conftest import calibrators, max_difference, reference
+from conftest import ats_serve_vllm, calibrators, max_difference, reference
 from helpers import write_certificate
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "serving"))
-from server_process import free_port  # noqa: E402
 
 
 def test_export_command_writes_the_folder(tiny_models, tmp_path, capsys):
@@ -65,39 +59,21 @@ def test_serve_engine_vllm_answers_the_openai_client_with_calibrated_logprobs(ti
     folder, backbone = tiny_models["llama"]
     head = calibrators(backbone, tmp_path, ["transformer"])["transformer"]
     write_certificate(head, CERTIFIED, load_calibrator(head), backbone)
-    port = free_port()
     # no VLLM_CPU_* settings and no --gpu-memory-utilization: ats serve's CPU defaults start it on this machine
     env = {key: value for key, value in os.environ.items() if not key.startswith("VLLM_CPU_")}
     env["ATS_CACHE"] = str(tmp_path / "cache")
-    argv = [sys.executable, "-m", "ats", "serve", "--engine", "vllm", "--model", str(folder), "--calibrator",
-            str(head), "--served-model-name", "tiny", "--port", str(port), "--max-model-len", "512", "--",
-            "--enforce-eager"]
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "vLLM server not up"
-            time.sleep(1)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    argv = ["--model", str(folder), "--calibrator", str(head), "--served-model-name", "tiny", "--max-model-len", "512",
+            "--", "--enforce-eager"]
+    with ats_serve_vllm(argv, env, tmp_path / "server.log") as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
         prompt = "The capital of France is"
         out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
                                              max_tokens=8, temperature=0, logprobs=True, top_logprobs=5,
                                              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
         bare = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
                                               max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-        wizard = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+        wizard = httpx.post(f"{url}/v1/chat/completions", timeout=30,
                             json={"model": "tiny", "messages": [{"role": "wizard", "content": prompt}]})
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
     (export,) = (tmp_path / "cache" / "vllm").iterdir()  # the export, made on the fly under the cache
     tokens = out.choices[0].logprobs.content
     ids = encode_prompts(backbone, [prompt])[0][0].tolist()

@@ -12,13 +12,16 @@ The tolerance is test_vllm_equivalence's: twice the plain-vLLM floor of the same
 
 from __future__ import annotations
 
+import os
+
+import httpx
 import pytest
 import torch
 
 from ats.calibrators import load_calibrator
 from ats.integrations.vllm.export import export_for_vllm
 
-from conftest import max_difference, reference, run_vllm
+from conftest import ats_serve_vllm, max_difference, reference, run_vllm
 from helpers import random_thermometer
 
 MAX_TOKENS, TOP, BLOCK = 10, 5, 32  # vLLM's CPU attention takes blocks of 32k
@@ -110,6 +113,36 @@ def test_preempted_requests_keep_their_temperature(thermometer_runs):
 def test_prompt_logprobs_are_refused_in_one_line(thermometer_runs):
     (refused,), _ = thermometer_runs["prompt-logprobs"]
     assert "prompt_logprobs: this export's calibrator (Thermometer) reads one temperature" in refused["error"]
+
+
+@pytest.mark.slow
+def test_ats_serve_engine_vllm_serves_it_and_refuses_an_echo_with_logprobs(tiny_models, tmp_path):
+    """`ats serve --engine vllm` with a Thermometer: the chat answer's logprobs are ats's; a completion that echoes
+    the prompt with logprobs (vLLM's prompt logprobs) gets a 400 naming the parameter."""
+    from openai import OpenAI
+
+    from ats.generation.api import encode_prompts
+
+    folder, backbone = tiny_models["llama"]
+    random_thermometer(backbone.hidden_size, 3).save_pretrained(tmp_path / "thermometer")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}, "ATS_CACHE": str(tmp_path)}
+    argv = ["--model", str(folder), "--calibrator", str(tmp_path / "thermometer"), "--served-model-name", "tiny",
+            "--max-model-len", "512", "--", "--enforce-eager"]
+    prompt = "The capital of France is"
+    with ats_serve_vllm(argv, env, tmp_path / "server.log") as url:
+        out = OpenAI(base_url=f"{url}/v1", api_key="unused").chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0, logprobs=True,
+            top_logprobs=TOP, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        echo = httpx.post(f"{url}/v1/completions", timeout=30, json={"model": "tiny", "prompt": prompt,
+                                                                     "max_tokens": 2, "echo": True, "logprobs": 1})
+    ids = encode_prompts(backbone, [prompt])[0][0].tolist()
+    (want,) = reference(backbone, load_calibrator(tmp_path / "thermometer", backbone=backbone), [ids], 8, TOP)
+    steps = out.choices[0].logprobs.content  # tokens as "token_id:123"
+    got = {"tokens": [int(t.token.split(":")[1]) for t in steps],
+           "logprobs": [{int(a.token.split(":")[1]): a.logprob for a in [t, *t.top_logprobs]} for t in steps]}
+    assert max_difference(got, want, keys=("logprobs",)) <= 1e-3
+    assert echo.status_code == 400, echo.text
+    assert "prompt_logprobs: this export's calibrator (Thermometer)" in echo.json()["error"]["message"]
 
 
 def test_the_query_selects_exactly_one_position():
