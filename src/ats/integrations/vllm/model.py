@@ -120,8 +120,7 @@ class ATSCalibratedForCausalLM(nn.Module):
         device = torch.get_default_device()
         self.calibrator.to(device)
         self.prompt = PagedPromptTemperature(self.calibrator, vllm_config, layer_index)
-        scheduler = vllm_config.scheduler_config
-        size = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 1024  # + CUDA-graph padding
+        size = vllm_config.scheduler_config.max_num_batched_tokens  # as the runners size their input_ids buffers
         self.register_buffer("prompt_lens", torch.zeros(size, dtype=torch.int32, device=device), persistent=False)
         self.needs_prompt_lens = True
         self.get_model_state_cls = v2_model_state  # the V2 runner asks the model for its ModelState class
