@@ -175,5 +175,4 @@ def test_check_calibrator_reads_capabilities_and_the_papers_layout(tmp_path, tin
     assert check_calibrator(str(tmp_path / "converted")) == tmp_path / "converted"
     thermometer = Thermometer(hidden_size=tiny_backbone.hidden_size)
     assert check_calibrator(thermometer) is thermometer
-    assert Thermometer.position_refusal() is not None  # an engine that does not know where prompts end refuses it
     assert check_calibrator(ATSCalibrator.for_backbone(tiny_backbone)) is not None

@@ -86,11 +86,10 @@ def check_calibrator(spec) -> Path | Calibrator | None:
 
 
 def _check_supported(cls: type[Calibrator], what: str) -> None:
-    reason = cls.position_refusal(prompt_end_known=True)  # lm-eval's requests say where the context ends
+    reason = cls.position_refusal()
     if reason is not None:
-        raise ATSError(f"calibrator {what} {reason}: lm-eval scores batched requests position by position; use an "
-                       f"ATS head, temperature, vector scaling or a probe (`ats train --method probe`: one "
-                       f"temperature for tokens)")
+        raise ATSError(f"calibrator {what} {reason}: lm-eval scores batched requests position by position; use "
+                       f"Thermometer (`ats train`'s default), an ATS head, temperature or vector scaling")
 
 
 @torch.no_grad()

@@ -78,12 +78,11 @@ def check_engine_calibrator(calibrator: Calibrator | type[Calibrator], what: str
     """Refuse, in one line, a calibrator that cannot run inside vLLM (it maps a confidence, or its head says nothing
     of what it reads), pointing at `ats serve`, which runs every calibrator. Thermometer runs: the calibrated model
     is told where each prompt ends (`runner_patch`)."""
-    reason = calibrator.position_refusal(prompt_end_known=True)
+    reason = calibrator.position_refusal()
     if reason is not None:
         raise ATSError(f"calibrator {what} {reason}, and vLLM computes calibrated logprobs from each position's "
                        f"logits and hidden states alone; serve it with `ats serve` (ats's own engine), or train one "
-                       f"that vLLM runs: `ats train --method probe` (one temperature for tokens), temperature or an "
-                       f"ATS head")
+                       f"that vLLM runs: `ats train` (Thermometer, its default), temperature or an ATS head")
     if isinstance(calibrator, Calibrator):
         head_route(calibrator, what)
 
