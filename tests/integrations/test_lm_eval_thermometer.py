@@ -66,6 +66,14 @@ def test_request_loglikelihoods_are_the_calibrators_own(folder_backbone, thermom
     assert max(abs(a - b) for a, b in zip(got, plain)) > 0.5
 
 
+def test_batch_size_auto_probes_without_prompt_ends(folder_backbone, thermometer, tiny_folder, thermometer_dir):
+    """HFLM's batch-size probe runs rows no request has (no prompt end): answered, and the numbers are the same."""
+    lm = ATSLM(pretrained=str(tiny_folder), calibrator=str(thermometer_dir), device="cpu", batch_size="auto",
+               max_batch_size=4, max_length=64)
+    want = [request_loglikelihood(folder_backbone, thermometer, *p)[0] for p in PAIRS]
+    assert _loglikelihoods(lm, PAIRS) == pytest.approx(want, abs=1e-4)
+
+
 def test_rows_that_look_alike_but_end_elsewhere_run_apart():
     """Rows [5, 6, 7] split 2 + 2 and 3 + 1, and [5, 6, 7, 0] (the same ids once right-padded with zeros): three
     prompt ends for one key, so three runs; the same request twice and another row share the first."""

@@ -212,7 +212,10 @@ class ATSLM(HFLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """HFLM's, with each row's prompt end known (`prompt_ends`; in as many runs as rows that look alike end
-        differently, nearly always one) and the shared prompt prefixes planned."""
+        differently, nearly always one) and the shared prompt prefixes planned. Neither is needed without a
+        per-prompt temperature and without prefix sharing: then this is HFLM's, batches included."""
+        if not self.per_prompt and self.prefixes is None:
+            return self._planned(requests, disable_tqdm, override_bs)
         results: list = [None] * len(requests)
         for indices, ends in self.prompt_ends.layers(requests, self.max_length, self._rolling):
             self.prompt_ends.use(ends)
@@ -246,7 +249,7 @@ class ATSLM(HFLM):
         prefix's end and the first continuation position (which lm-eval never reads: it scores continuations) hold
         zeros. Without any, this is HFLM's own call when uncalibrated, bit for bit.
         """
-        ends = self.prompt_ends.of(inps.tolist())  # None outside a planned run (HFLM's batch-size probe)
+        ends = self.prompt_ends.of(inps.tolist())  # None for rows no request runs (HFLM's batch-size probe)
         groups = self.prefixes.groups(inps.tolist()) if self.prefixes is not None and self.prefixes.by_head else []
         if all(prefix is None for prefix, _ in groups):
             return self._whole(inps, ends)

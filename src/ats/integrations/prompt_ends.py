@@ -19,8 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import ATSError
-
 Key = tuple[int, ...]
 
 
@@ -100,19 +98,7 @@ class PromptEnds:
         self.ends = ends
 
     def of(self, rows: list[list[int]]) -> list[PromptEnd] | None:
-        """The prompt ends of a batch's right-padded rows; None outside a run (no ends in use: HFLM probing the
-        batch size).
-
-        Raises:
-            ATSError: for a row no planned request runs (a bug: every row HFLM runs was planned).
-        """
-        if not self.ends:
-            return None
-        found = []
-        for row in rows:
-            end = self.ends.get(row_key(row))
-            if end is None:
-                raise ATSError(f"lm-eval ran a row of {len(row_key(row))} tokens that no planned request has: "
-                               f"its prompt end is unknown")
-            found.append(end)
-        return found
+        """The prompt ends of a batch's right-padded rows; None for a batch of rows no request runs (HFLM probing
+        the largest batch that fits, `batch_size=auto`, whose numbers it throws away) or outside a run."""
+        found = [self.ends.get(row_key(row)) for row in rows]
+        return None if any(end is None for end in found) else found

@@ -135,7 +135,8 @@ class ATSCalibratedForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor | None, positions: Tensor, intermediate_tensors=None,
                 inputs_embeds: Tensor | None = None, **kwargs) -> Tensor:
-        """h (N, H) of the N scheduled tokens, with tau as one more column (N, H + 1) under a per-token head."""
+        """h (N, H) of the N scheduled tokens, with tau (a per-token head) or s (Thermometer) as one more column
+        (N, H + 1)."""
         hidden = self.base(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)  # (N, H)
         if self.prompt is not None:  # Thermometer: s of each token's request, from its prompt's end
             s = self.prompt(positions, self.prompt_lens[: positions.shape[0]], hidden)  # (N,)
@@ -154,18 +155,15 @@ class ATSCalibratedForCausalLM(nn.Module):
         calibrator."""
         if self.calibrator is None:
             return self.base.compute_logits(hidden_states)
-        if self.prompt is not None:  # Thermometer: q = z * s, s carried as the last column
-            hidden, s = hidden_states[:, :-1].to(self.dtype), hidden_states[:, -1]  # (n, H), (n,) float32
-            logits = self.base.compute_logits(hidden)  # (n, V)
-            return None if logits is None else logits.float() * s.float()[:, None]
-        if self.head is None:  # temperature / vector scaling: a map of the logits
+        if self.head is None and self.prompt is None:  # temperature / vector scaling: a map of the logits
             logits = self.base.compute_logits(hidden_states)
             return None if logits is None else self.calibrator.apply(logits.float())
-        hidden, tau = hidden_states[:, :-1].to(self.dtype), hidden_states[:, -1]  # (n, H), (n,) float32
+        hidden, carried = hidden_states[:, :-1].to(self.dtype), hidden_states[:, -1]  # (n, H), (n,) float32
         logits = self.base.compute_logits(hidden)  # (n, V) in the model's dtype
         if logits is None:
             return None
-        return logits.float() * self.calibrator.scale(tau.float())[:, None]  # (n, V) float32
+        scale = carried if self.prompt is not None else self.calibrator.scale(carried)  # (n,): s, or exp(tau)
+        return logits.float() * scale.float()[:, None]  # (n, V) float32
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """The base model's weights from the folder (vLLM's loader), then the head's from the calibrator."""
