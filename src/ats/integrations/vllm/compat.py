@@ -18,6 +18,7 @@ the target's calibrated logits decide acceptance, so the output follows the cali
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 from ...errors import ATSError
 from .runner_patch import per_prompt
@@ -127,3 +128,16 @@ def check_vllm_config(vllm_config) -> None:
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype), per_prompt=per_prompt(vllm_config.model_config))
     if reason is not None:
         raise ATSError(f"{vllm_config.model_config.model}: {reason}")
+
+
+@contextmanager
+def full_attention(cache_config):
+    """Build layers under `cache_config` without its sliding window (then restore it): vLLM's attention layers take
+    the base model's window from the cache config, and the calibration layers (the transformer head, Thermometer's
+    prompt temperature) attend over every earlier position, as they do in ats."""
+    window = cache_config.sliding_window
+    cache_config.sliding_window = None
+    try:
+        yield
+    finally:
+        cache_config.sliding_window = window

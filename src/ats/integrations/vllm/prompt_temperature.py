@@ -30,6 +30,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from ...calibrators.base import Calibrator
+from .compat import full_attention
 
 BITS = 32  # positions below 2^32
 HEAD_SIZE = 2 * BITS  # one-hot per bit; also the value's width (3 entries used)
@@ -73,8 +74,9 @@ class PagedPromptTemperature(nn.Module):
         super().__init__()
         self.calibrator = calibrator
         self.dtype = vllm_config.model_config.dtype
-        self.attn = Attention(1, HEAD_SIZE, 1.0, num_kv_heads=1, cache_config=vllm_config.cache_config,
-                              prefix=f"ats_prompt.layers.{layer_index}")
+        with full_attention(vllm_config.cache_config):  # a base model's window must not hide the prompt's end
+            self.attn = Attention(1, HEAD_SIZE, 1.0, num_kv_heads=1, cache_config=vllm_config.cache_config,
+                                  prefix=f"ats_prompt.layers.{layer_index}")
 
     def forward(self, positions: Tensor, prompt_lens: Tensor, hidden: Tensor) -> Tensor:
         """s (N,) float32 from absolute `positions` (N,), each token's request's prompt length `prompt_lens` (N,)
