@@ -12,8 +12,9 @@ At every scheduled position t the layer writes
 and reads with the query q_t = W x the one-hot bits of p_t = min(P - 1, t), P the request's prompt length (from
 `prompt_lens`, filled per step by `runner_patch`), softmax scale 1. The score of key j is W x (the bits j and p_t
 share): 32 W at j = p_t, at most 31 W elsewhere, so with W = 64 every other key weighs below e^-64 (1.6e-28) of it
-and the output is v at p_t to float32 rounding. The scores are multiples of 64 up to 2048, exact in every float
-format, so the selection does not depend on how an attention kernel rounds.
+and the output is v at p_t to float32 rounding. The scores are multiples of 64 up to 2048, exact in float16,
+bfloat16 and float32, so the selection does not depend on how an attention kernel rounds. The layer attends over
+every earlier position, also on a base model with a sliding window (`compat.full_attention`).
 
 Why the position and not a flag at the prompt's end: a cached block may hold another request's prompt end (in a
 chat, the next turn's prompt starts with this turn's prompt and answer); each request selects its own P - 1,
