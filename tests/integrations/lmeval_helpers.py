@@ -70,3 +70,15 @@ def read_lines(path: Path) -> list[dict]:
 
 def loglikelihoods(row: dict) -> list[float]:
     return [float(r[0]) for r in row["filtered_resps"]]
+
+
+def rolling_loglikelihood(backbone, calibrator, text: str) -> tuple[float, int]:
+    """Independently: (the calibrated log-likelihood of `text` as one rolling window, its token count): lm-eval's
+    prefix token, then the text, scored by `calibrator.apply` on the whole row (no positions given)."""
+    import torch
+
+    tok = backbone.tokenizer
+    ids = [tok.bos_token_id] + tok(text, add_special_tokens=False).input_ids
+    hidden, _ = backbone.forward(torch.tensor([ids[:-1]]))
+    logp = torch.log_softmax(calibrator.apply(backbone.logits(hidden), hidden), dim=-1)[0]
+    return float(logp.gather(1, torch.tensor(ids[1:])[:, None]).sum()), len(ids) - 1

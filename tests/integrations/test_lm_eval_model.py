@@ -11,7 +11,7 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
-from lmeval_helpers import TASK, loglikelihoods, read_lines
+from lmeval_helpers import TASK, loglikelihoods, read_lines, rolling_loglikelihood
 
 from ats.calibrators import build_calibrator, load_calibrator
 from ats.calibrators.ats import ATSCalibrator
@@ -73,13 +73,9 @@ def test_rolling_loglikelihood_is_calibrated(ats_lm, folder_backbone, head_dir):
     calibrator = load_calibrator(head_dir, backbone=folder_backbone)
     texts = ["The quick brown fox jumps over the lazy dog.", "Calibration is about knowing what you know."]
     got = ats_lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)])
-    tok = folder_backbone.tokenizer
     for text, value in zip(texts, got):
-        ids = [tok.bos_token_id] + tok(text, add_special_tokens=False).input_ids  # lm-eval's prefix token, then text
-        hidden, _ = folder_backbone.forward(torch.tensor([ids[:-1]]))
-        logp = torch.log_softmax(calibrator.apply(folder_backbone.logits(hidden), hidden), dim=-1)[0]
-        expected = float(logp.gather(1, torch.tensor(ids[1:])[:, None]).sum())
-        assert value == pytest.approx(expected, abs=1e-5 * (len(ids) - 1))  # 1e-5 per token (float32, batch of 2)
+        expected, n = rolling_loglikelihood(folder_backbone, calibrator, text)
+        assert value == pytest.approx(expected, abs=1e-5 * n)  # 1e-5 per token (float32, batch of 2)
 
 
 def _generate(lm, prompts: list[str], **gen_kwargs) -> list[str]:
@@ -163,7 +159,8 @@ def test_calibrators_that_give_no_log_likelihoods_are_refused(tmp_path, tiny_fol
 
 def test_check_calibrator_reads_capabilities_and_the_papers_layout(tmp_path, tiny_backbone):
     """The paper's released layout (and its conversion) is an ATS-family head: accepted; Thermometer (a prompt's
-    temperature) and binning methods are refused by their capability flags, not by their class."""
+    temperature, read where each request's context ends) too; binning methods are refused by their capability
+    flags, not by their class."""
     import json
 
     from ats.calibrators.thermometer import Thermometer
@@ -177,6 +174,5 @@ def test_check_calibrator_reads_capabilities_and_the_papers_layout(tmp_path, tin
     (tmp_path / "converted" / "calibrator_config.json").write_text(json.dumps({"type": "ats-official"}))
     assert check_calibrator(str(tmp_path / "converted")) == tmp_path / "converted"
     thermometer = Thermometer(hidden_size=tiny_backbone.hidden_size)
-    with pytest.raises(ATSError, match="one temperature per prompt"):
-        check_calibrator(thermometer)
+    assert check_calibrator(thermometer) is thermometer
     assert check_calibrator(ATSCalibrator.for_backbone(tiny_backbone)) is not None

@@ -65,3 +65,21 @@ def test_few_shot_requests_reuse_the_prefix_and_keep_the_numbers(fewshot_task, t
     head_shared = _lls(ATSLM(calibrator=str(head_dir), **common), fewshot_task)
     np.testing.assert_allclose(head_shared, head_whole, rtol=1e-6, atol=1e-5)
     assert np.abs(head_shared - hf).max() > 0.5
+
+
+def test_a_prefix_reaching_into_the_continuations_is_scored_from_the_contexts_end(tiny_folder, head_dir):
+    """Two answers that share their first word make the shared prefix reach past the context's end: the
+    continuations are still scored from there (before the fix their first positions read zeros: 2.5 nats off)."""
+    from lm_eval.api.instance import Instance
+
+    shared = "The following are questions about capitals and numbers, each with one short answer. " * 3
+    question = shared + "Q: What is the capital of Italy?\nA:"
+    requests = [Instance("loglikelihood", {}, (question, answer), i)
+                for i, answer in enumerate([" Rome is the capital", " Rome, of course"])]
+    for calibrator in ("none", str(head_dir)):
+        common = dict(pretrained=str(tiny_folder), calibrator=calibrator, device="cpu", batch_size=2)
+        lm = ATSLM(**common)
+        got = [v for v, _ in lm.loglikelihood(requests)]
+        assert lm.prefixes.rows_served == 2
+        want = [v for v, _ in ATSLM(prefix_cache=0, **common).loglikelihood(requests)]
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)

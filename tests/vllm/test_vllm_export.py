@@ -66,10 +66,15 @@ def test_export_refuses_what_vllm_cannot_run(llama, tmp_path):
     histogram = build_calibrator("histogram").fit(lambda: iter([(torch.randn(64, 8), torch.randint(0, 8, (64,)))]))
     with pytest.raises(ATSError, match=r"maps the top-1 confidence, not the logits.*`ats serve`"):
         export_for_vllm(str(folder), histogram, tmp_path / "h")
+    assert not (tmp_path / "h").exists()
+
+
+def test_thermometer_exports_with_its_record_saying_one_temperature_per_prompt(llama, tmp_path):
+    folder, backbone = llama
     thermometer = Thermometer(hidden_size=backbone.hidden_size)
-    with pytest.raises(ATSError, match=r"one temperature per prompt.*`ats serve`"):
-        export_for_vllm(str(folder), thermometer, tmp_path / "t")
-    assert not (tmp_path / "h").exists() and not (tmp_path / "t").exists()
+    thermometer.fitted = True
+    assert read_export(export_for_vllm(str(folder), thermometer, tmp_path / "t"))["per_prompt"] is True
+    assert read_export(export_for_vllm(str(folder), None, tmp_path / "n"))["per_prompt"] is False
 
 
 def test_export_refuses_a_calibrator_of_another_model(llama, tiny_models, tmp_path):

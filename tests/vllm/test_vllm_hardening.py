@@ -15,6 +15,7 @@ from torch import nn
 
 from ats.calibrators import build_calibrator
 from ats.calibrators.ats import ATSCalibrator
+from ats.calibrators.thermometer import Thermometer
 from ats.cli.main import main
 from ats.errors import ATSError
 from ats.integrations.vllm import ARCHITECTURE, register
@@ -81,6 +82,7 @@ def test_head_route_is_what_the_head_class_says(tiny_models):
               for name in ("transformer", "mlp", "linear", "constant")}
     assert routes == {"transformer": "paged", "mlp": "token", "linear": "token", "constant": "token"}
     assert head_route(build_calibrator("temperature")) == "logits" and head_route(None) == "logits"
+    assert head_route(Thermometer(hidden_size=backbone.hidden_size)) == "prompt"
     cal = ATSCalibrator.for_backbone(backbone, head_type="transformer")
     cal.config_.head.head_type = "mlp"  # the record's name does not decide: the head class does
     assert head_route(cal) == "paged"
@@ -221,6 +223,12 @@ def test_serve_refuses_a_start_memory_cannot_hold(tiny_models, tmp_path, capsys,
     assert main(["serve", "--engine", "vllm", "--model", str(folder), "--calibrator", "none"]) == 2
     last = capsys.readouterr().err.splitlines()[-1]  # after the export's and the settings' log lines
     assert last.startswith("ats: error: VLLM_CPU_KVCACHE_SPACE=100000: vLLM needs about ")
+
+
+def test_thermometer_exports_refuse_an_fp8_kv_cache():
+    assert "kv cache dtype 'fp8'" in setup_refusal(kv_cache_dtype="fp8", per_prompt=True)
+    assert setup_refusal(kv_cache_dtype="fp8") is None and setup_refusal(kv_cache_dtype="bfloat16", per_prompt=True) \
+        is None
 
 
 def test_float32_scale_of_a_bfloat16_logit_row():

@@ -6,7 +6,9 @@ JOBS.json: a list of {"model": folder, "engine": {LLM options}, "rounds": [[[tok
 "sampling": {SamplingParams options}}: each round is one `generate` call (later rounds find what earlier ones left
 in the prefix cache). OUT.json: per job {"start_seconds", "model_runner" ("v1" or "v2": which of vLLM's model
 runners ran it), "rounds": per round, per prompt {"tokens", "logprobs" (per generated token {id: logprob} of the
-top-k and the chosen token), "prompt_logprobs" (when asked)}}.
+top-k and the chosen token), "prompt_logprobs" (when asked)}}; with "expect_error" in the job, a round whose
+requests vLLM refuses is {"error": its message}; with "disable_log_stats": false among its engine options,
+"counters" holds vLLM's counters after the job (vllm:num_preemptions, vllm:prefix_cache_hits, ...).
 """
 
 from __future__ import annotations
@@ -40,11 +42,20 @@ def run(jobs: list[dict]) -> list[dict]:
         params = SamplingParams(**{"temperature": 0.0, **job.get("sampling", {})})
         rounds = []
         for prompts in job["rounds"]:
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+            try:
+                outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params,
+                                       use_tqdm=False)
+            except Exception as error:  # a request vLLM refused (VLLMValidationError)
+                if not job.get("expect_error"):
+                    raise
+                rounds.append({"error": str(error)})
+                continue
             rounds.append([{"tokens": list(o.outputs[0].token_ids), "logprobs": _logprobs(o.outputs[0].logprobs),
                             "prompt_logprobs": _logprobs(o.prompt_logprobs)} for o in outputs])
         runner = "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
-        results.append({"start_seconds": started, "model_runner": runner, "rounds": rounds})
+        counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")} \
+            if job.get("engine", {}).get("disable_log_stats") is False else {}
+        results.append({"start_seconds": started, "model_runner": runner, "rounds": rounds, "counters": counters})
         del llm
         gc.collect()
     return results

@@ -105,16 +105,17 @@ class Calibrator:
     @classmethod
     def position_refusal(cls) -> str | None:
         """Why this method cannot run where logits are calibrated one position at a time from that position's
-        logits and the hidden states up to it (lm-eval's batched requests, an inference engine such as vLLM);
-        None when it can (the ATS family, temperature and vector scaling, none).
+        logits and the hidden states up to it, with each prompt's end known (lm-eval's (context, continuation)
+        requests; vLLM, told by `integrations.vllm.runner_patch`); None when it can (the ATS family, Thermometer,
+        temperature and vector scaling, none).
 
         Returns:
             The reason in a few words, to quote in an error, or None.
         """
         if cls.maps_confidence:
             return "maps the top-1 confidence, not the logits"
-        if cls.needs_hidden and not cls.token_head:
-            return "reads one temperature per prompt from the prompt's last hidden state and holds it over the answer"
+        if cls.needs_hidden and not cls.token_head and not cls.prompt_hidden:
+            return "reads hidden states neither per token nor at the prompt's end"
         return None
 
     # --- fitting ----------------------------------------------------------------------------------------------------

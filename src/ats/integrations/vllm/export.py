@@ -9,7 +9,9 @@
 
 The calibrator is checked against the base model before anything is written (hidden size, vocabulary, name,
 revision: the checks `load_calibrator(..., backbone=...)` makes, read from the model's config.json so that a 70B
-model is not loaded to export it), and refused when it cannot run inside vLLM (`Calibrator.position_refusal`).
+model is not loaded to export it), and refused when it cannot run inside vLLM (`Calibrator.position_refusal`; the
+calibrated model knows where each prompt ends, so Thermometer runs: the record's `per_prompt` says so to the
+front end, which refuses prompt logprobs for it, `runner_patch`).
 """
 
 from __future__ import annotations
@@ -73,15 +75,14 @@ def base_model(model: str, revision: str | None = None) -> tuple[Path, ModelFact
 
 
 def check_engine_calibrator(calibrator: Calibrator | type[Calibrator], what: str) -> None:
-    """Refuse, in one line, a calibrator that cannot run inside vLLM (it maps a confidence, or holds one
-    temperature per prompt, or its head says nothing of what it reads), pointing at `ats serve`, which runs every
-    calibrator."""
+    """Refuse, in one line, a calibrator that cannot run inside vLLM (it maps a confidence, or its head says nothing
+    of what it reads), pointing at `ats serve`, which runs every calibrator. Thermometer runs: the calibrated model
+    is told where each prompt ends (`runner_patch`)."""
     reason = calibrator.position_refusal()
     if reason is not None:
         raise ATSError(f"calibrator {what} {reason}, and vLLM computes calibrated logprobs from each position's "
                        f"logits and hidden states alone; serve it with `ats serve` (ats's own engine), or train one "
-                       f"that vLLM runs: `ats train --method probe` (one temperature for tokens), temperature or an "
-                       f"ATS head")
+                       f"that vLLM runs: `ats train` (Thermometer, its default), temperature or an ATS head")
     if isinstance(calibrator, Calibrator):
         head_route(calibrator, what)
 
@@ -89,11 +90,14 @@ def check_engine_calibrator(calibrator: Calibrator | type[Calibrator], what: str
 def head_route(calibrator: Calibrator | None, what: str = "") -> str:
     """How the calibrated vLLM model runs `calibrator`, from what its head is (the head class's `reads_context`):
     "paged" (the head attends over earlier positions: a decoder layer in vLLM's paged KV cache), "token" (tau from
-    each position's own hidden state), or "logits" (no head: a map of the logits, or none).
+    each position's own hidden state), "prompt" (one temperature per request from its prompt's last hidden state:
+    Thermometer, kept in the paged cache), or "logits" (no head: a map of the logits, or none).
 
     Raises:
         ATSError: a per-token head whose class does not say what it reads.
     """
+    if calibrator is not None and calibrator.prompt_hidden:
+        return "prompt"
     if calibrator is None or not calibrator.token_head:
         return "logits"
     head = type(calibrator.head)
@@ -180,7 +184,8 @@ def export_for_vllm(model: str, calibrator: str | Path | Calibrator | None, out:
     _check_base_architecture(architecture, folder / "config.json")
     record = {"base_architecture": architecture, "base_model": facts.name, "revision": facts.revision,
               "calibrator": None if calibrator is None else CALIBRATOR_FOLDER,
-              "method": "none" if calibrator is None else calibrator.label, "library_version": __version__}
+              "method": "none" if calibrator is None else calibrator.label, "library_version": __version__,
+              "per_prompt": bool(calibrator is not None and calibrator.prompt_hidden)}
     fingerprint = make_fingerprint("vllm-export", base_model=facts.name, revision=facts.revision,
                                    source=str(folder.resolve()), copy=copy,
                                    calibrator=None if calibrator is None else calibrator.digest(),

@@ -3,7 +3,8 @@ and values live in vLLM's paged KV cache beside the base model's: prefix caching
 batching treat it as one more layer of the model.
 
 vLLM's `LlamaDecoderLayer` is `TransformerHead`'s layer to the operation (RMSNorm eps 1e-6, neox-style RoPE on the
-absolute positions, full attention with one key/value head per query head, SwiGLU), sharded across tensor-parallel
+absolute positions, full attention with one key/value head per query head (also over a base model with a
+sliding window: `compat.full_attention`), SwiGLU), sharded across tensor-parallel
 ranks like the base model's layers; the head's final norm and projection (1 output) are replicated, run in
 float32, and taken from the loaded calibrator itself.
 """
@@ -17,6 +18,7 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer
 
 from ...calibrators.ats import ATSCalibrator
 from ...errors import ATSError
+from .compat import full_attention
 
 # our TransformerHead's state-dict key -> (the vLLM layer's parameter, shard id or None)
 _LAYER_KEYS = {
@@ -67,7 +69,8 @@ class PagedTransformerHead(nn.Module):
             hidden_act="silu", rms_norm_eps=head.input_norm.eps, attention_bias=False, mlp_bias=False,
             max_position_embeddings=vllm_config.model_config.max_model_len,
             rope_parameters={"rope_type": "default", "rope_theta": sizes.rope_theta})
-        self.layer = _HeadLayer(vllm_config, prefix=f"ats_head.layers.{layer_index}", config=config)
+        with full_attention(vllm_config.cache_config):  # ats's head attends over every earlier position
+            self.layer = _HeadLayer(vllm_config, prefix=f"ats_head.layers.{layer_index}", config=config)
         self.final_norm = head.final_norm  # RMSNorm, or the identity for the paper's released heads
         self.proj = head.proj
         self._source = {k: v for k, v in head.state_dict().items() if k in _LAYER_KEYS}

@@ -1,8 +1,10 @@
 """`ATSCalibratedForCausalLM`: vLLM's own model class of the base architecture, composed with a calibrator.
 
-    forward(ids, positions)  -> h (N, H) from the base model; with a per-token head also tau (N,):
-                                returns [h, tau] (N, H + 1) in float32, so tau travels with h to the sampled rows
+    forward(ids, positions)  -> h (N, H) from the base model; with a per-token head also tau (N,), with
+                                Thermometer its request's s = 1/T (N,): returns [h, tau or s] (N, H + 1) in float32,
+                                so the factor travels with h to the sampled rows
     compute_logits(rows)     -> q = z * exp(tau).clamp(max_scale)   (the ATS family: `ATSCalibrator.scale`)
+                                q = z * s                          (Thermometer: `prompt_temperature`)
                                 q = calibrator.apply(z)            (temperature, vector scaling, none)
                                 both in float32 whatever the model's dtype, as ats's decoding core computes them
                                 (a bfloat16 scale would be rounded by up to 2^-8, 0.4%)
@@ -12,8 +14,12 @@ logprobs of vLLM's OpenAI server and of lm-eval's `vllm` model are the calibrate
 `logprobs_mode="raw_logprobs"`), and a user's sampling temperature applies on top. The head's tau is computed where
 hidden states are made, at every scheduled token, because the paper's transformer head attends over earlier
 positions (its keys and values are in vLLM's KV cache: `head.PagedTransformerHead`); the context-free heads
-(constant, linear, MLP) run as the calibrator's own modules. Scaling h instead of z (`W (h s)`) would need no extra
-column but is exact only in real numbers (lm_eval_model.py's docstring measured the difference), so tau is carried.
+(constant, linear, MLP) run as the calibrator's own modules. Thermometer's one temperature per request is read at
+the prompt's last token and kept in the paged KV cache by an attention layer of its own
+(`prompt_temperature.PagedPromptTemperature`), which needs each token's prompt length: vLLM's runners hand it to
+`set_prompt_lens` every step (`runner_patch`), into a persistent buffer. Scaling h instead of z (`W (h s)`) would
+need no extra column but is exact only in real numbers (lm_eval_model.py's docstring measured the difference), so
+tau is carried.
 
 The base class is whatever vLLM has for the `base_architecture` of the export (Llama, Qwen2, ...): one class for
 all, by composition. How a head runs is decided by what it is (`export.head_route`: its class's `reads_context`).
@@ -86,8 +92,12 @@ class ATSCalibratedForCausalLM(nn.Module):
         self.dtype = vllm_config.model_config.dtype
         self.head: nn.Module | None = None
         self.paged = False  # the head attends over earlier positions (the paper's transformer head)
+        self.prompt: nn.Module | None = None  # Thermometer's per-request temperature, kept in the paged cache
+        self.needs_prompt_lens = False  # read by `runner_patch`: the runners hand over each token's prompt length
         route = head_route(self.calibrator)
-        if route != "logits":
+        if route == "prompt":
+            self._build_prompt_temperature(vllm_config, hf_config.num_hidden_layers)
+        elif route != "logits":
             device = torch.get_default_device()
             if route == "paged":
                 from .head import PagedTransformerHead
@@ -101,14 +111,36 @@ class ATSCalibratedForCausalLM(nn.Module):
         elif self.calibrator is not None:
             self.calibrator.to(torch.get_default_device())
 
+    def _build_prompt_temperature(self, vllm_config: VllmConfig, layer_index: int) -> None:
+        """Thermometer's layer, the per-token prompt lengths' buffer (as many as a step schedules, persistent for
+        CUDA graphs) and the V2 runner's model state that fills it."""
+        from .prompt_temperature import PagedPromptTemperature
+        from .runner_patch import v2_model_state
+
+        device = torch.get_default_device()
+        self.calibrator.to(device)
+        self.prompt = PagedPromptTemperature(self.calibrator, vllm_config, layer_index)
+        size = vllm_config.scheduler_config.max_num_batched_tokens  # as the runners size their input_ids buffers
+        self.register_buffer("prompt_lens", torch.zeros(size, dtype=torch.int32, device=device), persistent=False)
+        self.needs_prompt_lens = True
+        self.get_model_state_cls = v2_model_state  # the V2 runner asks the model for its ModelState class
+
+    def set_prompt_lens(self, lens: Tensor) -> None:
+        """Each scheduled token's request's prompt length (n,) int32 on the CPU, for this step (`runner_patch`)."""
+        self.prompt_lens[: lens.shape[0]].copy_(lens, non_blocking=True)
+
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
         """The base model's token embeddings."""
         return self.base.embed_input_ids(input_ids)
 
     def forward(self, input_ids: Tensor | None, positions: Tensor, intermediate_tensors=None,
                 inputs_embeds: Tensor | None = None, **kwargs) -> Tensor:
-        """h (N, H) of the N scheduled tokens, with tau as one more column (N, H + 1) under a per-token head."""
+        """h (N, H) of the N scheduled tokens, with tau (a per-token head) or s (Thermometer) as one more column
+        (N, H + 1)."""
         hidden = self.base(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)  # (N, H)
+        if self.prompt is not None:  # Thermometer: s of each token's request, from its prompt's end
+            s = self.prompt(positions, self.prompt_lens[: positions.shape[0]], hidden)  # (N,)
+            return torch.cat([hidden.float(), s[:, None]], dim=-1)  # (N, H + 1)
         if self.head is None:
             return hidden
         if self.paged:  # attends over the KV cache
@@ -123,14 +155,15 @@ class ATSCalibratedForCausalLM(nn.Module):
         calibrator."""
         if self.calibrator is None:
             return self.base.compute_logits(hidden_states)
-        if self.head is None:  # temperature / vector scaling: a map of the logits
+        if self.head is None and self.prompt is None:  # temperature / vector scaling: a map of the logits
             logits = self.base.compute_logits(hidden_states)
             return None if logits is None else self.calibrator.apply(logits.float())
-        hidden, tau = hidden_states[:, :-1].to(self.dtype), hidden_states[:, -1]  # (n, H), (n,) float32
+        hidden, carried = hidden_states[:, :-1].to(self.dtype), hidden_states[:, -1]  # (n, H), (n,) float32
         logits = self.base.compute_logits(hidden)  # (n, V) in the model's dtype
         if logits is None:
             return None
-        return logits.float() * self.calibrator.scale(tau.float())[:, None]  # (n, V) float32
+        scale = carried if self.prompt is not None else self.calibrator.scale(carried)  # (n,): s, or exp(tau)
+        return logits.float() * scale.float()[:, None]  # (n, V) float32
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """The base model's weights from the folder (vLLM's loader), then the head's from the calibrator."""

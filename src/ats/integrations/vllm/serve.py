@@ -158,7 +158,12 @@ def cpu_environment(folder: Path, calibrator: Calibrator | None, options: dict, 
     dtype_bytes = DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
     text = config.get_text_config()
     max_model_len = int(options.get("max_model_len") or getattr(text, "max_position_embeddings", None) or 2048)
-    head_width = calibrator.config_.head.hidden_size if head_route(calibrator) == "paged" else 0
+    route = head_route(calibrator)
+    head_width = calibrator.config_.head.hidden_size if route == "paged" else 0
+    if route == "prompt":  # Thermometer's layer: one head of HEAD_SIZE
+        from .prompt_temperature import HEAD_SIZE
+
+        head_width = HEAD_SIZE
     settings = cpu_settings(environ, options, folder=folder, config=config, dtype_bytes=dtype_bytes,
                             max_model_len=max_model_len, max_num_seqs=int(options.get("max_num_seqs", 256)),
                             tensor_parallel=int(options.get("tensor_parallel_size", 1)), head_width=head_width)
