@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -27,12 +25,12 @@ from ats.integrations.vllm import CALIBRATOR_FOLDER
 from ats.integrations.vllm.abstain import AnswerDecider
 from ats.integrations.vllm.page import NO_TRAINING_RECORD, UNAVAILABLE
 
-from conftest import calibrators, max_difference, reference
+from conftest import ats_serve_vllm, calibrators, max_difference, reference
 from helpers import write_certificate
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))
 from browser import ask, chromium, markup_is_text, open_page, shade, spans, wait_for  # noqa: E402
-from server_process import API_KEY, free_port  # noqa: E402
+from server_process import API_KEY  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one vLLM server (30-90 s to start here) and a browser
 PROMPT = "The capital of France is"
@@ -56,34 +54,16 @@ def vllm_server(tiny_models, tmp_path_factory):
     folder, backbone = tiny_models["llama"]
     head = calibrators(backbone, tmp_path, ["transformer"])["transformer"]
     write_certificate(head, CERTIFIED, load_calibrator(head), backbone)
-    port = free_port()
     # no VLLM_CPU_* settings and no --gpu-memory-utilization: ats serve's CPU defaults start it on this machine
     env = {key: value for key, value in os.environ.items() if not key.startswith("VLLM_CPU_")}
     env["ATS_CACHE"] = str(tmp_path / "cache")
-    argv = [sys.executable, "-m", "ats", "serve", "--engine", "vllm", "--model", str(folder), "--calibrator",
-            str(head), "--served-model-name", "tiny", "--port", str(port), "--max-model-len", "512",
+    argv = ["--model", str(folder), "--calibrator", str(head), "--served-model-name", "tiny", "--max-model-len", "512",
             "--api-key", API_KEY, "--", "--enforce-eager"]
     log_path = tmp_path / "server.log"
-    log = log_path.open("w")
-    server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, log_path.read_text()[-4000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "vLLM server not up"
-            time.sleep(1)
+    with ats_serve_vllm(argv, env, log_path) as url:
         (export,) = (tmp_path / "cache" / "vllm").iterdir()  # the export, made on the fly under the cache
-        yield VLLMServer(f"http://127.0.0.1:{port}", export, log_path, backbone, head)
+        yield VLLMServer(url, export, log_path, backbone, head)
         served = log_path.read_text()  # before it stops (vLLM logs its engine's exit as a traceback)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
     assert "Traceback" not in served, served[-4000:]  # the middleware failed on no request
 
 
