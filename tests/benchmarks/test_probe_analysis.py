@@ -32,7 +32,7 @@ def scores() -> dict:
             per[m][name] = {"confidence": conf, "correct": correct}
     left_out = {"nq_open_held_out": {m: per[m]["nq_open_held_out"] for m in bench.METHODS}}
     return {"model": "hand", "command": "c", "machine": {}, "sizes": {}, "seconds": 0.0, "scores": per,
-            "left_out": left_out, "probe": {"layers": [3], "views": ["prompt_last"], "l2": 0.03,
+            "left_out": left_out, "probe": {"layers": [3], "views": ["prompt_last"], "c": 0.03,
                                             "temperature": 1.1, "selection": {}}}
 
 
