@@ -2,21 +2,26 @@
 (the ATS transformer head, temperature scaling, none) against each other and against `ats serve` with the same
 calibrators, on each model, at 1 / 4 / 16 concurrent clients; plus each server's start-up time.
 
-One server runs at a time (2 cores: servers side by side would share them), all on the same cores with the same
-thread count (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(threads-1); ats serve: --threads). Each client sends
+The arms' servers of a model start one after another (each start-up timed alone) and then stay up together, all on
+the same cores with the same thread count (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(threads-1), a 2 GiB KV cache; ats
+serve: --threads). Load comes in --repeats rounds; in each, for every client count, the arms run back to back in
+rotating order, so only one server works at a time and the arms compared are seconds apart: each round gives a
+paired ratio, and a ratio is reported as the geometric mean over rounds with a 95% t-interval. Each client sends
 --requests-per-client chat requests back to back (greedy, --new-tokens new tokens, ignore_eos, logprobs: true;
-`bench_serve.load`); each arm is warmed up first. With --repeats > 1 the arms' order rotates. The ATS head is a
+`bench_serve.load`); each server is warmed up first. The ATS head is a
 transformer head away from identity (`bench_generation.randomised_calibrator`; timing does not depend on training),
 temperature scaling has T = 1.3. Start-up = launch to the first answer of /health.
 
     python benchmarks/bench_vllm.py                                    # SmolLM2 and Qwen2.5-Coder-0.5B
     python benchmarks/bench_vllm.py --models smollm2-135m-instruct --clients 1,4 --new-tokens 16   # quick
+    python benchmarks/bench_vllm.py --arms vllm:none,vllm:ats,vllm:temperature --no-eager --repeats 6   # targets
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import statistics
 import subprocess
 import sys
@@ -35,6 +40,7 @@ from bench_generation import (
     temperature_scaling,
 )
 from bench_serve import load
+from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "serving"))
 from ats.integrations.vllm.export import export_for_vllm
@@ -44,6 +50,11 @@ from ats.model.backbone import load_backbone
 from server_process import Server, free_port, server_env  # noqa: E402  (the tests' server process helper)
 
 ARMS = ("vllm:none", "vllm:ats", "vllm:temperature", "ats:none", "ats:ats", "ats:temperature")
+PAIRS = {"vllm ats / vllm none": ("vllm:ats", "vllm:none"),
+         "vllm temperature / vllm none": ("vllm:temperature", "vllm:none"),
+         "vllm ats / ats serve ats": ("vllm:ats", "ats:ats"),
+         "vllm temperature / ats serve temperature": ("vllm:temperature", "ats:temperature"),
+         "vllm none / ats serve none": ("vllm:none", "ats:none")}
 
 
 class VLLMServer:
@@ -99,54 +110,63 @@ def start(arm: str, model: str, folders: dict, work: Path, args) -> tuple[object
     return server, time.perf_counter() - t0
 
 
+def paired_ratio(a: list[float], b: list[float]) -> dict:
+    """The geometric mean of a/b over paired rounds with a 95% t-interval on its log (rounds are the pairs)."""
+    logs = [math.log(x / y) for x, y in zip(a, b)]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return {"ratio": math.exp(mean), "low": None, "high": None, "rounds": len(logs)}
+    half = stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"ratio": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half), "rounds": len(logs)}
+
+
 def bench_model(model: str, args, clients: list[int], work: Path) -> dict:
+    """Start the arms' servers one after another (start-up timed alone), keep them all up, then run --repeats
+    rounds: in each, every client count, the arms back to back in rotating order. Idle servers take no CPU, so the
+    arms of a round run seconds apart on the same cores and their ratio is paired."""
+    arms = args.arms
     backbone = load_backbone(model)
     folders = {"none": "none", "ats": str(work / "ats"), "temperature": str(work / "temperature")}
     randomised_calibrator(backbone, "transformer").save_pretrained(folders["ats"])
     temperature_scaling().save_pretrained(folders["temperature"])
-    for calibrator in ("none", "ats", "temperature"):
+    for calibrator in {arm.split(":")[1] for arm in arms if arm.startswith("vllm:")}:
         folders[f"export:{calibrator}"] = export_for_vllm(model, None if calibrator == "none" else folders[calibrator],
                                                           work / f"export-{calibrator}")
     del backbone
-    runs = {arm: {str(c): [] for c in clients} for arm in ARMS}
-    startup = {arm: [] for arm in ARMS}
-    for r in range(args.repeats):
-        shift = r % len(ARMS)
-        for arm in ARMS[shift:] + ARMS[:shift]:
-            server, seconds = start(arm, model, folders, work, args)
-            startup[arm].append(seconds)
-            try:
-                warm = asyncio.run(load(server.url, model, 4, 1, 8))
-                if warm["errors"]:
-                    raise SystemExit(f"{model} {arm} warm-up failed: {warm['error_messages']}")
-                for c in clients:
-                    result = asyncio.run(load(server.url, model, c, args.requests_per_client, args.new_tokens))
+    runs = {arm: {str(c): [] for c in clients} for arm in arms}
+    startup, servers = {}, {}
+    try:
+        for arm in arms:
+            servers[arm], startup[arm] = start(arm, model, folders, work, args)
+            warm = asyncio.run(load(servers[arm].url, model, 4, 1, 8))
+            if warm["errors"]:
+                raise SystemExit(f"{model} {arm} warm-up failed: {warm['error_messages']}")
+            print(f"{model} {arm:17s} up in {startup[arm]:.0f} s", file=sys.stderr, flush=True)
+        for r in range(args.repeats):
+            for c in clients:
+                shift = (r * len(clients) + clients.index(c)) % len(arms)
+                for arm in arms[shift:] + arms[:shift]:
+                    result = asyncio.run(load(servers[arm].url, model, c, args.requests_per_client, args.new_tokens))
                     runs[arm][str(c)].append(result)
-                    print(f"{model} repeat {r + 1}/{args.repeats} {arm:17s} clients {c:3d} "
+                    print(f"{model} round {r + 1}/{args.repeats} {arm:17s} clients {c:3d} "
                           f"{result['tokens_per_s']:6.1f} tok/s p50 {result['latency_p50_s'] or 0:6.1f} s "
                           f"errors {result['errors']}", file=sys.stderr, flush=True)
-            finally:
-                server.stop()
-    pairs = {"vllm ats / vllm none": ("vllm:ats", "vllm:none"),
-             "vllm temperature / vllm none": ("vllm:temperature", "vllm:none"),
-             "vllm ats / ats serve ats": ("vllm:ats", "ats:ats"),
-             "vllm temperature / ats serve temperature": ("vllm:temperature", "ats:temperature"),
-             "vllm none / ats serve none": ("vllm:none", "ats:none")}
+    finally:
+        for server in servers.values():
+            server.stop()
+    pairs = {name: pair for name, pair in PAIRS.items() if set(pair) <= set(arms)}
     rows = []
     for c in clients:
-        tps = {arm: statistics.median(x["tokens_per_s"] for x in runs[arm][str(c)]) for arm in ARMS}
-        # each repeat's own ratio (its arms ran back to back): the spread a single ratio of medians hides
-        per_repeat = {name: [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[x][str(c)], runs[y][str(c)])]
-                      for name, (x, y) in pairs.items()}
+        tps = {arm: statistics.median(x["tokens_per_s"] for x in runs[arm][str(c)]) for arm in arms}
         rows.append({"clients": c, "tokens_per_s": tps,
                      "p50_s": {arm: statistics.median(x["latency_p50_s"] or 0 for x in runs[arm][str(c)])
-                               for arm in ARMS},
-                     "errors": sum(x["errors"] for arm in ARMS for x in runs[arm][str(c)]),
-                     "ratios": {name: tps[x] / tps[y] for name, (x, y) in pairs.items()},
-                     "ratio_per_repeat": per_repeat,
-                     "runs": {arm: runs[arm][str(c)] for arm in ARMS}})
-    return {"model": model, "results": rows,
-            "startup_s": {arm: statistics.median(v) for arm, v in startup.items()}}
+                               for arm in arms},
+                     "errors": sum(x["errors"] for arm in arms for x in runs[arm][str(c)]),
+                     "ratios": {name: paired_ratio([x["tokens_per_s"] for x in runs[a][str(c)]],
+                                                   [x["tokens_per_s"] for x in runs[b][str(c)]])
+                                for name, (a, b) in pairs.items()},
+                     "runs": {arm: runs[arm][str(c)] for arm in arms}})
+    return {"model": model, "results": rows, "startup_s": startup}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", default="1,4,16")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="rounds of load over the servers, which stay up")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
@@ -165,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     command = command_line(argv)
     clients = [int(c) for c in args.clients.split(",") if c]
+    args.arms = [a for a in args.arms.split(",") if a]
+    if unknown := [a for a in args.arms if a not in ARMS]:
+        p.error(f"--arms: unknown arm(s) {', '.join(unknown)}; choose among {', '.join(ARMS)}")
     work = Path(tempfile.mkdtemp(prefix="ats-bench-vllm-"))
     started = time.perf_counter()
     load_start = load_average()
@@ -172,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     load_end = load_average()
     result = {**run_info(command, args.threads, load_start, load_end), "clients": clients,
               "requests_per_client": args.requests_per_client, "new_tokens": args.new_tokens,
-              "repeats": args.repeats, "max_batch": args.max_batch, "eager": args.eager,
+              "repeats": args.repeats, "arms": args.arms, "max_batch": args.max_batch, "eager": args.eager,
               "vllm_env": {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                            "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"},
               "wall_seconds": time.perf_counter() - started, "models": models}
@@ -182,26 +206,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _ratio(r: dict, fmt: str) -> str:
+    """The paired ratio and its interval."""
+    return f"{r['ratio']:{fmt}}" + (f" [{r['low']:{fmt}}, {r['high']:{fmt}}]" if r["low"] is not None else "")
+
+
 def format_table(result: dict) -> str:
-    lines = ["| model | clients | vLLM none | vLLM ATS | vLLM temperature | ats serve none | ats serve ATS | "
-             "ats serve temperature | vLLM ATS / vLLM none | vLLM temp. / vLLM none | vLLM ATS / ats serve ATS | "
-             "vLLM temp. / ats serve temp. | errors |", "|---|---:|" + "---:|" * 11]
+    arms = result["arms"]
+    names = [n for n in PAIRS if set(PAIRS[n]) <= set(arms)]
+    lines = ["| model | clients | " + " | ".join(f"{a} (tok/s)" for a in arms) + " | "
+             + " | ".join(names) + " | errors |", "|---|---:|" + "---:|" * (len(arms) + len(names) + 1)]
     for model in result["models"]:
         for row in model["results"]:
-            t, r, each = row["tokens_per_s"], row["ratios"], row["ratio_per_repeat"]
-
-            def spread(name: str, fmt: str) -> str:  # the ratio of medians, then each repeat's range
-                lo, hi = min(each[name]), max(each[name])
-                return f"{r[name]:{fmt}}" + (f" [{lo:{fmt}}, {hi:{fmt}}]" if len(each[name]) > 1 else "")
-
-            lines.append(f"| {model['model']} | {row['clients']} | " + " | ".join(f"{t[a]:.1f}" for a in ARMS)
-                         + f" | {spread('vllm ats / vllm none', '.3f')} | "
-                           f"{spread('vllm temperature / vllm none', '.3f')} | "
-                           f"{spread('vllm ats / ats serve ats', '.2f')}x | "
-                           f"{spread('vllm temperature / ats serve temperature', '.2f')}x | {row['errors']} |")
-    lines += ["", "| model | " + " | ".join(f"start-up {a} (s)" for a in ARMS) + " |", "|---|" + "---:|" * len(ARMS)]
+            lines.append(f"| {model['model']} | {row['clients']} | "
+                         + " | ".join(f"{row['tokens_per_s'][a]:.1f}" for a in arms) + " | "
+                         + " | ".join(_ratio(row["ratios"][n], ".3f") for n in names) + f" | {row['errors']} |")
+    lines += ["", "| model | " + " | ".join(f"start-up {a} (s)" for a in arms) + " |", "|---|" + "---:|" * len(arms)]
     for model in result["models"]:
-        lines.append(f"| {model['model']} | " + " | ".join(f"{model['startup_s'][a]:.0f}" for a in ARMS) + " |")
+        lines.append(f"| {model['model']} | " + " | ".join(f"{model['startup_s'][a]:.0f}" for a in arms) + " |")
     return "\n".join(lines)
 
 
@@ -210,12 +232,14 @@ def format_markdown(result: dict, table: str) -> str:
         *preamble(result, "Calibrated models inside vLLM: throughput against vLLM uncalibrated and against "
                   "`ats serve`", f"{result['machine']['torch_threads']} per server"),
         f"Load: N concurrent clients x {result['requests_per_client']} chat request(s) each, {result['new_tokens']} "
-        f"new tokens per request (greedy, ignore_eos, logprobs: true), one server at a time on the same cores, "
-        f"{result['repeats']} repeat(s) (order rotating). vLLM {'with --enforce-eager' if result['eager'] else 'compiled'}"
+        f"new tokens per request (greedy, ignore_eos, logprobs: true). The arms' servers stay up side by side and "
+        f"take the load in {result['repeats']} round(s), arms back to back in rotating order within each round (one "
+        f"server works at a time). vLLM {'with --enforce-eager' if result['eager'] else 'compiled (its default)'}"
         f", float32, --max-num-seqs {result['max_batch']}; ats serve --max-batch {result['max_batch']}. Tokens/s = "
-        f"generated tokens / wall time of the whole load, median over repeats; a ratio is the ratio of those medians, "
-        f"then in brackets the range of each repeat's own ratio (its arms ran minutes apart). Targets (issue 30): vLLM ATS / vLLM none >= 0.95, vLLM "
-        f"temperature / vLLM none >= 0.99. Total benchmark time {result['wall_seconds']:.0f} s.",
+        f"generated tokens / wall time of the load, median over rounds; a ratio is the geometric mean over rounds of "
+        f"each round's paired ratio, with a 95% t-interval over rounds in brackets. Targets (issue 38): vLLM ATS / "
+        f"vLLM none >= 0.95, vLLM temperature / vLLM none >= 0.99. Total benchmark time "
+        f"{result['wall_seconds']:.0f} s.",
         "",
         table,
         "",

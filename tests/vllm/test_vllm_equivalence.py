@@ -2,7 +2,8 @@
 (the chosen token and the top 5 of every generated token, every prompt token's) equal those of ats's decoding core
 (`ats generate`, `ats serve`) on the same token ids in float32, and the greedy text is the same. On a tiny random
 Llama and Qwen2, prompts of mixed lengths in one batch, a prompt found in the prefix cache, prefix caching on and
-off, and a prompt longer than the chunked-prefill budget.
+off, a prompt longer than the chunked-prefill budget, and the transformer head compiled as vLLM compiles by default
+(without --enforce-eager: the head is a compiled module of its own beside the base's).
 
 The tolerance is the floor measured in the same run (plain vLLM against ats's uncalibrated core on the same fp32
 weights), twice, carried through the calibrator's largest factor on a logit (an engine's logit error e becomes s e
@@ -28,6 +29,7 @@ CALIBRATORS = {"llama": ["transformer", "mlp", "linear", "selective-temperature"
                          "temperature", "vector"],
                "qwen2": ["transformer", "temperature"]}
 BUDGET = 64  # the chunked-prefill budget of the chunking engine: below the longest prompt
+COMPILED = {"enforce_eager": False}  # vLLM's default compilation (the other engines run eagerly: faster to start)
 SAMPLING = {"max_tokens": MAX_TOKENS, "logprobs": TOP, "prompt_logprobs": TOP, "ignore_eos": True}
 
 
@@ -38,6 +40,7 @@ class Arm(NamedTuple):
     prompts: list  # the token ids, per round
     backbone: object
     calibrator: object
+    compiled_modules: int | None  # modules vLLM set up for compilation while building the engine
 
 
 def prompts_of(tokenizer) -> list[list[int]]:
@@ -63,6 +66,8 @@ def runs(tiny_models, tmp_path_factory) -> dict[tuple[str, str], Arm]:
             plan["transformer/no-prefix-cache"] = (None, saved["transformer"], {"enable_prefix_caching": False})
             plan["transformer/chunked"] = (None, saved["transformer"], {"max_num_batched_tokens": BUDGET,
                                                                           "enable_chunked_prefill": True})
+            plan["plain/compiled"] = (str(folder), None, COMPILED)
+            plan["transformer/compiled"] = (None, saved["transformer"], COMPILED)
         for name, (model, path, engine) in plan.items():
             if model is None:
                 model = str(export_for_vllm(str(folder), path, root / kind / f"export-{name.replace('/', '-')}"))
@@ -70,22 +75,23 @@ def runs(tiny_models, tmp_path_factory) -> dict[tuple[str, str], Arm]:
                          "rounds": rounds})
             cal = None if path is None else load_calibrator(path, backbone=None if name == "official" else backbone)
             want = [reference(backbone, cal, p, MAX_TOKENS, TOP) for p in rounds]
-            arms[(kind, name)] = Arm(model, None, want, rounds, backbone, cal)
+            arms[(kind, name)] = Arm(model, None, want, rounds, backbone, cal, None)
     results = run_vllm(jobs, root)
     wanted = {"1": "v2", "0": "v1"}.get(os.environ.get("VLLM_USE_V2_MODEL_RUNNER", ""))
     assert wanted is None or {r["model_runner"] for r in results} == {wanted}  # the runner asked for ran
-    return {key: arm._replace(got=result["rounds"]) for (key, arm), result in zip(arms.items(), results)}
+    return {key: arm._replace(got=result["rounds"], compiled_modules=result["compiled_modules"])
+            for (key, arm), result in zip(arms.items(), results)}
 
 
-def floor(runs, kind: str) -> float:
+def floor(runs, kind: str, plain: str = "plain") -> float:
     """How far plain vLLM is from ats's uncalibrated core on the same prompts: the rounding both engines differ by."""
-    arm = runs[(kind, "plain")]
+    arm = runs[(kind, plain)]
     return max(max_difference(g, w) for gr, wr in zip(arm.got, arm.want) for g, w in zip(gr, wr))
 
 
-def bound(runs, kind: str, want: dict) -> float:
+def bound(runs, kind: str, want: dict, plain: str = "plain") -> float:
     """Twice the floor times the calibrator's largest factor on a logit there, at most 1e-3."""
-    return min(2 * floor(runs, kind) * max(1.0, want["scale"]), 1e-3)
+    return min(2 * floor(runs, kind, plain) * max(1.0, want["scale"]), 1e-3)
 
 
 @pytest.mark.parametrize("kind,name", [(k, n) for k, names in CALIBRATORS.items() for n in names if n != "vector"]
@@ -99,6 +105,17 @@ def test_calibrated_logprobs_equal_ats(runs, kind, name):
     plain = runs[(kind, "plain")].got[0][2]["logprobs"]
     moved = max(abs(g[t] - p[t]) for g, p in zip(arm.got[0][2]["logprobs"], plain) for t in g if t in p)
     assert moved > 0.05
+
+
+def test_compiled_transformer_head_equals_ats(runs):
+    """Under vLLM's default compilation the head is compiled too (a second module beside the base's) and still gives
+    ats's logprobs, within the compiled base's own floor."""
+    arm, plain = runs[("llama", "transformer/compiled")], runs[("llama", "plain/compiled")]
+    assert (plain.compiled_modules, arm.compiled_modules) == (1, 2)  # the base; the base and the head
+    for got_round, want_round in zip(arm.got, arm.want):
+        for g, w in zip(got_round, want_round):
+            assert max_difference(g, w) <= bound(runs, "llama", w, plain="plain/compiled")
+    assert max_difference(arm.got[0][2], runs[("llama", "transformer")].got[0][2]) < 1e-3  # as the eager engine
 
 
 def test_vector_scaling_decodes_greedily_from_the_calibrated_distribution(runs):

@@ -102,14 +102,14 @@ class _AttendingHead(_OpaqueHead):
 
 
 def test_paged_head_needs_the_transformer_layout(tiny_models):
-    from ats.integrations.vllm.head import PagedTransformerHead
+    from ats.integrations.vllm.head import check_layout
 
     _, backbone = tiny_models["llama"]
     cal = ATSCalibrator.for_backbone(backbone, head_type="mlp")
     cal.head = _AttendingHead()
     assert head_route(cal) == "paged"
     with pytest.raises(ATSError, match="_AttendingHead attends over earlier positions but has no 'attn.k_proj.weight'"):
-        PagedTransformerHead(cal, None, 2)  # refused before vLLM's config is read
+        check_layout(cal.head)  # what PagedTransformerHead checks first
 
 
 # --- engine setups refused -----------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ in the prefix cache). OUT.json: per job {"start_seconds", "model_runner" ("v1" o
 runners ran it), "rounds": per round, per prompt {"tokens", "logprobs" (per generated token {id: logprob} of the
 top-k and the chosen token), "prompt_logprobs" (when asked)}}; with "expect_error" in the job, a round whose
 requests vLLM refuses is {"error": its message}; with "disable_log_stats": false among its engine options,
-"counters" holds vLLM's counters after the job (vllm:num_preemptions, vllm:prefix_cache_hits, ...).
+"counters" holds vLLM's counters after the job (vllm:num_preemptions, vllm:prefix_cache_hits, ...);
+"compiled_modules" counts the modules vLLM set up for its compilation (`support_torch_compile`) while building it.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ def _logprobs(entries) -> list[dict[str, float]] | None:
 
 
 def run(jobs: list[dict]) -> list[dict]:
+    from vllm.compilation.counter import compilation_counter
     from vllm.inputs import TokensPrompt
 
     from vllm import LLM, SamplingParams
 
     results = []
     for job in jobs:
+        seen = compilation_counter.num_models_seen
         start = time.perf_counter()
         llm = LLM(job["model"], **{"dtype": "float32", "enforce_eager": True, "seed": 0, **job.get("engine", {})})
         started = time.perf_counter() - start
@@ -55,7 +58,8 @@ def run(jobs: list[dict]) -> list[dict]:
         runner = "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
         counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")} \
             if job.get("engine", {}).get("disable_log_stats") is False else {}
-        results.append({"start_seconds": started, "model_runner": runner, "rounds": rounds, "counters": counters})
+        results.append({"start_seconds": started, "model_runner": runner, "rounds": rounds, "counters": counters,
+                        "compiled_modules": compilation_counter.num_models_seen - seen})
         del llm
         gc.collect()
     return results

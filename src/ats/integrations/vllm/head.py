@@ -7,12 +7,18 @@ absolute positions, full attention with one key/value head per query head (also 
 sliding window: `compat.full_attention`), SwiGLU), sharded across tensor-parallel
 ranks like the base model's layers; the head's final norm and projection (1 output) are replicated, run in
 float32, and taken from the loaded calibrator itself.
+
+The head is compiled as the base model is (vLLM's `support_torch_compile`: its own graph, split at its attention
+like the base's, under the model tag "ats_head" so its compiled artifacts are cached apart from the base's); with
+--enforce-eager both run eagerly. Run eagerly beside a compiled base, its few dozen operators cost vLLM 5-10% of
+its tokens/s on 2 CPU cores at 1-16 clients (`benchmarks/results/vllm_compiled.md`).
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 from transformers import LlamaConfig
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.models.llama import LlamaDecoderLayer
 
@@ -41,6 +47,15 @@ class _HeadLayer(LlamaDecoderLayer):
         return None
 
 
+def check_layout(head: nn.Module) -> None:
+    """Refuse a head that attends over earlier positions without the transformer head's layout."""
+    missing = sorted(set(_LAYER_KEYS) - set(head.state_dict()))
+    if missing:
+        raise ATSError(f"calibration head {type(head).__name__} attends over earlier positions but has no "
+                       f"{missing[0]!r}: vLLM's paged layer takes the transformer head's layout")
+
+
+@support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden": 0})
 class PagedTransformerHead(nn.Module):
     """tau (N,) for the N scheduled tokens of a vLLM step from their final hidden states (N, H).
 
@@ -50,15 +65,15 @@ class PagedTransformerHead(nn.Module):
         vllm_config: the engine's config (cache, parallelism, maximum length).
         layer_index: the layer's index in vLLM's layer naming: one past the base model's layers, so its KV cache
             is bound after theirs.
+
+    Build it under `vllm.compilation.backends.set_model_tag("ats_head")` (keyword arguments only: vLLM's
+    compilation decorator wraps `__init__`).
     """
 
-    def __init__(self, calibrator: ATSCalibrator, vllm_config: VllmConfig, layer_index: int) -> None:
+    def __init__(self, *, calibrator: ATSCalibrator, vllm_config: VllmConfig, layer_index: int) -> None:
         super().__init__()
         sizes, head = calibrator.config_.head, calibrator.head
-        missing = sorted(set(_LAYER_KEYS) - set(head.state_dict()))
-        if missing:
-            raise ATSError(f"calibration head {type(head).__name__} attends over earlier positions but has no "
-                           f"{missing[0]!r}: vLLM's paged layer takes the transformer head's layout")
+        check_layout(head)
         ranks = vllm_config.parallel_config.tensor_parallel_size
         if sizes.num_heads % ranks:
             raise ATSError(f"the calibration head's {sizes.num_heads} attention heads do not divide among "

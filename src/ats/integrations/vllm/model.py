@@ -100,9 +100,13 @@ class ATSCalibratedForCausalLM(nn.Module):
         elif route != "logits":
             device = torch.get_default_device()
             if route == "paged":
+                from vllm.compilation.backends import set_model_tag
+
                 from .head import PagedTransformerHead
 
-                self.head = PagedTransformerHead(self.calibrator, vllm_config, hf_config.num_hidden_layers)
+                with set_model_tag("ats_head"):  # compiled as a graph of its own, cached apart from the base's
+                    self.head = PagedTransformerHead(calibrator=self.calibrator, vllm_config=vllm_config,
+                                                     layer_index=hf_config.num_hidden_layers)
                 self.paged = True
                 self.head.final_norm.to(device)
                 self.head.proj.to(device)
