@@ -54,19 +54,21 @@ PAIRS = {"vllm ats / vllm none": ("vllm:ats", "vllm:none"),
          "vllm temperature / vllm none": ("vllm:temperature", "vllm:none"),
          "vllm ats / ats serve ats": ("vllm:ats", "ats:ats"),
          "vllm temperature / ats serve temperature": ("vllm:temperature", "ats:temperature"),
-         "vllm none / ats serve none": ("vllm:none", "ats:none")}
+         "vllm none / ats serve none": ("vllm:none", "ats:none"),
+         "vllm none/b / vllm none": ("vllm:none/b", "vllm:none")}  # two servers of one export: the instance effect
 
 
 class VLLMServer:
     """vLLM's OpenAI server (`ats.integrations.vllm.serve.server_argv`) on an export, on a free port."""
 
-    def __init__(self, export: Path, name: str, log: Path, threads: int, eager: bool, max_batch: int) -> None:
+    def __init__(self, export: Path, name: str, log: Path, threads: int, eager: bool, max_batch: int,
+                 kv_gib: int) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         extra = ["--enforce-eager"] if eager else []
         argv = server_argv(export, served_model_name=name, host="127.0.0.1", port=self.port, dtype="float32",
                            max_model_len=2048, max_num_seqs=max_batch, vllm_args=extra)
-        env = dict(server_env(), VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        env = dict(server_env(), VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0")
         self._log = log.open("w")
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -97,15 +99,17 @@ class VLLMServer:
 def start(arm: str, model: str, folders: dict, work: Path, args) -> tuple[object, float]:
     """Start the arm's server and wait for it; (server, start-up seconds)."""
     engine, calibrator = arm.split(":")
+    calibrator = calibrator.split("/")[0]  # "none/b": a second server of the same calibrator
+    log = work / (arm.replace(":", "-").replace("/", "-") + ".log")
     t0 = time.perf_counter()
     if engine == "vllm":
-        server = VLLMServer(folders[f"export:{calibrator}"], model, work / f"{arm.replace(':', '-')}.log",
-                            args.threads, args.eager, args.max_batch)
+        server = VLLMServer(folders[f"export:{calibrator}"], model, log,
+                            args.threads, args.eager, args.max_batch, args.kv_cache_gib)
         server.wait(args.start_timeout)
     else:
         server = Server(["--model", model, "--calibrator", folders[calibrator], "--threads", str(args.threads),
                          "--max-batch", str(args.max_batch), "--max-queue", "256"],
-                        work / f"{arm.replace(':', '-')}.log", wait=False)
+                        log, wait=False)
         server.wait(timeout=args.start_timeout)
     return server, time.perf_counter() - t0
 
@@ -129,7 +133,7 @@ def bench_model(model: str, args, clients: list[int], work: Path) -> dict:
     folders = {"none": "none", "ats": str(work / "ats"), "temperature": str(work / "temperature")}
     randomised_calibrator(backbone, "transformer").save_pretrained(folders["ats"])
     temperature_scaling().save_pretrained(folders["temperature"])
-    for calibrator in {arm.split(":")[1] for arm in arms if arm.startswith("vllm:")}:
+    for calibrator in {arm.split(":")[1].split("/")[0] for arm in arms if arm.startswith("vllm:")}:
         folders[f"export:{calibrator}"] = export_for_vllm(model, None if calibrator == "none" else folders[calibrator],
                                                           work / f"export-{calibrator}")
     del backbone
@@ -176,33 +180,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="rounds of load over the servers, which stay up")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help=f"comma-separated, of {', '.join(ARMS)}; vllm:none/b: a second server of the same export, "
+                        f"a control for how much two servers of one model differ")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                    help="vLLM with --enforce-eager (no torch.compile: minutes less start-up)")
+    p.add_argument("--kv-cache-gib", type=int, default=2,
+                   help="each vLLM server's KV cache (VLLM_CPU_KVCACHE_SPACE); the servers are up together")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "vllm"), help="writes OUT.md and OUT.json")
     args = p.parse_args(argv)
     command = command_line(argv)
     clients = [int(c) for c in args.clients.split(",") if c]
     args.arms = [a for a in args.arms.split(",") if a]
-    if unknown := [a for a in args.arms if a not in ARMS]:
+    if unknown := [a for a in args.arms if a not in ARMS + ("vllm:none/b",)]:
         p.error(f"--arms: unknown arm(s) {', '.join(unknown)}; choose among {', '.join(ARMS)}")
     work = Path(tempfile.mkdtemp(prefix="ats-bench-vllm-"))
     started = time.perf_counter()
     load_start = load_average()
-    models = [bench_model(m, args, clients, work / m) for m in args.models.split(",") if m]
-    load_end = load_average()
-    result = {**run_info(command, args.threads, load_start, load_end), "clients": clients,
-              "requests_per_client": args.requests_per_client, "new_tokens": args.new_tokens,
-              "repeats": args.repeats, "arms": args.arms, "max_batch": args.max_batch, "eager": args.eager,
-              "vllm_env": {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                           "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"},
-              "wall_seconds": time.perf_counter() - started, "models": models}
-    table = format_table(result)
+    models = []
+    for model in [m for m in args.models.split(",") if m]:  # results saved after each model
+        models.append(bench_model(model, args, clients, work / model))
+        result = {**run_info(command, args.threads, load_start, load_average()), "clients": clients,
+                  "requests_per_client": args.requests_per_client, "new_tokens": args.new_tokens,
+                  "repeats": args.repeats, "arms": args.arms, "max_batch": args.max_batch, "eager": args.eager,
+                  "vllm_env": {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                               "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"},
+                  "wall_seconds": time.perf_counter() - started, "models": models}
+        table = format_table(result)
+        save_results(Path(args.out), result, format_markdown(result, table))
     print(table)
-    save_results(Path(args.out), result, format_markdown(result, table))
     return 0
 
 
