@@ -352,8 +352,9 @@ function renderVerdict() {
   }
   box.dataset.certifiedFormat = summary.certified_format === undefined ? "none" : String(summary.certified_format);
   const figures = [["answer confidence", conf, "answer-confidence"],
-                   ["mean token probability, calibrated", summary.mean_confidence],
-                   ["mean token probability, raw", summary.mean_uncalibrated]]
+                   // every generated token, the end token too: the answer confidence leaves a final end token out
+                   ["mean probability of all generated tokens, calibrated", summary.mean_confidence],
+                   ["mean probability of all generated tokens, raw", summary.mean_uncalibrated]]
     .filter(([, value, id]) => id || value !== undefined) // vLLM's `ats` field has the answer confidence only
     .flatMap(([name, value, id]) => [el("dt", {}, name), el("dd", { id }, fmt(value))]);
   parts.push(el("dl", { class: "figures" }, ...figures,
@@ -362,8 +363,8 @@ function renderVerdict() {
   const source = kind === "probe"
     ? "The answer confidence is the correctness probe's P(correct): read from the model's hidden states at the " +
       "answer, not from its token probabilities. "
-    : "The answer confidence is the mean calibrated probability of the answer's tokens (as ats eval scores " +
-      "free-form answers). ";
+    : "The answer confidence is the mean calibrated probability of the answer's tokens, a final end token left " +
+      "out (as ats eval scores free-form answers); the means below take every generated token. ";
   parts.push(el("p", { class: "muted" }, source + "If the calibrator is calibrated for questions like this one, " +
     `answers given with confidence ${fmt(conf, 2)} are right about ${pct(conf, 0)} of the time; the calibrator's ` +
     "record says how well that held on the tasks it was evaluated on."));
