@@ -246,7 +246,7 @@ def format_markdown(result: dict, table: str) -> str:
         f"server works at a time). vLLM {'with --enforce-eager' if result['eager'] else 'compiled (its default)'}"
         f", float32, --max-num-seqs {result['max_batch']}; ats serve --max-batch {result['max_batch']}. Tokens/s = "
         f"generated tokens / wall time of the load, median over rounds; a ratio is the geometric mean over rounds of "
-        f"each round's paired ratio, with a 95% t-interval over rounds in brackets. Targets (issue 38): vLLM ATS / "
+        f"each round's paired ratio, with a 95% t-interval over rounds in brackets. Targets: vLLM ATS / "
         f"vLLM none >= 0.95, vLLM temperature / vLLM none >= 0.99. Total benchmark time "
         f"{result['wall_seconds']:.0f} s.",
         "",
