@@ -40,7 +40,7 @@ class Arm(NamedTuple):
     prompts: list  # the token ids, per round
     backbone: object
     calibrator: object
-    compiled_modules: int | None  # modules vLLM set up for compilation while building the engine
+    compiled_modules: int | None = None  # modules vLLM set up for compilation while building the engine
 
 
 def prompts_of(tokenizer) -> list[list[int]]:
