@@ -10,8 +10,8 @@ float32, and taken from the loaded calibrator itself.
 
 The head is compiled as the base model is (vLLM's `support_torch_compile`: its own graph, split at its attention
 like the base's, under the model tag "ats_head" so its compiled artifacts are cached apart from the base's); with
---enforce-eager both run eagerly. Run eagerly beside a compiled base, its few dozen operators cost vLLM 5-10% of
-its tokens/s on 2 CPU cores at 1-16 clients (`benchmarks/results/vllm_compiled.md`).
+--enforce-eager both run eagerly. Run eagerly beside a compiled base, its few dozen operators cost vLLM 5-9% of
+its tokens/s on 2 CPU cores at 1-16 clients (`benchmarks/results/vllm_compiled_eager_head.md`).
 """
 
 from __future__ import annotations
