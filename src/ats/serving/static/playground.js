@@ -364,7 +364,7 @@ function renderVerdict() {
     ? "The answer confidence is the correctness probe's P(correct): read from the model's hidden states at the " +
       "answer, not from its token probabilities. "
     : "The answer confidence is the mean calibrated probability of the answer's tokens, a final end token left " +
-      "out (as ats eval scores free-form answers); the means below take every generated token. ";
+      "out (as ats eval scores free-form answers); the two means above take every generated token. ";
   parts.push(el("p", { class: "muted" }, source + "If the calibrator is calibrated for questions like this one, " +
     `answers given with confidence ${fmt(conf, 2)} are right about ${pct(conf, 0)} of the time; the calibrator's ` +
     "record says how well that held on the tasks it was evaluated on."));
