@@ -101,7 +101,10 @@ class _Design:
 
     def fit(self, c: float) -> tuple[Tensor, float, Tensor, Tensor]:
         """(weight (D,), bias, mean (D,), scale (D,)): the weights L2-penalized with inverse strength `c`."""
-        model = LogisticRegression(C=c, max_iter=5000, tol=1e-8)  # a tight optimum: the fit is checked against it
+        # Newton steps with a Cholesky solve: ~10 iterations where lbfgs takes thousands on this design (its
+        # free column, scaled by FREE_SCALE, makes it ill-conditioned), 15-25x faster at 1,000 answers x 1,000
+        # columns; a tight optimum, checked against an independent fit in the tests.
+        model = LogisticRegression(C=c, solver="newton-cholesky", max_iter=200, tol=1e-8)
         model.fit(self.design, self.y)
         coef = torch.from_numpy(model.coef_[0])  # (r + free,)
         weight = coef[:self.penalized] if self.basis is None else self.basis.T @ coef[:self.penalized]  # (P,)
