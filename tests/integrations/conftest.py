@@ -16,10 +16,10 @@ import torch
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON tasks only; set before `datasets` is imported
 
-from lmeval_helpers import evaluate_to_files, toy_rows, write_task  # noqa: E402
-
 from ats.calibrators.ats import ATSCalibrator  # noqa: E402
 from ats.model.backbone import load_backbone  # noqa: E402
+
+from lmeval_helpers import evaluate_to_files, toy_rows, write_task  # noqa: E402
 
 pytest.importorskip("lm_eval")
 

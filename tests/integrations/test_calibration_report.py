@@ -9,7 +9,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from lmeval_helpers import TASK, loglikelihoods, read_lines
 from netcal.metrics import ECE
 from sklearn.metrics import average_precision_score
 from torchmetrics.functional.classification import binary_auroc, multiclass_calibration_error
@@ -19,6 +18,8 @@ from ats.evaluation import metrics
 from ats.evaluation.selective import selective_metrics
 from ats.integrations.calibration_report import calibration_report
 from ats.integrations.lm_eval_samples import parse_sample, read_samples
+
+from lmeval_helpers import TASK, loglikelihoods, read_lines
 
 
 def independent(path, norm: bool = False) -> tuple[np.ndarray, np.ndarray]:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from lmeval_helpers import TASK, run_lm_eval, toy_rows, write_task
 
 from ats.calibrators import load_calibrator
 from ats.integrations.calibration_report import calibration_report
 from ats.integrations.lm_eval_samples import read_samples
+
+from lmeval_helpers import TASK, run_lm_eval, toy_rows, write_task
 
 GEN_TASK = """task: ats_toy_gen
 dataset_path: json

@@ -11,7 +11,6 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
-from lmeval_helpers import TASK, loglikelihoods, read_lines, rolling_loglikelihood
 
 from ats.calibrators import build_calibrator, load_calibrator
 from ats.calibrators.ats import ATSCalibrator
@@ -20,6 +19,8 @@ from ats.evaluation.tasks.multiple_choice import MultipleChoiceTask
 from ats.generation import generate_calibrated
 from ats.integrations.lm_eval_model import ATSLM, check_calibrator
 from ats.model.backbone import _embedded_gguf, cache_folder
+
+from lmeval_helpers import TASK, loglikelihoods, read_lines, rolling_loglikelihood
 
 
 def choice_loglikelihood(backbone, calibrator, context: str, continuation: str) -> float:

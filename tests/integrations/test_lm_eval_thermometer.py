@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 from lm_eval.api.instance import Instance
-from lmeval_helpers import rolling_loglikelihood
 
 from ats.calibrators import load_calibrator
 from ats.integrations.lm_eval_model import ATSLM
 from ats.integrations.prompt_ends import PromptEnd, PromptEnds
 
 from helpers import random_thermometer
+from lmeval_helpers import rolling_loglikelihood
 
 SHARED = "The following are questions about capitals and numbers, each with one short answer. " * 3  # > 32 tokens
 

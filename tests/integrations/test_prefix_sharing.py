@@ -9,10 +9,11 @@ import json
 import numpy as np
 import pytest
 from lm_eval.tasks import TaskManager
-from lmeval_helpers import loglikelihoods, toy_rows
 
 from ats.integrations.lm_eval_model import ATSLM
 from ats.integrations.prefix_sharing import find_shared_prefixes
+
+from lmeval_helpers import loglikelihoods, toy_rows
 
 FEWSHOT = "ats_toy_fewshot"
 

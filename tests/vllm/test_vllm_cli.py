@@ -11,7 +11,7 @@ from ats.calibrators import build_calibrator
 from ats.cli.main import main
 from ats.integrations.vllm import CONFIG_KEY
 
-from conftest import calibrators
+from vllm_helpers import calibrators
 
 
 def test_export_command_writes_the_folder(tiny_models, tmp_path, capsys):

@@ -20,7 +20,7 @@ import pytest
 from ats.calibrators import load_calibrator
 from ats.integrations.vllm.export import export_for_vllm
 
-from conftest import calibrators, max_difference, reference, run_vllm
+from vllm_helpers import calibrators, max_difference, reference, run_vllm
 
 pytestmark = pytest.mark.slow  # about 25 vLLM engines in one process: 1.5-2 min on 2 cores
 

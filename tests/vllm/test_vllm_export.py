@@ -16,7 +16,7 @@ from ats.errors import ATSError
 from ats.integrations.vllm import ARCHITECTURE, CONFIG_KEY
 from ats.integrations.vllm.export import export_for_vllm, read_export
 
-from conftest import perturbed
+from vllm_helpers import perturbed
 
 
 @pytest.fixture(scope="module")

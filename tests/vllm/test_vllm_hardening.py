@@ -241,7 +241,7 @@ def test_float32_scale_of_a_bfloat16_logit_row():
 @pytest.mark.slow
 def test_engine_refuses_a_setup_before_building_the_model(tiny_models, tmp_path):
     """`LLM(export, enable_lora=True)`: the calibrated class refuses in its first line (vLLM's engine, no ats CLI)."""
-    from conftest import run_vllm
+    from vllm_helpers import run_vllm
 
     folder, _ = tiny_models["llama"]
     export = export_for_vllm(str(folder), None, tmp_path / "export")

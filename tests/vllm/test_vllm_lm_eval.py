@@ -15,7 +15,7 @@ import pytest
 
 from ats.integrations.vllm.export import export_for_vllm
 
-from conftest import calibrators
+from vllm_helpers import calibrators
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integrations"))
 from lmeval_helpers import TASK, toy_rows, write_task  # noqa: E402

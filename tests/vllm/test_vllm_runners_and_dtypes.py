@@ -23,7 +23,7 @@ from ats.calibrators import load_calibrator
 from ats.integrations.vllm.export import export_for_vllm
 from ats.model.backbone import load_backbone
 
-from conftest import calibrators, max_difference, prompt_drift, reference, run_vllm
+from vllm_helpers import calibrators, max_difference, prompt_drift, reference, run_vllm
 
 pytestmark = pytest.mark.slow  # 8 vLLM engines in two processes: about 2 min on 2 cores
 

@@ -25,8 +25,8 @@ from ats.integrations.vllm import CALIBRATOR_FOLDER
 from ats.integrations.vllm.abstain import AnswerDecider
 from ats.integrations.vllm.page import NO_TRAINING_RECORD, UNAVAILABLE
 
-from conftest import ats_serve_vllm, calibrators, max_difference, reference
 from helpers import write_certificate
+from vllm_helpers import ats_serve_vllm, calibrators, max_difference, reference
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))
 from browser import ask, chromium, markup_is_text, open_page, shade, spans, wait_for  # noqa: E402

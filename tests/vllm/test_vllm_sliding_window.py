@@ -14,8 +14,8 @@ from ats.calibrators.ats import ATSCalibrator
 from ats.integrations.vllm.export import export_for_vllm
 from ats.model.backbone import load_backbone
 
-from conftest import SLIDING_WINDOW, max_difference, perturbed, reference, run_vllm, tiny_model_folder
 from helpers import random_thermometer
+from vllm_helpers import SLIDING_WINDOW, max_difference, perturbed, reference, run_vllm, tiny_model_folder
 
 pytestmark = pytest.mark.slow  # 3 vLLM engines in one process: about 50 s on 2 cores
 

@@ -15,7 +15,7 @@ from ats.generation.api import encode_prompts
 from ats.integrations.vllm.export import export_for_vllm
 from ats.model.backbone import load_backbone, model_source
 
-from conftest import max_difference, perturbed, prompt_drift, reference, run_vllm
+from vllm_helpers import max_difference, perturbed, prompt_drift, reference, run_vllm
 
 PROMPTS = ["What is the capital of Australia?", "Write a haiku about autumn leaves.",
            "Explain in one sentence why the sky is blue."]

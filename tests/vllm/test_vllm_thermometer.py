@@ -22,8 +22,8 @@ import torch
 from ats.calibrators import load_calibrator
 from ats.integrations.vllm.export import export_for_vllm
 
-from conftest import ats_serve_vllm, max_difference, reference, run_vllm
 from helpers import random_thermometer
+from vllm_helpers import ats_serve_vllm, max_difference, reference, run_vllm
 
 MAX_TOKENS, TOP, BLOCK = 10, 5, 32  # vLLM's CPU attention takes blocks of 32k
 SAMPLING = {"max_tokens": MAX_TOKENS, "logprobs": TOP, "ignore_eos": True}
