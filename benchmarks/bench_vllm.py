@@ -1,5 +1,5 @@
 """Serving throughput of calibrated models inside vLLM: vLLM's OpenAI server on `ats export --engine vllm` folders
-(the ATS transformer head, temperature scaling, none) against each other and against `ats serve` with the same
+(the ATS transformer head, temperature scaling, Thermometer, none) against each other and against `ats serve` with the same
 calibrators, on each model, at 1 / 4 / 16 concurrent clients; plus each server's start-up time.
 
 The arms' servers of a model start one after another (each start-up timed alone) and then stay up together, all on
@@ -10,11 +10,14 @@ paired ratio, and a ratio is reported as the geometric mean over rounds with a 9
 --requests-per-client chat requests back to back (greedy, --new-tokens new tokens, ignore_eos, logprobs: true;
 `bench_serve.load`); each server is warmed up first. The ATS head is a
 transformer head away from identity (`bench_generation.randomised_calibrator`; timing does not depend on training),
-temperature scaling has T = 1.3. Start-up = launch to the first answer of /health.
+temperature scaling has T = 1.3, Thermometer is of the default width with random weights
+(`bench_generation.random_thermometer`: one temperature per prompt, computed from the prompt in vLLM's prompt
+layer). Start-up = launch to the first answer of /health.
 
     python benchmarks/bench_vllm.py                                    # SmolLM2 and Qwen2.5-Coder-0.5B
     python benchmarks/bench_vllm.py --models smollm2-135m-instruct --clients 1,4 --new-tokens 16   # quick
     python benchmarks/bench_vllm.py --arms vllm:none,vllm:ats,vllm:temperature --no-eager --repeats 6   # targets
+    python benchmarks/bench_vllm.py --arms vllm:none,vllm:none/b,vllm:thermometer --no-eager --repeats 6
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from bench_generation import (
     command_line,
     load_average,
     preamble,
+    random_thermometer,
     randomised_calibrator,
     run_info,
     save_results,
@@ -49,11 +53,14 @@ from ats.model.backbone import load_backbone
 
 from server_process import Server, free_port, server_env  # noqa: E402  (the tests' server process helper)
 
-ARMS = ("vllm:none", "vllm:ats", "vllm:temperature", "ats:none", "ats:ats", "ats:temperature")
+ARMS = ("vllm:none", "vllm:ats", "vllm:temperature", "vllm:thermometer", "ats:none", "ats:ats", "ats:temperature",
+        "ats:thermometer")
 PAIRS = {"vllm ats / vllm none": ("vllm:ats", "vllm:none"),
          "vllm temperature / vllm none": ("vllm:temperature", "vllm:none"),
+         "vllm thermometer / vllm none": ("vllm:thermometer", "vllm:none"),
          "vllm ats / ats serve ats": ("vllm:ats", "ats:ats"),
          "vllm temperature / ats serve temperature": ("vllm:temperature", "ats:temperature"),
+         "vllm thermometer / ats serve thermometer": ("vllm:thermometer", "ats:thermometer"),
          "vllm none / ats serve none": ("vllm:none", "ats:none"),
          "vllm none/b / vllm none": ("vllm:none/b", "vllm:none")}  # two servers of one export: the instance effect
 
@@ -130,9 +137,10 @@ def bench_model(model: str, args, clients: list[int], work: Path) -> dict:
     arms of a round run seconds apart on the same cores and their ratio is paired."""
     arms = args.arms
     backbone = load_backbone(model)
-    folders = {"none": "none", "ats": str(work / "ats"), "temperature": str(work / "temperature")}
+    folders = {"none": "none", **{name: str(work / name) for name in ("ats", "temperature", "thermometer")}}
     randomised_calibrator(backbone, "transformer").save_pretrained(folders["ats"])
     temperature_scaling().save_pretrained(folders["temperature"])
+    random_thermometer(backbone).save_pretrained(folders["thermometer"])
     for calibrator in {arm.split(":")[1].split("/")[0] for arm in arms if arm.startswith("vllm:")}:
         folders[f"export:{calibrator}"] = export_for_vllm(model, None if calibrator == "none" else folders[calibrator],
                                                           work / f"export-{calibrator}")
