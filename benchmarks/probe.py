@@ -154,6 +154,35 @@ def _metric_table(tables: dict, names: list, key: str) -> list[str]:
     return lines + ["| probe - best logit method | " + " | ".join(cells) + " |", ""]
 
 
+REPORTED = (("mmlu", "MMLU"), ("triviaqa", "TriviaQA"), ("truthfulqa_mc1", "TruthfulQA MC1"),
+            ("truthfulqa_gen", "TruthfulQA free-form"))
+
+
+def summary_table(results: list[dict]) -> list[str]:
+    """One row per model and reported task: the probe's PRR and ECE against the best logit method's, paired, and
+    how many tasks meet the targets (PRR above the best with its interval excluding 0; ECE within +0.01)."""
+    def cell(t: dict, key: str) -> str:
+        d = t["vs_best"][key]
+        star = "*" if d["excludes_zero"] else ""
+        return (f"{t['values']['probe'][key]:.3f} ({d['diff']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]{star} "
+                f"vs {d['best']} {t['values'][d['best']][key]:.3f})")
+
+    lines = ["| model | task | n | accuracy | uncalibrated PRR | probe PRR (- best logit method) | "
+             "probe ECE (- best logit method) |", "|---|---|---:|---:|---:|---|---|"]
+    for r in results:
+        tasks = [(key, name) for key, name in REPORTED if key in r["tables"]]
+        for key, name in tasks:
+            t = r["tables"][key]
+            lines.append(f"| {r['model']} | {name} | {t['n']} | {t['values']['probe']['accuracy']:.2f} | "
+                         f"{t['values']['uncalibrated']['prr']:.3f} | {cell(t, 'prr')} | {cell(t, 'ece')} |")
+        prr = sum(r["tables"][k]["vs_best"]["prr"]["diff"] > 0 and r["tables"][k]["vs_best"]["prr"]["excludes_zero"]
+                  for k, _ in tasks)
+        ece = sum(r["tables"][k]["vs_best"]["ece"]["diff"] <= 0.01 for k, _ in tasks)
+        lines.append(f"| {r['model']} | targets | | | | PRR above the best, interval excluding 0: {prr} of "
+                     f"{len(tasks)} | ECE within +0.01 of the best: {ece} of {len(tasks)} |")
+    return lines + [""]
+
+
 def write_report(out: Path) -> None:
     """OUT/analysis/MODEL.json and OUT/README.md from every model's scores in OUT/scores/."""
     scored = [json.loads(p.read_text()) for p in sorted((out / "scores").glob("*.json"))]
@@ -164,6 +193,9 @@ def write_report(out: Path) -> None:
              "Method and protocol: the docstring of `benchmarks/probe.py`. Every question's confidence and correctness "
              "per method: `scores/MODEL.json` (`python benchmarks/probe.py --report` redoes everything below). * marks "
              "a paired 95% bootstrap interval (1,000 resamples) that excludes 0.", ""]
+    lines += ["## Summary: the reported tasks (nothing trained or selected on them)", "",
+              "Each model's sizes and the probe it chose are under its own heading below.", ""]
+    lines += summary_table(results)
     if (out / "analysis.md").exists():
         lines += [(out / "analysis.md").read_text(), ""]
     for r in results:
