@@ -65,3 +65,18 @@ def test_the_probe_certifies_where_the_logit_methods_abstain_and_the_report_says
     bench.write_report(tmp_path)
     text = (tmp_path / "README.md").read_text()
     assert "## hand" in text and "| probe - best logit method |" in text and "vs thermometer" in text
+
+
+def test_the_summary_counts_the_targets_the_probe_meets(result):
+    lines = bench.summary_table([result])
+    mmlu = next(line for line in lines if line.startswith("| hand | MMLU |"))
+    # 40 answers, half right; the probe's PRR (perfect order) against the thermometer's, its interval above 0
+    assert "| 40 | 0.50 |" in mmlu and "vs thermometer" in mmlu and "*" in mmlu.split("|")[6]
+    targets = next(line for line in lines if line.startswith("| hand | targets |"))
+    # only MMLU and TriviaQA of the four reported tasks are in the hand-made scores: both met by PRR; the probe's
+    # ECE (|0.9 - 1| and |0.1 - 0| = 0.1) against the logit methods' (|0.6 - 0.5| = 0.1 at best) within +0.01
+    within = 0
+    for task in ("mmlu", "triviaqa"):
+        ece = {m: result["tables"][task]["values"][m]["ece"] for m in bench.METHODS}
+        within += ece["probe"] <= min(ece[m] for m in bench.LOGIT_METHODS) + 0.01
+    assert "interval excluding 0: 2 of 2" in targets and f"ECE within +0.01 of the best: {within} of 2" in targets
