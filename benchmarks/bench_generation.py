@@ -123,20 +123,6 @@ def temperature_scaling(temperature: float = TEMPERATURE):
     return calibrator
 
 
-def random_thermometer(backbone, seed: int = 0):
-    """A Thermometer of the default width with random weights (0.5 x N(0, 1), seeded), as if fitted: one temperature
-    per prompt that varies from prompt to prompt; its cost does not depend on the weights."""
-    from ats.calibrators.thermometer import Thermometer
-
-    thermometer = Thermometer(hidden_size=backbone.hidden_size)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in thermometer.net.parameters():
-            p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    thermometer.fitted = True
-    return thermometer
-
-
 def random_probe(backbone, temperature: float = TEMPERATURE):
     """A correctness probe on three layers (the middle, three quarters, the last) with random weights, as if
     fitted: its cost, one more forward over prompt + answer per finished answer, does not depend on them."""

@@ -11,7 +11,7 @@ paired ratio, and a ratio is reported as the geometric mean over rounds with a 9
 `bench_serve.load`); each server is warmed up first. The ATS head is a
 transformer head away from identity (`bench_generation.randomised_calibrator`; timing does not depend on training),
 temperature scaling has T = 1.3, Thermometer is of the default width with random weights
-(`bench_generation.random_thermometer`: one temperature per prompt, computed from the prompt in vLLM's prompt
+(`tests/helpers.random_thermometer`: one temperature per prompt, computed from the prompt in vLLM's prompt
 layer). Start-up = launch to the first answer of /health.
 
     python benchmarks/bench_vllm.py                                    # SmolLM2 and Qwen2.5-Coder-0.5B
@@ -37,7 +37,6 @@ from bench_generation import (
     command_line,
     load_average,
     preamble,
-    random_thermometer,
     randomised_calibrator,
     run_info,
     save_results,
@@ -47,10 +46,13 @@ from bench_serve import load
 from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "serving"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from ats.calibrators.thermometer import Thermometer
 from ats.integrations.vllm.export import export_for_vllm
 from ats.integrations.vllm.serve import server_argv
 from ats.model.backbone import load_backbone
 
+from helpers import random_thermometer  # noqa: E402  (the tests' Thermometer with random weights)
 from server_process import Server, free_port, server_env  # noqa: E402  (the tests' server process helper)
 
 ARMS = ("vllm:none", "vllm:ats", "vllm:temperature", "vllm:thermometer", "ats:none", "ats:ats", "ats:temperature",
@@ -140,7 +142,8 @@ def bench_model(model: str, args, clients: list[int], work: Path) -> dict:
     folders = {"none": "none", **{name: str(work / name) for name in ("ats", "temperature", "thermometer")}}
     randomised_calibrator(backbone, "transformer").save_pretrained(folders["ats"])
     temperature_scaling().save_pretrained(folders["temperature"])
-    random_thermometer(backbone).save_pretrained(folders["thermometer"])
+    random_thermometer(backbone.hidden_size, 0, mlp_hidden=Thermometer.Config(hidden_size=1).mlp_hidden).save_pretrained(
+        folders["thermometer"])
     for calibrator in {arm.split(":")[1].split("/")[0] for arm in arms if arm.startswith("vllm:")}:
         folders[f"export:{calibrator}"] = export_for_vllm(model, None if calibrator == "none" else folders[calibrator],
                                                           work / f"export-{calibrator}")

@@ -331,12 +331,12 @@ def certified_copy(folder: Path, to: Path, calibrator, backbone, *, seed: int) -
     return to
 
 
-def random_thermometer(hidden_size: int, seed: int):
+def random_thermometer(hidden_size: int, seed: int, *, mlp_hidden: int = 16):
     """A Thermometer away from identity (network weights 0.5 x N(0, 1), seeded), marked fitted: one temperature per
-    prompt that varies from prompt to prompt."""
+    prompt that varies from prompt to prompt (also benchmarks/bench_vllm.py's, at the default width)."""
     from ats.calibrators.thermometer import Thermometer
 
-    thermometer = Thermometer(hidden_size=hidden_size, mlp_hidden=16)
+    thermometer = Thermometer(hidden_size=hidden_size, mlp_hidden=mlp_hidden)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in thermometer.net.parameters():
