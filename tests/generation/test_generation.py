@@ -165,6 +165,26 @@ def test_user_processors_see_the_calibrated_logits(tiny_backbone, calibrator):
     torch.testing.assert_close(torch.cat(recorder.seen), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_a_processor_that_bans_the_greedy_token_bans_it_for_greedy_decoding(tiny_backbone, calibrator):
+    """Greedy rows choose from the processors' output, as transformers' `generate` does: banning the model's first
+    greedy token yields its second-best token there, which the model's own logits rank second."""
+    plain = generate_calibrated(tiny_backbone, calibrator, PROMPTS[0], max_new_tokens=1)[0]
+    banned = plain.token_ids[0]
+
+    class Ban(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            scores[:, banned] = float("-inf")
+            return scores
+
+    out = generate_calibrated(tiny_backbone, calibrator, PROMPTS[0], max_new_tokens=1,
+                              logits_processor=LogitsProcessorList([Ban()]))[0]
+    ids, _, _ = encode_prompts(tiny_backbone, PROMPTS[:1])
+    hidden, _ = tiny_backbone.forward(ids, torch.ones_like(ids))
+    z = tiny_backbone.logits(hidden)[0, -1].float()  # (V,)
+    assert z.topk(2).indices.tolist() == [banned, out.token_ids[0]]
+
+
 def test_chat_template_option_and_errors(tiny_backbone, calibrator):
     assert tiny_backbone.is_chat
     chat = generate_calibrated(tiny_backbone, calibrator, "Hi", max_new_tokens=2)[0]

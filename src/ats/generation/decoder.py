@@ -201,8 +201,10 @@ class Decoder:
         self.timing["head_s"] += head_s
 
     def _choice_logits(self, rows: list[Row], step: StepLogits) -> tuple[Tensor, Tensor]:
-        """(z, q) for the sampler: end-of-sequence masked in rows under their `min_tokens`, then the processors
-        (greedy rows read z only: q is built only for sampled rows or processors)."""
+        """(z, q) for the sampler: end-of-sequence masked in rows under their `min_tokens`, then the processors.
+        Greedy rows read z only (q is built only for sampled rows or processors); with processors, every row
+        chooses from their output on q (greedy rows its argmax), so a processor that bans a token bans it for
+        greedy decoding too, as in transformers' `generate`."""
         needs_q = bool(self.processors) or any(not r.sampling.greedy for r in rows)
         z, q = step.z, step.q if needs_q else step.z
         blocked = [i for i, r in enumerate(rows) if len(r.records) < r.min_tokens]
@@ -220,6 +222,7 @@ class Decoder:
             ids = ids.to(q.device)
             for processor in self.processors:
                 q = processor(ids, q)
+            return q, q
         return z, q
 
     def _advance(self, rows: list[Row], step: StepLogits) -> float:

@@ -4,6 +4,8 @@ random generator.
 Greedy (temperature 0) takes the argmax of the model's own logits `z`: for every scaling calibrator (s > 0) that is
 the argmax of `q` too, and it keeps greedy text the uncalibrated model's for all of them (vector scaling could move
 the argmax of `q`; the evaluation tasks score the model's own greedy answer for every calibrator, and so does this).
+With a user's logits processors the decoder hands their output on `q` as both arguments, so greedy rows take its
+argmax (a banned token stays banned).
 Sampled rows go through transformers' own warpers in `generate`'s order (`TemperatureLogitsWarper`,
 `TopKLogitsWarper`, `TopPLogitsWarper`), then `softmax` and `multinomial`, as `generate(do_sample=True)` does after its
 processors. A row with its own `torch.Generator` (the server: `seed`, or a fresh one) samples independently of the
