@@ -125,7 +125,8 @@ def temperature_scaling(temperature: float = TEMPERATURE):
 
 def random_probe(backbone, temperature: float = TEMPERATURE):
     """A correctness probe on three layers (the middle, three quarters, the last) with random weights, as if
-    fitted: its cost, one more forward over prompt + answer per finished answer, does not depend on them."""
+    fitted: its cost (the layers captured during decoding, one more batched step for an answer cut by max tokens,
+    the probe's dot product when an answer finishes) does not depend on them."""
     from ats.calibrators.probe import VIEWS, CorrectnessProbe
     from ats.model.layers import candidate_layers, decoder_layers
     from ats.training.probe_fit import layer_set
@@ -295,9 +296,10 @@ def format_markdown(result: dict, table: str) -> str:
         f"from the decoder's timers. In-run ratio = (1 - head share - scoring share) / (1 - the uncalibrated run's "
         f"head and scoring shares): the arm's tokens/s relative to uncalibrated decoding, estimated inside each run, "
         f"robust to machine load. Total benchmark time {result['wall_seconds']:.0f} s."
-        + (" `probe`: a correctness probe on three layers (temperature for tokens): its extra forward over prompt + "
-           "answer when each answer finishes is outside the decoder's step timers, so its cost is the tokens/s "
-           "ratio, not the shares." if "probe" in result.get("methods", ()) else ""),
+        + (" `probe`: a correctness probe on three layers (temperature for tokens), read during decoding; every "
+           "answer here is cut by max tokens, so each row also takes one more batched step to feed its last token, "
+           "and the probe's P(correct) is computed when it finishes: outside the shares, so its cost is the "
+           "tokens/s ratio." if "probe" in result.get("methods", ()) else ""),
         "",
         table,
         "",

@@ -12,17 +12,24 @@ import torch
 from ats.calibrators.probe import VIEWS, CorrectnessProbe
 from ats.generation import eos_ids, generate_calibrated
 
+from helpers import make_tiny_backbone
 
-@pytest.fixture(scope="module")
-def probe(tiny_backbone):
+
+def random_probe(backbone, layers: list[int]) -> CorrectnessProbe:
+    """A probe with random weights on `layers` (all views, and the confidence) of `backbone`."""
     g = torch.Generator().manual_seed(0)
-    p = CorrectnessProbe(layers=[0], views=list(VIEWS), c=1.0, hidden_size=tiny_backbone.hidden_size,
-                         base_model=tiny_backbone.name, revision=tiny_backbone.revision)
-    d = len(VIEWS) * tiny_backbone.hidden_size + 1
+    p = CorrectnessProbe(layers=layers, views=list(VIEWS), c=1.0, hidden_size=backbone.hidden_size,
+                         base_model=backbone.name, revision=backbone.revision)
+    d = len(layers) * len(VIEWS) * backbone.hidden_size + 1
     p.set_weights(0.3 * torch.randn(d, generator=g), -0.1, 0.1 * torch.randn(d, generator=g),
                   1 + torch.rand(d, generator=g))
     p.temperature = 1.5
     return p
+
+
+@pytest.fixture(scope="module")
+def probe(tiny_backbone):
+    return random_probe(tiny_backbone, [0])
 
 
 @torch.no_grad()
@@ -61,3 +68,76 @@ def test_a_confidence_only_probe_is_platt_scaling_of_the_answers_mean_token_prob
     raw = sum(plain.confidences[:len(answer)]) / len(answer)
     expected = 1 / (1 + math.exp(-(1.7 * (math.log(raw / (1 - raw)) - 0.2) / 2.0 - 0.4)))
     assert out.answer_confidence == pytest.approx(expected, abs=1e-5)
+
+
+def _independent_probe(backbone, probe, prompt: list[int], answer: list[int], raw: float) -> float:
+    """The probe on views computed from the model's own `output_hidden_states` over prompt + answer, unpadded."""
+    model = backbone.model(input_ids=torch.tensor([prompt + answer]), output_hidden_states=True)
+    states = torch.stack([model.hidden_states[layer + 1][0] for layer in probe.layers], 1)  # (T, L, H)
+    n = len(prompt)
+    views = torch.stack([states[n - 1], states[n:].mean(0), states[-1]], 1)[None]  # (1, L, 3, H)
+    return float(probe.answer_confidence(views, [raw])[0])
+
+
+@torch.no_grad()
+def test_decoding_reads_the_probes_views_without_a_second_pass(tokenizer):
+    """Rows of different prompt lengths decoded together, finishing by end-of-sequence, by a stop string (tokens fed
+    after the answer's end) and by max_tokens: each row's probe confidence equals the probe on the model's own
+    unpadded hidden states, and none needed a pass of its own (the row cut by max_tokens is fed its last token in
+    one more batched step)."""
+    from ats.generation.decoder import Decoder, Row
+    from ats.generation.sampling import SamplingParams
+
+    greedy_ = SamplingParams(temperature=0)
+
+    tiny_backbone = make_tiny_backbone(tokenizer, tie_word_embeddings=False, output_scale=60.0, layers=3)  # varied
+    probe = random_probe(tiny_backbone, [0, 1])  # (the last layer's hidden_states entry is after the norm)
+    tok = tiny_backbone.tokenizer
+    prompts = [tok(t).input_ids for t in ("the sky is", "a b c d e f g h", "once upon a time there")]
+    plain = Decoder(tiny_backbone)
+    greedy = [Row(p, i, tok, max_tokens=12, sampling=greedy_) for i, p in enumerate(prompts)]
+    plain.run(greedy)
+    tokens = [[r.token for r in row.records] for row in greedy]
+    decoder = Decoder(tiny_backbone, probe)
+    end = next(j for j in range(2, 12) if tokens[0][j] not in tokens[0][:j])
+    decoder.eos = {tokens[0][end]}  # row 0 ends at a token of its own greedy text (its first occurrence)
+    text = tok.decode(tokens[1])
+    cut = next(k for k in range(2, 10) if text.find(tok.decode(tokens[1][k:k + 2])) == len(tok.decode(tokens[1][:k])))
+    stop = tok.decode(tokens[1][cut:cut + 2])  # row 1: the text is cut before its token `cut`, after cut + 2 fed
+    rows = [Row(prompts[0], 0, tok, max_tokens=12, sampling=greedy_),
+            Row(prompts[1], 1, tok, max_tokens=12, stop=[stop], sampling=greedy_),
+            Row(prompts[2], 2, tok, max_tokens=7, sampling=greedy_)]
+    decoder.run(rows)
+    assert [r.finish for r in rows] == ["eos", "stop", "length"]
+    for row in rows:
+        answer = [r for r in row.records if r.answer]
+        raw = sum(math.exp(r.uncalibrated) for r in answer) / len(answer)
+        expected = _independent_probe(tiny_backbone, probe, row.prompt, [r.token for r in answer], raw)
+        got = next(r.answer_probability for r in reversed(row.records) if r.answer_probability is not None)
+        assert got == pytest.approx(expected, abs=2e-5)
+    assert len([r for r in rows[1].records if r.answer]) < len(rows[1].generated)  # the stop string's tokens were fed
+    assert decoder.calibration.probe_passes == 0
+    assert [len(r.records) for r in rows] == [end + 1, cut, 7]  # the held step's own choice was dropped
+
+
+@torch.no_grad()
+def test_a_row_held_one_step_draws_nothing_from_the_shared_random_generator(tiny_backbone, probe):
+    """Sampled rows without their own generator draw together from the global one: a row cut by max_tokens and held
+    one step for the probe leaves the other rows' draws as a temperature-only decoder (the probe's token half)
+    makes them."""
+    from ats.calibrators import build_calibrator
+    from ats.generation.decoder import Decoder, Row
+    from ats.generation.sampling import SamplingParams
+
+    tok = tiny_backbone.tokenizer
+    temperature = build_calibrator("temperature")
+    temperature.temperature = probe.temperature
+
+    def sampled(calibrator) -> list[list[int]]:
+        rows = [Row(tok(t).input_ids, i, tok, max_tokens=n, sampling=SamplingParams(temperature=1.0))
+                for i, (t, n) in enumerate((("the sky is", 3), ("a b c", 9), ("once upon", 9)))]
+        torch.manual_seed(7)
+        Decoder(tiny_backbone, calibrator).run(rows)
+        return [row.generated for row in rows]
+
+    assert sampled(probe) == sampled(temperature)

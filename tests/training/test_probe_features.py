@@ -13,7 +13,7 @@ import torch
 from ats.evaluation.answers import build_answer_set
 from ats.evaluation.tasks import build_task
 from ats.evaluation.tasks.nq_open import NQOpenTask
-from ats.model.layers import LayerCapture, candidate_layers
+from ats.model.layers import LayerCapture, RunningAnswerViews, answer_views, candidate_layers
 from ats.training.answers import PROBE_VIEWS, score_answers
 
 from helpers import make_tiny_backbone
@@ -50,6 +50,21 @@ def test_candidate_layers_are_evenly_spaced_and_end_at_the_last():
     assert candidate_layers(28) == (3, 6, 10, 13, 17, 20, 24, 27)
     assert candidate_layers(30) == (3, 7, 10, 14, 18, 22, 25, 29)  # 22.5 rounds up
     assert candidate_layers(3) == (0, 1, 2)
+
+
+def test_running_views_equal_the_views_of_the_stacked_states_and_say_when_they_cannot():
+    """Views kept while decoding (a running sum and a tail) equal `answer_views` of all states stacked, for the
+    whole answer, for an answer a stop string cut a few tokens short of what was fed, and with no answer; None when
+    the answer's last token was not fed yet or was cut off beyond the tail."""
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(11, 2, 5, generator=g)  # (T, L, H): the prompt's last position, then 10 fed tokens
+    running = RunningAnswerViews(states[0], tail=4)
+    for state in states[1:]:
+        running.add(state)
+    for answer_len in (10, 8, 7, 0):
+        torch.testing.assert_close(running.views(answer_len), answer_views(states, 0, answer_len))
+    assert running.views(11) is None  # its last token not fed
+    assert running.views(6) is None  # 4 fed tokens cut: the answer's last state left the tail
 
 
 def test_the_last_captured_layer_through_the_final_norm_is_the_final_hidden_state(model3, tokenizer):

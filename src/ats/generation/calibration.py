@@ -30,7 +30,7 @@ from torch import Tensor
 from ..calibrators.base import Calibrator
 from ..errors import ATSError
 from ..model.heads import TransformerHead
-from ..model.layers import row_answer_views
+from ..model.layers import RunningAnswerViews, row_answer_views
 
 
 class StepLogits:
@@ -100,6 +100,7 @@ class DecodingCalibration:
         self.head_cached = self.mode == "head" and isinstance(self.calibrator.head, TransformerHead)
         self.maps_confidence = bool(self.calibrator is not None and self.calibrator.maps_confidence)
         self.answer_probe = bool(self.calibrator is not None and self.calibrator.answer_probe)
+        self.probe_passes = 0  # answers whose probe views needed a pass of their own
         self.fixed_scale = self._fixed_scale(backbone) if self.mode == "logits" else None
         self.changes_logits = self.mode != "none" and self.fixed_scale != 1.0
 
@@ -124,14 +125,26 @@ class DecodingCalibration:
         probe's (its tokens' are still their calibrated probabilities)."""
         return "mapped" if self.maps_confidence else "probe" if self.answer_probe else "probability"
 
-    def probe_answer(self, backbone, prompt: list[int], records: list) -> float | None:
+    @property
+    def probe_layers(self) -> tuple[int, ...]:
+        """The decoder layers a correctness probe reads (empty without one, or for a confidence-only probe)."""
+        return tuple(self.calibrator.layers) if self.answer_probe else ()
+
+    def probe_answer(self, backbone, prompt: list[int], records: list,
+                     states: RunningAnswerViews | None = None) -> float | None:
         """A finished answer's confidence by the correctness probe (None without one): its layers' views at the
-        prompt + the answer's tokens (one more forward pass), and the answer's uncalibrated mean token
-        probability."""
+        answer, and the answer's uncalibrated mean token probability. The views come from `states`, what decoding
+        captured; only where those lack the answer's tokens (a stop string cut it further back than their tail) from
+        one more forward pass over prompt + answer (counted in `probe_passes`)."""
         if not self.answer_probe:
             return None
         answer = [r for r in records if r.answer]
-        views = row_answer_views(backbone, self.calibrator.layers, prompt, [r.token for r in answer])
+        views = states.views(len(answer)) if states is not None else None  # (L, 3, H) or None
+        if views is not None:
+            views = views[None]  # (1, L, 3, H)
+        else:
+            self.probe_passes += 1
+            views = row_answer_views(backbone, self.calibrator.layers, prompt, [r.token for r in answer])
         raw = [math.exp(r.uncalibrated) for r in answer if r.uncalibrated is not None]
         confidence = sum(raw) / len(raw) if raw else float("nan")
         return float(self.calibrator.answer_confidence(views, [confidence])[0])
@@ -155,7 +168,7 @@ class DecodingCalibration:
             return f"{name}: {logits}; maps each token's confidence (and the answer confidence) through its bins"
         if self.answer_probe:
             return (f"{name}: one temperature {logits}; the answer confidence is a correctness probe's P(correct) "
-                    f"from layers {self.calibrator.layers} at the finished answer (one more forward pass)")
+                    f"from layers {self.calibrator.layers} at the finished answer (read during decoding)")
         return f"{name}: {logits}"
 
     # --- prefill and decoding steps ---------------------------------------------------------------------------------

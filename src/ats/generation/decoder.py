@@ -13,18 +13,25 @@ RoPE positions come from each row's own count of tokens and padding is never att
 values whatever batch it runs in. Each chosen token becomes a `TokenLogprob` (calibrated and uncalibrated
 log-probabilities, tau, confidence) appended to its row, whose `TextTracker` decodes the text incrementally and finds
 stop strings; `on_token(row)` then tells the owner (streaming, the server's events).
+
+With a correctness probe that reads layers, the forward passes also capture those layers (`LayerCapture`): at the
+prompt's last position at prefill, then at each answer token as it is fed (`RunningAnswerViews`), so a finished
+answer's P(correct) needs no pass of its own. An answer whose last token was never fed (cut by max_tokens) stays in
+the batch one more step to feed it; only then is it finished and handed to `on_token`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
 
 from ..calibrators.base import Calibrator
 from ..model.backbone import Backbone
+from ..model.layers import LayerCapture, RunningAnswerViews
 from .batch import BatchCache, check_attention
 from .calibration import DecodingCalibration, StepLogits
 from .logprobs import TokenLogprob, prompt_logprobs, records, score
@@ -81,11 +88,22 @@ class Row:
         self.pending = -1
         self.finish: str | None = None  # "eos" | "stop" (a stop string) | "length"
         self.cancelled = False
+        self.answer_states: RunningAnswerViews | None = None  # a correctness probe's layers at the answer so far
+        self.held_finish: str | None = None  # a finish held back one step, until the answer's last token is fed
 
     @property
     def live(self) -> bool:
         """Whether the row still decodes (not finished, not cancelled)."""
         return self.finish is None and not self.cancelled
+
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def _sampling(row: Row) -> SamplingParams:
+    """The row's sampling options; greedy for a row held one step to be fed its last token (its choice is dropped,
+    and it draws nothing from a shared random generator)."""
+    return GREEDY if row.held_finish is not None else row.sampling
 
 
 class Decoder:
@@ -148,7 +166,13 @@ class Decoder:
         batch = self._new_batch()
         batch.mask = mask
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        hidden, _ = self.backbone.forward(ids, mask, past_key_values=batch.kv, use_cache=True, position_ids=positions)
+        with self._capture() as capture:
+            hidden, _ = self.backbone.forward(ids, mask, past_key_values=batch.kv, use_cache=True,
+                                              position_ids=positions)
+            prompt_last = capture.take(-1) if capture else None  # (G, L, H): the probe's layers, prompts' ends
+        if prompt_last is not None:
+            for row in rows:
+                row.answer_states = RunningAnswerViews(prompt_last[slot[row.key]])
         tau = self.calibration.prefill(hidden, mask, batch)  # (G, P) or None
         state = batch.rows_state  # (G, H) or None
         for g, first in enumerate(firsts):
@@ -187,8 +211,12 @@ class Decoder:
         started = time.perf_counter()
         ids = torch.tensor([[r.pending] for r in self.rows], device=self.backbone.device)
         mask = self.batch.append_column()
-        hidden, _ = self.backbone.forward(ids, mask, past_key_values=self.batch.kv, use_cache=True,
-                                          position_ids=self.batch.next_positions())
+        with self._capture() as capture:
+            hidden, _ = self.backbone.forward(ids, mask, past_key_values=self.batch.kv, use_cache=True,
+                                              position_ids=self.batch.next_positions())
+            if capture:  # the probe's layers at the tokens just fed: each row's latest answer token
+                for row, state in zip(self.rows, capture.take(-1)):  # (L, H) each
+                    row.answer_states.add(state)
         z = self.backbone.logits(hidden[:, -1])  # (B, V)
         head_started = time.perf_counter()
         tau = self.calibration.step(hidden, mask, self.batch)
@@ -200,12 +228,18 @@ class Decoder:
         self.timing["decode_s"] += time.perf_counter() - started
         self.timing["head_s"] += head_s
 
+    def _capture(self) -> LayerCapture | nullcontext:
+        """Hooks on a correctness probe's layers for one forward pass (nothing without a probe that reads layers),
+        so its views of an answer are read as the answer is decoded, not by a second pass."""
+        layers = self.calibration.probe_layers
+        return LayerCapture(self.backbone.model, layers) if layers else nullcontext()
+
     def _choice_logits(self, rows: list[Row], step: StepLogits) -> tuple[Tensor, Tensor]:
         """(z, q) for the sampler: end-of-sequence masked in rows under their `min_tokens`, then the processors.
         Greedy rows read z only (q is built only for sampled rows or processors); with processors, every row
         chooses from their output on q (greedy rows its argmax), so a processor that bans a token bans it for
         greedy decoding too, as in transformers' `generate`."""
-        needs_q = bool(self.processors) or any(not r.sampling.greedy for r in rows)
+        needs_q = bool(self.processors) or any(not _sampling(r).greedy for r in rows)
         z, q = step.z, step.q if needs_q else step.z
         blocked = [i for i, r in enumerate(rows) if len(r.records) < r.min_tokens]
         if blocked and self.eos:
@@ -228,7 +262,7 @@ class Decoder:
     def _advance(self, rows: list[Row], step: StepLogits) -> float:
         """Choose each row's next token, score it, and hand it to its row; returns the seconds spent scoring."""
         z, q = self._choice_logits(rows, step)
-        tokens = choose(z, q, [r.sampling for r in rows], [r.generator for r in rows])
+        tokens = choose(z, q, [_sampling(r) for r in rows], [r.generator for r in rows])
         k = max(r.top_logprobs for r in rows)
         started = time.perf_counter()
         logp_q, logp_z, top_ids, top_logp = score(step, tokens, k)
@@ -236,6 +270,12 @@ class Decoder:
                        self.calibration.confidence(logp_q))
         scored = time.perf_counter() - started
         for row, record in zip(rows, made):
+            if row.held_finish is not None:  # its answer's last token was just fed: finish it; this token is not its
+                row.finish, row.held_finish = row.held_finish, None
+                self._probe(row)
+                if self.on_token is not None:
+                    self.on_token(row)
+                continue
             del record.top[row.top_logprobs:]
             self._append(row, record)
         return scored
@@ -252,11 +292,21 @@ class Decoder:
             row.finish = "eos"
         elif len(row.records) >= row.max_tokens:
             row.finish = "length"
-        if row.finish is not None and row.records and self.calibration.answer_probe:  # on its last answer token
-            last = next((r for r in reversed(row.records) if r.answer), row.records[-1])
-            last.answer_probability = self.calibration.probe_answer(self.backbone, row.prompt, row.records)
+        if row.finish is not None and row.records and self.calibration.answer_probe:
+            states, answer_len = row.answer_states, sum(r.answer for r in row.records)
+            if states is not None and states.fed + 1 == answer_len:  # its last token is the one not fed yet
+                row.held_finish, row.finish = row.finish, None  # the next step feeds it, then finishes the row
+                return
+            self._probe(row)
         if self.on_token is not None:
             self.on_token(row)
+
+    def _probe(self, row: Row) -> None:
+        """Put the correctness probe's P(correct) on a finished row's last answer token."""
+        last = next((r for r in reversed(row.records) if r.answer), row.records[-1])
+        last.answer_probability = self.calibration.probe_answer(self.backbone, row.prompt, row.records,
+                                                                row.answer_states)
+        row.answer_states = None
 
     def retire(self) -> None:
         """Drop the rows that finished or were cancelled, and the columns that are now padding in every row."""

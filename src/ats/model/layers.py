@@ -13,6 +13,7 @@ last forward pass, which the caller reduces to the positions it needs at once.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -78,17 +79,20 @@ class LayerCapture:
             self._outputs[slot] = output[0] if isinstance(output, tuple) else output  # (B, T, H)
         return record
 
-    def take(self) -> Tensor:
-        """(B, T, L, H): the asked layers' outputs of the last forward pass (T: the tokens that pass ran).
+    def take(self, position: int | None = None) -> Tensor:
+        """(B, T, L, H): the asked layers' outputs of the last forward pass (T: the tokens that pass ran); (B, L, H)
+        at one `position` only (e.g. -1, the last one: nothing else is copied).
 
         Raises:
             ATSError: if no forward ran since the last take.
         """
         if len(self._outputs) != len(self._blocks):
             raise ATSError("LayerCapture.take: no forward pass ran through the captured layers")
-        states = torch.stack([self._outputs[slot] for slot in range(len(self._blocks))], dim=2)
+        outputs = [self._outputs[slot] for slot in range(len(self._blocks))]  # L x (B, T, H)
+        if position is not None:
+            outputs = [o[:, position] for o in outputs]  # L x (B, H)
         self._outputs.clear()
-        return states
+        return torch.stack(outputs, dim=-2)
 
 
 ANSWER_VIEWS = ("prompt_last", "answer_mean", "answer_last")  # what a probe reads per layer at an answer
@@ -103,6 +107,42 @@ def answer_views(states: Tensor, prompt_last: int, answer_len: int) -> Tensor:
         return torch.stack([last, last, last], dim=1)
     answer = states[prompt_last + 1:prompt_last + 1 + answer_len].float()  # (A, L, H)
     return torch.stack([last, answer.mean(0), answer[-1]], dim=1)
+
+
+class RunningAnswerViews:
+    """The `ANSWER_VIEWS` of an answer being decoded, from the states (L, H) its tokens get as the decoder feeds them
+    one by one, so a finished answer needs no second pass over prompt + answer. Memory stays O(L x H): a running sum
+    and the last `tail` states, enough for a stop string to cut a few tokens off the end.
+
+    Args:
+        prompt_last: (L, H) the layers' outputs at the prompt's last position.
+        tail: how many of the latest fed states are kept.
+    """
+
+    def __init__(self, prompt_last: Tensor, tail: int = 64) -> None:
+        self.prompt_last = prompt_last.float()  # (L, H)
+        self.total = torch.zeros_like(prompt_last, dtype=torch.float64)  # (L, H) sum over the fed tokens
+        self.fed = 0
+        self.recent: deque[Tensor] = deque(maxlen=tail)
+
+    def add(self, state: Tensor) -> None:
+        """Count the state (L, H) of the next answer token fed to the model."""
+        state = state.float()
+        self.total += state
+        self.fed += 1
+        self.recent.append(state)
+
+    def views(self, answer_len: int) -> Tensor | None:
+        """(L, 3, H) float32 as `answer_views` gives them for the answer's first `answer_len` tokens; None when
+        their states are not all here (the last one not fed yet, or cut off further back than `tail`)."""
+        if answer_len <= 0:
+            return torch.stack([self.prompt_last] * 3, dim=1)
+        cut = self.fed - answer_len  # tokens fed after the answer's last one (a stop string's)
+        if cut < 0 or cut >= len(self.recent):
+            return None
+        kept = self.total - sum((s.double() for s in list(self.recent)[len(self.recent) - cut:]),
+                                torch.zeros_like(self.total))
+        return torch.stack([self.prompt_last, (kept / answer_len).float(), self.recent[-1 - cut]], dim=1)
 
 
 @torch.no_grad()
