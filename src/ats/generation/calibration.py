@@ -141,7 +141,7 @@ class DecodingCalibration:
         answer = [r for r in records if r.answer]
         views = states.views(len(answer)) if states is not None else None  # (L, 3, H) or None
         if views is not None:
-            views = views[None]  # (1, L, 3, H)
+            views = views[None].cpu()  # (1, L, 3, H), where the probe's weights are (as `row_answer_views` gives)
         else:
             self.probe_passes += 1
             views = row_answer_views(backbone, self.calibrator.layers, prompt, [r.token for r in answer])
