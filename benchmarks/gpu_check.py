@@ -54,7 +54,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generation import command_line, randomised_calibrator, save_results  # noqa: E402
+from bench_generation import command_line, random_probe, randomised_calibrator, save_results  # noqa: E402
 
 from ats.calibrators.base import Uncalibrated  # noqa: E402
 from ats.evaluation.tasks.scoring import ChoiceItem, LetterItem, score_choices, score_letters  # noqa: E402
@@ -421,19 +421,31 @@ def plain_generate(backbone: Backbone, prompts: list[str], new_tokens: int) -> i
 
 
 def step_decoding(ctx: Context) -> list[dict]:
-    """Plain `generate` vs `generate_calibrated` (the head's KV cache) at each decoding batch size."""
+    """Plain `generate` vs `generate_calibrated` at each decoding batch size: the ATS head (its KV cache) and a
+    correctness probe (three layers captured during decoding; its P(correct) computed on the CPU)."""
     calibrator = randomised_calibrator(ctx.backbone, "transformer")
+    probe = random_probe(ctx.backbone)
     n = ctx.sizes.new_tokens
     variants, tokens, compare = {}, {}, {}
     for b in ctx.sizes.decode_batches:
         prompts = synthetic_prompts(b, ctx.sizes.prompt_tokens, ctx.backbone.vocab_size, seed=b)
         variants[f"plain, batch {b}"] = lambda p=prompts: plain_generate(ctx.backbone, p, n)
-        variants[f"calibrated, batch {b}"] = lambda p=prompts: generate_calibrated(
-            ctx.backbone, calibrator, p, max_new_tokens=n, min_new_tokens=n)
-        tokens[f"plain, batch {b}"] = tokens[f"calibrated, batch {b}"] = b * n
-        compare[f"calibrated, batch {b}"] = [f"plain, batch {b}"]
+        for name, method in (("calibrated", calibrator), ("probe", probe)):
+            variants[f"{name}, batch {b}"] = lambda p=prompts, m=method: _generated(generate_calibrated(
+                ctx.backbone, m, p, max_new_tokens=n, min_new_tokens=n))
+            tokens[f"{name}, batch {b}"] = b * n
+            compare[f"{name}, batch {b}"] = [f"plain, batch {b}"]
+        tokens[f"plain, batch {b}"] = b * n
     measured = interleaved(variants, ctx.device, ctx.sizes.repeats)
     return rows_from(measured, tokens, compare)
+
+
+def _generated(outputs: list) -> list:
+    """`generate_calibrated`'s outputs, checked to carry an answer confidence (a probability, not NaN)."""
+    bad = [o.answer_confidence for o in outputs if not 0 <= o.answer_confidence <= 1]
+    if bad:
+        raise RuntimeError(f"generate_calibrated gave answer confidences outside [0, 1]: {bad[:3]}")
+    return outputs
 
 
 STEP_FUNCTIONS: dict[str, Callable[[Context], list[dict]]] = {

@@ -29,7 +29,8 @@ EXPECTED_TOKENS = {
     "training_online": dict.fromkeys(("online batches only", "train online"), SEQUENCE_TOKENS),
     "scoring": {"letters, uncalibrated": LETTER_TOKENS, "letters, + ats": LETTER_TOKENS,
                 "choices, uncalibrated": CHOICE_TOKENS, "choices, + ats": CHOICE_TOKENS},
-    "decoding": {"plain, batch 1": 8, "calibrated, batch 1": 8, "plain, batch 4": 32, "calibrated, batch 4": 32},
+    "decoding": {"plain, batch 1": 8, "calibrated, batch 1": 8, "probe, batch 1": 8, "plain, batch 4": 32,
+                 "calibrated, batch 4": 32, "probe, batch 4": 32},
 }
 # variants that do strictly more work than the one named (the same data plus the head's training, or the extraction's
 # writing): tens of times more on these sizes, so the order holds whatever the machine's noise
