@@ -28,6 +28,7 @@ from vllm_helpers import ats_serve_vllm, max_difference, reference, run_vllm
 MAX_TOKENS, TOP, BLOCK = 10, 5, 32  # vLLM's CPU attention takes blocks of 32k
 SAMPLING = {"max_tokens": MAX_TOKENS, "logprobs": TOP, "ignore_eos": True}
 BUDGET = 64  # the chunked-prefill budget: below the longest prompt
+COMPILED = {"enforce_eager": False}  # vLLM's default compilation (the other engines run eagerly: faster to start)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -59,6 +60,7 @@ def thermometer_runs(tiny_models, tmp_path_factory):
     plan = {"plain": (str(folder), {}), "thermometer": (export, {}),
             "no-prefix-cache": (export, {"enable_prefix_caching": False}),
             "chunked": (export, {"max_num_batched_tokens": BUDGET, "enable_chunked_prefill": True}),
+            "plain/compiled": (str(folder), COMPILED), "thermometer/compiled": (export, COMPILED),
             "ngram": (export, {"speculative_config": NGRAM, "disable_log_stats": False})}  # its own process, last
     jobs = [{"model": model, "engine": {"max_model_len": 512, "block_size": BLOCK, **engine}, "sampling": SAMPLING,
              "rounds": rounds} for model, engine in plan.values()]
@@ -77,18 +79,19 @@ def thermometer_runs(tiny_models, tmp_path_factory):
     results.insert(len(plan) - 1, run_vllm([ngram], root / "ngram")[0])
     want = {"plain": [reference(backbone, None, r, MAX_TOKENS, TOP) for r in rounds]}
     want["thermometer"] = [reference(backbone, thermometer, r, MAX_TOKENS, TOP) for r in rounds]
-    runs = {name: (result["rounds"], want["plain" if name == "plain" else "thermometer"])
+    runs = {name: (result["rounds"], want["plain" if name.startswith("plain") else "thermometer"])
             for name, result in zip(plan, results)}
     runs["preempted"] = (results[-2]["rounds"], [reference(backbone, thermometer, short[0], MAX_TOKENS, TOP)],
                          results[-2]["counters"])
     runs["prompt-logprobs"] = (results[-1]["rounds"], None)
     runs["counters"] = {name: result["counters"] for name, result in zip(plan, results)}
+    runs["compiled_modules"] = {name: result["compiled_modules"] for name, result in zip(plan, results)}
     runs["export"] = (export, prompts, want["thermometer"][0])
     return runs
 
 
-def floor(runs) -> float:
-    got, want = runs["plain"]
+def floor(runs, plain: str = "plain") -> float:
+    got, want = runs[plain]
     return max(max_difference(g, w, keys=("logprobs",)) for gr, wr in zip(got, want) for g, w in zip(gr, wr))
 
 
@@ -106,6 +109,22 @@ def test_thermometer_logprobs_equal_ats(thermometer_runs, name):
     plain = thermometer_runs["plain"][0][0][2]["logprobs"]
     moved = max(abs(g[t] - p[t]) for g, p in zip(got[0][2]["logprobs"], plain) for t in g if t in p)
     assert moved > 0.05
+
+
+@pytest.mark.slow
+def test_compiled_thermometer_equals_ats(thermometer_runs):
+    """Under vLLM's default compilation the prompt layer is compiled too (a second module beside the base's) and
+    still gives ats's logprobs, within the compiled base's own floor, and those of the eager engine."""
+    modules = thermometer_runs["compiled_modules"]
+    assert (modules["plain/compiled"], modules["thermometer/compiled"]) == (1, 2)  # the base; the base and the layer
+    got, want = thermometer_runs["thermometer/compiled"]
+    base = floor(thermometer_runs, "plain/compiled")
+    assert 0.0 < base < 1e-4
+    for got_round, want_round in zip(got, want):
+        for g, w in zip(got_round, want_round):
+            assert max_difference(g, w, keys=("logprobs",)) <= min(2 * base * max(1.0, w["scale"]), 1e-3)
+    eager = thermometer_runs["thermometer"][0]
+    assert max(max_difference(g, e, keys=("logprobs",)) for g, e in zip(got[1], eager[1])) < 1e-3
 
 
 @pytest.mark.slow

@@ -118,12 +118,16 @@ class ATSCalibratedForCausalLM(nn.Module):
     def _build_prompt_temperature(self, vllm_config: VllmConfig, layer_index: int) -> None:
         """Thermometer's layer, the per-token prompt lengths' buffer (as many as a step schedules, persistent for
         CUDA graphs) and the V2 runner's model state that fills it."""
+        from vllm.compilation.backends import set_model_tag
+
         from .prompt_temperature import PagedPromptTemperature
         from .runner_patch import v2_model_state
 
         device = torch.get_default_device()
         self.calibrator.to(device)
-        self.prompt = PagedPromptTemperature(self.calibrator, vllm_config, layer_index)
+        with set_model_tag("ats_prompt"):  # compiled as a graph of its own, cached apart from the base's
+            self.prompt = PagedPromptTemperature(calibrator=self.calibrator, vllm_config=vllm_config,
+                                                 layer_index=layer_index)
         size = vllm_config.scheduler_config.max_num_batched_tokens  # as the runners size their input_ids buffers
         self.register_buffer("prompt_lens", torch.zeros(size, dtype=torch.int32, device=device), persistent=False)
         self.needs_prompt_lens = True
