@@ -24,8 +24,8 @@ logprobs for these exports: `runner_patch`).
 
 The layer is compiled as the base model is (vLLM's `support_torch_compile`, under the model tag "ats_prompt": a
 graph of its own, split at its attention like the base's, its artifacts cached apart); with --enforce-eager both
-run eagerly. Run eagerly beside a compiled base it cost vLLM 6-10% of its tokens/s on 2 CPU cores
-(`benchmarks/results/vllm_compiled_thermometer.md`).
+run eagerly. Run eagerly beside a compiled base it cost vLLM 6-10% of its tokens/s on 2 CPU cores at 1-16 clients,
+compiled 0-4% (`benchmarks/results/vllm_compiled_thermometer_eager.md`, `vllm_compiled_thermometer.md`).
 """
 
 from __future__ import annotations
