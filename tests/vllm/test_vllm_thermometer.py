@@ -2,7 +2,8 @@
 cache (`prompt_temperature`), gives the calibrated logprobs of ats's decoding core (`ats generate`, `ats serve`) on
 the same token ids: mixed lengths in one batch, a prompt found in the prefix cache, a chat's next turn whose cached
 blocks hold the previous turn's prompt end (96 tokens from the cache, checked by hand with vLLM's counters), prefix
-caching off, a prompt longer than the chunked-prefill budget, and requests preempted and recomputed.
+caching off, a prompt longer than the chunked-prefill budget, requests preempted and recomputed, and the layer
+compiled as vLLM compiles by default (a module of its own beside the base's).
 Prompt logprobs are refused in one line. The layer's arithmetic (the position selected, the value kept in 16-bit
 caches) is checked without an engine.
 
