@@ -14,10 +14,18 @@ temperature scaling has T = 1.3, Thermometer is of the default width with random
 (`tests/helpers.random_thermometer`: one temperature per prompt, computed from the prompt in vLLM's prompt
 layer). Start-up = launch to the first answer of /health.
 
+Each load also records CPU seconds (user + system) of the server (its process and children) and of the process
+that runs the model (vLLM's worker): tokens per model CPU-second measure what a calibrator costs without the time
+the model's process waited for a core (the client, the API server and vLLM's engine core, which spins while it
+waits for the worker, share the two cores with it). Reported only with --threads 1: with more engine threads, OpenMP
+workers spin while they wait at barriers, so CPU time would count waiting too.
+
     python benchmarks/bench_vllm.py                                    # SmolLM2 and Qwen2.5-Coder-0.5B
     python benchmarks/bench_vllm.py --models smollm2-135m-instruct --clients 1,4 --new-tokens 16   # quick
     python benchmarks/bench_vllm.py --arms vllm:none,vllm:ats,vllm:temperature --no-eager --repeats 6   # targets
     python benchmarks/bench_vllm.py --arms vllm:none,vllm:none/b,vllm:thermometer --no-eager --repeats 6
+    python benchmarks/bench_vllm.py --models smollm2-135m-instruct --arms vllm:none,vllm:none/b,vllm:ats,vllm:temperature \
+        --no-eager --threads 1 --repeats 16 --requests-per-client 2 --new-tokens 64   # targets by CPU time
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 from bench_generation import (
     command_line,
     load_average,
@@ -67,6 +76,21 @@ PAIRS = {"vllm ats / vllm none": ("vllm:ats", "vllm:none"),
          "vllm none/b / vllm none": ("vllm:none/b", "vllm:none")}  # two servers of one export: the instance effect
 
 
+def omp_bind(threads: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a server on the first `threads` cores."""
+    return f"0-{threads - 1}" if threads > 1 else "0"
+
+
+def cpu_seconds(process: subprocess.Popen) -> tuple[float, float]:
+    """(server, model) user + system CPU seconds so far: of a server's process and live children, and of the
+    processes that run the model (vLLM's "VLLM::Worker"; the engine core beside it spins while it waits for the
+    worker, so its CPU time is not work; an `ats serve` server runs its model in its own process)."""
+    root = psutil.Process(process.pid)
+    seconds = {p: sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)]}
+    workers = [t for p, t in seconds.items() if p.name().startswith("VLLM::Worker")]
+    return sum(seconds.values()), sum(workers) if workers else sum(seconds.values())
+
+
 class VLLMServer:
     """vLLM's OpenAI server (`ats.integrations.vllm.serve.server_argv`) on an export, on a free port."""
 
@@ -78,7 +102,7 @@ class VLLMServer:
         argv = server_argv(export, served_model_name=name, host="127.0.0.1", port=self.port, dtype="float32",
                            max_model_len=2048, max_num_seqs=max_batch, vllm_args=extra)
         env = dict(server_env(), VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0")
+                   VLLM_CPU_OMP_THREADS_BIND=omp_bind(threads))
         self._log = log.open("w")
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
@@ -161,10 +185,15 @@ def bench_model(model: str, args, clients: list[int], work: Path) -> dict:
             for c in clients:
                 shift = (r * len(clients) + clients.index(c)) % len(arms)
                 for arm in arms[shift:] + arms[:shift]:
+                    server_cpu, model_cpu = cpu_seconds(servers[arm].process)
                     result = asyncio.run(load(servers[arm].url, model, c, args.requests_per_client, args.new_tokens))
+                    server_after, model_after = cpu_seconds(servers[arm].process)
+                    result["server_cpu_s"], result["model_cpu_s"] = server_after - server_cpu, model_after - model_cpu
+                    result["tokens_per_cpu_s"] = result["tokens"] / result["model_cpu_s"]
                     runs[arm][str(c)].append(result)
                     print(f"{model} round {r + 1}/{args.repeats} {arm:17s} clients {c:3d} "
-                          f"{result['tokens_per_s']:6.1f} tok/s p50 {result['latency_p50_s'] or 0:6.1f} s "
+                          f"{result['tokens_per_s']:6.1f} tok/s {result['tokens_per_cpu_s']:6.1f} tok/cpu-s "
+                          f"p50 {result['latency_p50_s'] or 0:6.1f} s "
                           f"errors {result['errors']}", file=sys.stderr, flush=True)
     finally:
         for server in servers.values():
@@ -180,6 +209,9 @@ def bench_model(model: str, args, clients: list[int], work: Path) -> dict:
                      "ratios": {name: paired_ratio([x["tokens_per_s"] for x in runs[a][str(c)]],
                                                    [x["tokens_per_s"] for x in runs[b][str(c)]])
                                 for name, (a, b) in pairs.items()},
+                     "cpu_ratios": {name: paired_ratio([x["tokens_per_cpu_s"] for x in runs[a][str(c)]],
+                                                       [x["tokens_per_cpu_s"] for x in runs[b][str(c)]])
+                                    for name, (a, b) in pairs.items()},
                      "runs": {arm: runs[arm][str(c)] for arm in arms}})
     return {"model": model, "results": rows, "startup_s": startup}
 
@@ -216,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         models.append(bench_model(model, args, clients, work / model))
         result = {**run_info(command, args.threads, load_start, load_average()), "clients": clients,
                   "requests_per_client": args.requests_per_client, "new_tokens": args.new_tokens,
-                  "repeats": args.repeats, "arms": args.arms, "max_batch": args.max_batch, "eager": args.eager,
+                  "repeats": args.repeats, "arms": args.arms, "threads": args.threads, "max_batch": args.max_batch, "eager": args.eager,
                   "vllm_env": {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                               "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"},
+                               "VLLM_CPU_OMP_THREADS_BIND": omp_bind(args.threads)},
                   "wall_seconds": time.perf_counter() - started, "models": models}
         table = format_table(result)
         save_results(Path(args.out), result, format_markdown(result, table))
@@ -241,6 +273,15 @@ def format_table(result: dict) -> str:
             lines.append(f"| {model['model']} | {row['clients']} | "
                          + " | ".join(f"{row['tokens_per_s'][a]:.1f}" for a in arms) + " | "
                          + " | ".join(_ratio(row["ratios"][n], ".3f") for n in names) + f" | {row['errors']} |")
+    if result.get("threads") == 1:  # one engine thread: no OpenMP worker spins while it waits, CPU time is work
+        lines += ["", "Tokens per CPU-second of the process that runs the model (vLLM's worker):", "",
+                  "| model | clients | " + " | ".join(f"{a} (tok/cpu-s)" for a in arms) + " | "
+                  + " | ".join(names) + " |", "|---|---:|" + "---:|" * (len(arms) + len(names))]
+        for model in result["models"]:
+            for row in model["results"]:
+                per_cpu = [statistics.median(x["tokens_per_cpu_s"] for x in row["runs"][a]) for a in arms]
+                lines.append(f"| {model['model']} | {row['clients']} | " + " | ".join(f"{v:.1f}" for v in per_cpu)
+                             + " | " + " | ".join(_ratio(row["cpu_ratios"][n], ".3f") for n in names) + " |")
     lines += ["", "| model | " + " | ".join(f"start-up {a} (s)" for a in arms) + " |", "|---|" + "---:|" * len(arms)]
     for model in result["models"]:
         lines.append(f"| {model['model']} | " + " | ".join(f"{model['startup_s'][a]:.0f}" for a in arms) + " |")
