@@ -15,17 +15,17 @@ temperature scaling has T = 1.3, Thermometer is of the default width with random
 layer). Start-up = launch to the first answer of /health.
 
 Each load also records CPU seconds (user + system) of the server (its process and children) and of the process
-that runs the model (vLLM's worker): tokens per model CPU-second measure what a calibrator costs without the time
-the model's process waited for a core (the client, the API server and vLLM's engine core, which spins while it
-waits for the worker, share the two cores with it). Reported only with --threads 1: with more engine threads, OpenMP
-workers spin while they wait at barriers, so CPU time would count waiting too.
+that runs the model (vLLM's worker), tabled as tokens per worker CPU-second with --threads 1 (with more engine
+threads, OpenMP workers spin at barriers). Measured, this adds no resolution on vLLM 0.32: the worker spins while it
+waits for the engine core (and the engine core while it waits for the worker), so its CPU time is its wall time
+(`results/vllm_cpu_time.md`). What a calibrator costs below 1% is read from a profile: `profile_vllm.py`.
 
     python benchmarks/bench_vllm.py                                    # SmolLM2 and Qwen2.5-Coder-0.5B
     python benchmarks/bench_vllm.py --models smollm2-135m-instruct --clients 1,4 --new-tokens 16   # quick
     python benchmarks/bench_vllm.py --arms vllm:none,vllm:ats,vllm:temperature --no-eager --repeats 6   # targets
     python benchmarks/bench_vllm.py --arms vllm:none,vllm:none/b,vllm:thermometer --no-eager --repeats 6
     python benchmarks/bench_vllm.py --models smollm2-135m-instruct --arms vllm:none,vllm:none/b,vllm:ats,vllm:temperature \
-        --no-eager --threads 1 --repeats 16 --requests-per-client 2 --new-tokens 64   # targets by CPU time
+        --no-eager --threads 1 --repeats 20 --requests-per-client 2 --new-tokens 64   # one engine thread
 """
 
 from __future__ import annotations
@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         models.append(bench_model(model, args, clients, work / model))
         result = {**run_info(command, args.threads, load_start, load_average()), "clients": clients,
                   "requests_per_client": args.requests_per_client, "new_tokens": args.new_tokens,
-                  "repeats": args.repeats, "arms": args.arms, "threads": args.threads, "max_batch": args.max_batch, "eager": args.eager,
+                  "repeats": args.repeats, "arms": args.arms, "threads": args.threads, "max_batch": args.max_batch,
+                  "eager": args.eager,
                   "vllm_env": {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                                "VLLM_CPU_OMP_THREADS_BIND": omp_bind(args.threads)},
                   "wall_seconds": time.perf_counter() - started, "models": models}
@@ -273,7 +274,7 @@ def format_table(result: dict) -> str:
             lines.append(f"| {model['model']} | {row['clients']} | "
                          + " | ".join(f"{row['tokens_per_s'][a]:.1f}" for a in arms) + " | "
                          + " | ".join(_ratio(row["ratios"][n], ".3f") for n in names) + f" | {row['errors']} |")
-    if result.get("threads") == 1:  # one engine thread: no OpenMP worker spins while it waits, CPU time is work
+    if result.get("threads") == 1:  # one engine thread: no OpenMP barrier spin (vLLM's worker still polls)
         lines += ["", "Tokens per CPU-second of the process that runs the model (vLLM's worker):", "",
                   "| model | clients | " + " | ".join(f"{a} (tok/cpu-s)" for a in arms) + " | "
                   + " | ".join(names) + " |", "|---|---:|" + "---:|" * (len(arms) + len(names))]
