@@ -6,16 +6,17 @@ process and does not move with the machine's speed.
 
 One arm's server at a time (vLLM compiled, its default; float32; one engine thread, so the worker is one thread that
 py-spy samples whole); for each client count, --windows bursts of load (`bench_serve.load`: N clients x
---requests-per-client chats of --new-tokens greedy tokens), each recorded by `py-spy record` on the worker ("VLLM::Worker";
-blocking: the worker is paused for each sample, since a stack read while it runs can mix a finished call's frames
-with the next call's, e.g. the base's logits matmul under the calibrator's scale). A sample is the calibrator's when its stack holds a frame of `ats/` with no frame of vLLM's
-base model (`vllm/model_executor/models/`) beneath it. Reported: the calibrator's share of all the worker's samples
-(waits included: they are part of a step's wall time) and of its busy samples (those not waiting for vLLM's engine
-core), each the mean over windows with a 95% t-interval, and the throughput ratio each implies against uncalibrated,
+--requests-per-client chats of --new-tokens greedy tokens), each recorded by `py-spy record` on the worker
+("VLLM::Worker"), blocking: the worker is paused for each sample, since a stack read while it runs can mix a
+finished call's frames with the next call's (the base's logits matmul filed under the calibrator's scale). A sample
+is the calibrator's when its stack holds a frame of `ats/` with no frame of vLLM's base model
+(`vllm/model_executor/models/`) beneath it. Reported: the calibrator's share of all the worker's samples (waits
+included: they are part of a step's wall time) and of its busy samples (those not waiting for vLLM's engine core),
+each the mean over windows with a 95% t-interval, and the throughput ratio each implies against uncalibrated,
 (1 - share) / (1 - share_none): the uncalibrated arm's share is the rule's floor (its wrapper only passes calls
 through, and ats's frames there cost the same in every arm). With waits kept, the ratio holds if the engine core's
 time per step is unchanged; with no waits, if the worker alone set the pace: the lower bound. Needs py-spy
-(`pip install py-spy`)
+(`pip install py-spy`).
 
     python benchmarks/profile_vllm.py --out results/vllm_profile
 """
