@@ -74,3 +74,50 @@ def test_a_completion_is_outside_a_chat_certificate(certified, backbone):
     assert ats["certified_format"] is False
     assert ats["outside_certificate"] == certificate.outside(max_tokens=ANSWER_MAX_TOKENS, chat_template=False)
     assert ats["outside_certificate"].endswith("through the chat template, and this one is made without it")
+
+
+def counts(report: dict) -> dict:
+    """(certified_format label, answered) -> answers, from a `/v1/ats/monitor` report."""
+    return {(fmt, answered): s["answered"] if answered else s["answers"] - s["answered"]
+            for fmt, s in report["served"].items() for answered in (True, False)}
+
+
+def test_the_monitor_counts_what_the_server_decided(certified):
+    """Before and after four requests (five choices), in and outside the certified format, plain and streamed: the
+    report's counts grow by the decisions the responses carried, and /metrics (open, no key) says the same."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server, certificate = certified
+    monitor = server.url + "/v1/ats/monitor"
+    assert httpx.get(monitor, timeout=30).status_code == 401  # the report needs the key, as /v1 does
+    before = counts(httpx.get(monitor, headers=server.headers(), timeout=30).json())
+    greedy = {"max_tokens": ANSWER_MAX_TOKENS, "temperature": 0}
+
+    def choices(route: str, body: dict) -> list[dict]:
+        return [c["ats"] for c in post(server, route, body).json()["choices"]]
+
+    fields = choices("/v1/chat/completions", {"messages": MESSAGES, **greedy})
+    fields.append(finished_ats(post(server, "/v1/chat/completions", {"messages": MESSAGES, "stream": True, **greedy})))
+    fields += choices("/v1/chat/completions", {"messages": MESSAGES, "n": 2, "max_tokens": 8})
+    fields += choices("/v1/completions", {"prompt": "Name a colour.", **greedy})
+    assert [f["certified_format"] for f in fields] == [True, True, False, False, False]
+    report = httpx.get(monitor, headers=server.headers(), timeout=30).json()
+    grown = {key: n - before[key] for key, n in counts(report).items()}
+    want = {(fmt, answered): sum(str(f["certified_format"]).lower() == fmt and f["answered"] is answered
+                                 for f in fields)
+            for fmt in ("true", "false", "unknown") for answered in (True, False)}
+    assert grown == want
+    assert report["certified"]["coverage"] == certificate.threshold.coverage
+    assert report["threshold_file"] == certificate.path
+    metrics = httpx.get(server.url + "/metrics", timeout=30)
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    exposed = {(s.labels["certified_format"], s.labels["answered"] == "true"): s.value
+               for family in text_string_to_metric_families(metrics.text) for s in family.samples
+               if s.name == "ats_answers_total"}
+    assert exposed == counts(report)
+
+
+def test_a_server_without_a_threshold_has_no_monitor(server):
+    response = httpx.get(server.url + "/v1/ats/monitor", headers=server.headers(), timeout=30)
+    assert response.status_code == 404 and "threshold.json" in response.json()["error"]["message"]
+    assert httpx.get(server.url + "/metrics", timeout=30).status_code == 404

@@ -209,3 +209,39 @@ def test_requests_without_the_key_pass_through(monkeypatch):
     assert all("ats" not in c["choices"][0] for c in unkeyed[:-1]) and seen[-1] == {**CHAT, "stream": True}
     assert client.post("/v1/chat/completions", json=bad, headers={"Authorization": "Bearer k"}).status_code == 400
     assert json.loads(json.dumps(seen))  # the stand-in saw JSON bodies throughout
+
+
+def test_the_monitor_counts_each_decision_and_joins_vllms_metrics(monkeypatch, tmp_path):
+    """Plain and streamed chats, in and outside the certified format, and an echoed completion (no decision): the
+    report at /v1/ats/monitor (with the key) counts each decided choice by its format, and prometheus_client's
+    default registry (vLLM's /metrics with one API server) carries the same counts."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    export = tmp_path / "export"
+    export.mkdir()
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    monkeypatch.setenv(EXPORT_ENV, str(export))
+    app = ATSMiddleware(stand_in([]), decider=AnswerDecider(CERTIFIED, frozenset({"<eos>"}), certificate()))
+    client, key = TestClient(app), {"Authorization": "Bearer k"}
+    greedy = {**CHAT, "max_tokens": 64, "temperature": 0}
+    fields = [client.post("/v1/chat/completions", json=greedy, headers=key).json()["choices"][0]["ats"],
+              read_stream(client.post("/v1/chat/completions", json={**greedy, "stream": True},
+                                      headers=key))[-2]["choices"][0]["ats"],
+              client.post("/v1/chat/completions", json=CHAT, headers=key).json()["choices"][0]["ats"]]
+    client.post("/v1/completions", json={"model": "m", "prompt": "Q", "echo": True, "logprobs": 1}, headers=key)
+    assert [f["certified_format"] for f in fields] == [True, True, False] and all(f["answered"] for f in fields)
+    assert client.get("/v1/ats/monitor").status_code == 401
+    report = client.get("/v1/ats/monitor", headers=key).json()
+    assert report["served"] == {"true": {"answers": 2, "answered": 2, "coverage": 1.0},
+                                "false": {"answers": 1, "answered": 1, "coverage": 1.0},
+                                "unknown": {"answers": 0, "answered": 0, "coverage": None}}
+    assert report["certified"]["coverage"] == CERTIFIED.coverage and report["threshold_file"] == "cal/threshold.json"
+    exposed = {(s.labels["answered"], s.labels["certified_format"]): s.value
+               for family in text_string_to_metric_families(generate_latest(REGISTRY).decode())
+               for s in family.samples if s.name == "ats_answers_total"}
+    assert exposed == {("true", "true"): 2, ("true", "false"): 1, ("false", "true"): 0, ("false", "false"): 0,
+                       ("true", "unknown"): 0, ("false", "unknown"): 0}
+    without = TestClient(ATSMiddleware(stand_in([]), decider=AnswerDecider(None, frozenset({"<eos>"}))))
+    assert without.get("/v1/ats/monitor", headers=key).status_code == 404
+    assert "ats_answers_total" not in generate_latest(REGISTRY).decode()  # the default registry's: the last one's

@@ -165,6 +165,42 @@ def test_a_greedy_chat_of_the_certified_length_is_in_the_certified_format(vllm_s
     assert ats["certified_format"] is True and ats["outside_certificate"] is None
 
 
+def test_the_monitor_counts_the_decisions_and_vllms_metrics_carry_them(vllm_server):
+    """A greedy chat of the certified length and a completion (outside a chat certificate): the report at
+    /v1/ats/monitor grows by the two decisions, and vLLM's own /metrics carries the report's counts."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def report() -> dict:
+        return httpx.get(vllm_server.url + "/v1/ats/monitor", headers=headers, timeout=30).json()
+
+    def answered(r: dict, fmt: str) -> tuple[int, int]:
+        return r["served"][fmt]["answers"], r["served"][fmt]["answered"]
+
+    before = report()
+    limit = read_certificate(vllm_server.export / CALIBRATOR_FOLDER).served["format"]["max_tokens"]
+    chat = vllm_server.post("/v1/chat/completions", {"messages": CHAT["messages"], "max_tokens": limit,
+                                                     "temperature": 0}).json()["choices"][0]["ats"]
+    completion = vllm_server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                                                      "temperature": 0}).json()["choices"][0]["ats"]
+    after = report()
+    assert chat["certified_format"] is True and completion["certified_format"] is False
+    for fmt, ats in (("true", chat), ("false", completion)):
+        (n0, a0), (n1, a1) = answered(before, fmt), answered(after, fmt)
+        assert (n1 - n0, a1 - a0) == (1, int(ats["answered"]))
+    assert after["certified"]["coverage"] == CERTIFIED.coverage
+    assert httpx.get(vllm_server.url + "/v1/ats/monitor", timeout=30).status_code == 401
+    metrics = httpx.get(vllm_server.url + "/metrics", timeout=30).text
+    exposed = {(s.labels["certified_format"], s.labels["answered"]): s.value
+               for family in text_string_to_metric_families(metrics) for s in family.samples
+               if s.name == "ats_answers_total"}
+    for fmt in ("true", "false", "unknown"):
+        answers, answered_ = answered(after, fmt)
+        assert (exposed[fmt, "true"], exposed[fmt, "false"]) == (answered_, answers - answered_)
+    assert "vllm:" in metrics  # beside vLLM's own
+
+
 @pytest.fixture(scope="module")
 def browser():
     yield from chromium()

@@ -18,7 +18,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
@@ -29,9 +29,10 @@ from ..evaluation.threshold import Certificate, CertifiedThreshold
 from ..generation.sampling import SamplingParams
 from .api_errors import APIError, validation_error
 from .engine import ContextLengthExceeded, Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull
+from .monitor import MONITOR_PATH, DecisionMonitor
 from .playground import PAGE_PATHS, Playground, add_playground_routes
 from .rescore import ServedCalibrator
-from .responses import Collector, Renderer, extension, summary
+from .responses import Collector, Renderer, extension
 from .schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -43,7 +44,8 @@ from .schemas import (
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", *PAGE_PATHS)  # answered without the API key (the page's files hold no data)
+OPEN_PATHS = ("/health", "/metrics", *PAGE_PATHS)  # answered without the API key (the page's files hold no data; the
+#                                                     metrics are counts, open as vLLM's are, for a scraper)
 
 
 class _Gone:
@@ -184,9 +186,11 @@ class Service:
                  certificate: Certificate | None = None) -> None:
         self.engine, self.model_name, self.tok = engine, model_name, engine.tokenizer
         self.certificate = certificate
+        source = None if certificate is None else certificate.path
+        self.monitor = None if threshold is None else DecisionMonitor(threshold, source)
         self.renderer = Renderer(self.tok, model_name, {"calibrator": engine.calibration.label,
                                                         "confidence_kind": engine.calibration.confidence_kind},
-                                 threshold)
+                                 threshold, self.monitor)
         self.started = int(time.time())
 
     def renderer_for(self, body: GenerationRequest, *, chat: bool, max_tokens: int | None) -> Renderer:
@@ -296,6 +300,29 @@ def _add_info_routes(app: FastAPI, service: Service) -> None:
         return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.started,
                                             "owned_by": "ats", "max_model_len": engine.max_model_len,
                                             "calibrated": engine.calibrated, **renderer.info}]}
+
+
+def _add_monitor_routes(app: FastAPI, service: Service) -> None:
+    """GET /v1/ats/monitor (JSON) and GET /metrics (Prometheus, open without the API key as vLLM's is): the served
+    certificate's decisions, counted (`monitor.py`); 404 when no threshold is served."""
+
+    def monitor() -> DecisionMonitor:
+        if service.monitor is None:
+            raise APIError(404, "no certified threshold is served, so no decisions are counted: serve a calibrator "
+                                "folder that holds a threshold.json (ats certify)", code="not_found")
+        return service.monitor
+
+    @app.get(MONITOR_PATH)
+    async def monitor_report():
+        return monitor().report()
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+        registry = CollectorRegistry()
+        registry.register(monitor().collector())
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _add_tokenizer_routes(app: FastAPI, service: Service) -> None:
@@ -410,7 +437,7 @@ async def _completion_stream(renderer: Renderer, run: Run, body: CompletionReque
 
     def chunk(index: int, text: str, tokens, offsets, finish_reason=None, ats=None) -> dict:
         choice = renderer.completion_choice(index, text, tokens, offsets, logprobs=logprobs,
-                                            finish_reason=finish_reason, ats=ats or extension(tokens, final=False))
+                                            finish_reason=finish_reason, ats=ats or extension(tokens))
         return {**envelope, "choices": [choice]}
 
     try:
@@ -424,12 +451,12 @@ async def _completion_stream(renderer: Renderer, run: Run, body: CompletionReque
                 offsets = await asyncio.to_thread(renderer.prompt_offsets, ids)
                 for j in range(body.n):
                     yield _data(chunk(event.prompt * body.n + j, text, event.tokens, offsets,
-                                      ats=extension([], final=False, prompt=event.tokens)))
+                                      ats=extension([], prompt=event.tokens)))
             elif isinstance(event, Generated):
                 base = bases[event.choice // body.n]
-                ats = extension(event.tokens, final=False)
+                ats = extension(event.tokens)
                 if event.finish_reason is not None:
-                    ats.update(summary(collected.choices[event.choice].tokens, renderer.info, renderer.threshold))
+                    ats.update(renderer.decision(collected.choices[event.choice].tokens))
                 yield _data(chunk(event.choice, event.text, event.tokens, [t.offset + base for t in event.tokens],
                                   event.finish_reason, ats))
         if body.include_usage:
@@ -470,6 +497,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
     _add_tokenizer_routes(app, service)
     _add_chat_route(app, service)
     _add_completion_route(app, service)
+    _add_monitor_routes(app, service)
     if playground is None:
         playground = Playground([ServedCalibrator(engine.calibration.label, engine.calibration, threshold)])
     add_playground_routes(app, service, playground)

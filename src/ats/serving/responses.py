@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from ..evaluation.threshold import CertifiedThreshold
 from ..generation.logprobs import TokenLogprob, answer_confidence
 from .engine import Generated, PromptScored
+from .monitor import DecisionMonitor
 
 
 @dataclass
@@ -99,26 +100,14 @@ def summary(tokens: list[TokenLogprob], info: dict | None = None,
     return out
 
 
-def extension(tokens: list[TokenLogprob], *, final: bool, prompt: list[TokenLogprob] | None = None,
-              info: dict | None = None, threshold: CertifiedThreshold | None = None) -> dict:
-    """The `ats` field: per-token confidences, uncalibrated log-probabilities and taus, and with `final` the
-    sequence figures.
-
-    Args:
-        tokens: the tokens this body or chunk carries.
-        final: add the sequence figures (`summary` of `tokens`).
-        prompt: the scored prompt tokens (echo), or None.
-        info, threshold: as for `summary`.
-
-    Returns:
-        The field's dict.
-    """
+def extension(tokens: list[TokenLogprob], *, prompt: list[TokenLogprob] | None = None) -> dict:
+    """The `ats` field's per-token lists: confidences, uncalibrated log-probabilities, taus and ids of `tokens` (the
+    tokens this body or chunk carries), and of the scored `prompt` tokens (echo) when given. A choice's finishing
+    body or chunk adds the sequence figures (`Renderer.decision`)."""
     out = {"confidence": [t.confidence for t in tokens], "uncalibrated_logprobs": [t.uncalibrated for t in tokens],
            "tau": [t.tau for t in tokens], "token_ids": [t.token for t in tokens]}
     if prompt is not None:
         out.update(prompt_uncalibrated_logprobs=[t.uncalibrated for t in prompt], prompt_tau=[t.tau for t in prompt])
-    if final:
-        out.update(summary(tokens, info, threshold))
     return out
 
 
@@ -130,12 +119,13 @@ class Renderer:
         model_name: the model name in every body.
         info: the served calibrator's {"calibrator", "confidence_kind"}, copied into every sequence summary.
         threshold: the calibrator's certified answer-or-abstain threshold, decided in every sequence summary.
+        monitor: counts every decision rendered (`DecisionMonitor`), or None.
     """
 
     def __init__(self, tokenizer, model_name: str, info: dict | None = None,
-                 threshold: CertifiedThreshold | None = None) -> None:
+                 threshold: CertifiedThreshold | None = None, monitor: DecisionMonitor | None = None) -> None:
         self.tokenizer, self.model_name, self.info = tokenizer, model_name, dict(info or {})
-        self.threshold = threshold
+        self.threshold, self.monitor = threshold, monitor
         self._strings: dict[int, str] = {}
 
     def with_info(self, extra: dict) -> "Renderer":
@@ -146,6 +136,14 @@ class Renderer:
         other = copy.copy(self)
         other.info = {**self.info, **extra}
         return other
+
+    def decision(self, tokens: list[TokenLogprob]) -> dict:
+        """The sequence figures of a finished choice's generated tokens (`summary`), with the decision when a
+        threshold is served, counted by the monitor: every body and stream sends a choice's decision through here."""
+        out = summary(tokens, self.info, self.threshold)
+        if self.monitor is not None:
+            self.monitor.record(out)
+        return out
 
     def token(self, token_id: int) -> str:
         """The text of one token, decoded on its own (cached)."""
@@ -202,8 +200,7 @@ class Renderer:
         """The `chat.completion` body of a finished request (`logprobs`: include them; `prompt_tokens`: for usage)."""
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self.chat_logprobs(c.tokens) if logprobs else None,
-                    "finish_reason": c.finish_reason, "ats": extension(c.tokens, final=True, info=self.info,
-                                                                               threshold=self.threshold)}
+                    "finish_reason": c.finish_reason, "ats": {**extension(c.tokens), **self.decision(c.tokens)}}
                    for i, c in enumerate(collected.choices)]
         return {**self.envelope("chatcmpl", "chat.completion"), "choices": choices,
                 "usage": self.usage(prompt_tokens, collected.completion_tokens)}
@@ -228,9 +225,9 @@ class Renderer:
         choice = {"index": index, "delta": delta, "logprobs": self.chat_logprobs(tokens) if logprobs else None,
                   "finish_reason": finish_reason}
         if all_tokens is not None or tokens:
-            choice["ats"] = extension(tokens, final=False)
+            choice["ats"] = extension(tokens)
             if finish_reason is not None:
-                choice["ats"].update(summary(all_tokens or [], self.info, self.threshold))
+                choice["ats"].update(self.decision(all_tokens or []))
         return {**envelope, "choices": [choice]}
 
     def completion_choice(self, index: int, text: str, tokens: list[TokenLogprob], offsets: list[int], *,
@@ -266,8 +263,8 @@ class Renderer:
                     tokens, offsets = scored + tokens, prompt_offsets[p] + offsets
             choices.append(self.completion_choice(i, text, tokens, offsets, logprobs=logprobs,
                                                   finish_reason=c.finish_reason,
-                                                  ats=extension(c.tokens, final=True, prompt=scored,
-                                                                info=self.info, threshold=self.threshold)))
+                                                  ats={**extension(c.tokens, prompt=scored),
+                                                       **self.decision(c.tokens)}))
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {**self.envelope("cmpl", "text_completion"), "choices": choices,
                 "usage": self.usage(prompt_tokens, collected.completion_tokens)}

@@ -14,6 +14,8 @@ decision in each response, the request checks `ats serve` makes that vLLM does n
                 chunks). Logprobs the client did not ask for are removed, from every chunk of a stream too.
     GET  /, /static/*   the playground page (`ats.serving.playground`'s files: one page for both servers), open
     GET  /v1/playground what the page shows here (`page.playground_info`), with the API key
+    GET  /v1/ats/monitor the served certificate's decisions, counted (`ats.serving.monitor`), with the API key; the
+                        same counts join vLLM's own Prometheus metrics at its GET /metrics
 
 Completions that echo the prompt (their logprobs start with the prompt's) pass through unchanged. The export comes
 from $ATS_VLLM_EXPORT and the served model's name from $ATS_VLLM_MODEL_NAME, which `ats serve --engine vllm` sets. A
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import get_args
 
 from ...serving.api_errors import APIError
+from ...serving.monitor import MONITOR_PATH, DecisionMonitor, report_in_default_registry
 from ...serving.schemas import ChatMessage
 from .stream import StreamDecisions, StreamRewriter
 
@@ -91,12 +94,15 @@ def request_format(body: dict, kind: str, defaults: dict) -> dict:
             "ignore_eos": bool(body.get("ignore_eos"))}
 
 
-def add_decisions(response: dict, decider, strip_logprobs: bool, fields: dict | None = None) -> dict:
+def add_decisions(response: dict, decider, strip_logprobs: bool, fields: dict | None = None,
+                  monitor: DecisionMonitor | None = None) -> dict:
     """Put each choice's `ats` field (`AnswerDecider.decide`, and the request's word on the certified format
-    `fields`) in a response body; drop logprobs nobody asked for."""
+    `fields`) in a response body, counted by `monitor`; drop logprobs nobody asked for."""
     for choice in response.get("choices", []):
         if choice.get("logprobs") is not None:
             choice["ats"] = {**decider.decide(choice), **(fields or {})}
+            if monitor is not None:
+                monitor.record(choice["ats"])
         if strip_logprobs:
             choice["logprobs"] = None
     return response
@@ -118,6 +124,10 @@ class ATSMiddleware:
 
             decider = AnswerDecider.from_export(self.export)
         self.decider = decider
+        threshold = getattr(decider, "threshold", None)
+        certificate = getattr(decider, "certificate", None)
+        self.monitor = None if threshold is None else DecisionMonitor(threshold, getattr(certificate, "path", None))
+        report_in_default_registry(self.monitor)  # vLLM's /metrics
         self.defaults = vllm_defaults(self.export)
         self.key = os.environ.get("VLLM_API_KEY") or None
 
@@ -150,9 +160,9 @@ class ATSMiddleware:
         raw = json.dumps(body).encode()
         scope = {**scope, "headers": _with_length(scope["headers"], len(raw))}
         if body.get("stream"):
-            send = StreamRewriter(send, StreamDecisions(self.decider, strip, fields).edit)
+            send = StreamRewriter(send, StreamDecisions(self.decider, strip, fields, self.monitor).edit)
         else:
-            send = _Rewriter(send, lambda r: add_decisions(r, self.decider, strip, fields))
+            send = _Rewriter(send, lambda r: add_decisions(r, self.decider, strip, fields, self.monitor))
         await self.app(scope, _replay(raw, receive), send)
 
     def _format_fields(self, body: dict, kind: str) -> dict:
@@ -172,11 +182,16 @@ class ATSMiddleware:
         name = path.removeprefix("/static/")
         if path.startswith("/static/") and name in STATIC:
             return Response(page_file(name), media_type=STATIC[name], headers={"Cache-Control": "no-cache"})
-        if path != "/v1/playground":
+        if path not in ("/v1/playground", MONITOR_PATH):
             return None
         if not self._authorized(scope):
             return APIError(401, "incorrect or missing API key: send the header 'Authorization: Bearer KEY'",
                             code="invalid_api_key").response()
+        if path == MONITOR_PATH:
+            if self.monitor is None:
+                return APIError(404, f"{self.export}: no certified threshold is served, so no decisions are counted "
+                                     f"(ats certify, then ats export --engine vllm)", code="not_found").response()
+            return JSONResponse(self.monitor.report())
         from .page import playground_info
 
         name = os.environ.get(MODEL_NAME_ENV) or str(self.export)  # vLLM's default served name: the --model path

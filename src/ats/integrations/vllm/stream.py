@@ -21,10 +21,11 @@ class StreamDecisions:
         decider: the `AnswerDecider`.
         strip_logprobs: remove the logprobs from every chunk (the client did not ask for them).
         fields: the request's word on the certified format, added to each decision.
+        monitor: counts each decision (`ats.serving.monitor.DecisionMonitor`), or None.
     """
 
-    def __init__(self, decider, strip_logprobs: bool, fields: dict) -> None:
-        self.decider, self.strip, self.fields = decider, strip_logprobs, fields
+    def __init__(self, decider, strip_logprobs: bool, fields: dict, monitor=None) -> None:
+        self.decider, self.strip, self.fields, self.monitor = decider, strip_logprobs, fields, monitor
         self.tokens: dict[int, list] = {}
 
     def edit(self, chunk: dict) -> dict:
@@ -35,6 +36,8 @@ class StreamDecisions:
                 tokens += answer_entries(choice["logprobs"])
             if choice.get("finish_reason") is not None:
                 choice["ats"] = {**self.decider.decide_tokens(tokens, choice["finish_reason"]), **self.fields}
+                if self.monitor is not None:
+                    self.monitor.record(choice["ats"])
             if self.strip:
                 choice["logprobs"] = None
         return chunk
