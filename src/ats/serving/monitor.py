@@ -3,20 +3,23 @@ certified format and outside it, as JSON (`GET /v1/ats/monitor`) and as Promethe
 servers keep one (`ats serve`, and vLLM's through `ats serve --engine vllm`).
 
 Why watch them. A certificate (`ats certify`) holds for questions drawn like its certification mix and answered in
-its format. Drawn so, an in-format answer clears the threshold with the probability the certification answers
-cleared it with (their coverage, an estimate from n answers). A served answer rate far from that says the traffic
-is not that mix, and the guarantee's premise fails; `shift_p_value` is Fisher's exact test, two-sided, of equal
-answer rates among the certification answers and the served in-format ones. The converse does not hold: an equal
-rate does not show that the mix is the same. The p-value is that of one look: read again and again as traffic
-arrives, it falls below a fixed level by chance more often than the level says.
+its format. Drawn so, an in-format answer clears the threshold with the probability p the certification answers
+cleared it with, which their coverage estimates from n answers. A served answer rate far from it says the traffic
+is not that mix, and the guarantee's premise fails. The monitor is read again and again as traffic arrives, so its
+test must hold at every look, not at one: the served rate gets a confidence sequence (the Beta(1, 1) mixture of
+Bernoulli likelihood ratios; by Ville's inequality it holds at every count at once with probability >= 1 - delta/2),
+the certified coverage its Clopper-Pearson interval (1 - delta/2), and `alarm` is raised when the two are disjoint:
+under the premise that happens with probability at most delta over the server's whole life, whenever it is read.
+The converse does not hold: no alarm does not show that the mix is the same (another mix can be answered as often).
 
     ats_answers_total{answered="true"|"false", certified_format="true"|"false"|"unknown"}   counter
     ats_certified_coverage, ats_certified_answers, ats_target_risk, ats_delta, ats_threshold  gauges (the file's)
-    ats_coverage_shift_p_value                                                                gauge (as above)
+    ats_coverage_shift_alarm                                                                  gauge: 1 raised, 0 not
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 
@@ -31,14 +34,37 @@ def _format_label(ats: dict) -> str:
     return "unknown" if value is None else "true" if value else "false"
 
 
-def shift_p_value(certified_answered: int, certified_n: int, served_answered: int, served_n: int) -> float:
-    """Fisher's exact two-sided p-value of equal answer rates in two samples (1.0 when either is empty)."""
-    if certified_n == 0 or served_n == 0:
-        return 1.0
-    from scipy.stats import fisher_exact  # scipy comes with scikit-learn; imported only here
+def _log_mixture_ratio(p: float, answered: int, n: int) -> float:
+    """log of the Beta(1, 1) mixture of Bernoulli likelihoods over the likelihood at rate p, for `answered` of `n`."""
+    from scipy.special import betaln, xlog1py, xlogy
 
-    table = [[certified_answered, certified_n - certified_answered], [served_answered, served_n - served_answered]]
-    return float(fisher_exact(table, alternative="two-sided").pvalue)
+    return float(betaln(1 + answered, 1 + n - answered) - xlogy(answered, p) - xlog1py(n - answered, -p))
+
+
+def rate_confidence_sequence(answered: int, n: int, level: float) -> tuple[float, float]:
+    """The rates p whose mixture ratio (`_log_mixture_ratio`) stays below 1 / level: an interval that holds the true
+    rate at every n at once with probability >= 1 - level (Ville's inequality), however often it is read."""
+    if n == 0:
+        return 0.0, 1.0
+    from scipy.optimize import brentq
+
+    bound = -math.log(level)
+    rate = answered / n  # the ratio is at most 1 here (the mixture never beats the maximum likelihood): inside
+
+    def edge(end: float) -> float:
+        if _log_mixture_ratio(end, answered, n) < bound:
+            return end
+        return brentq(lambda p: _log_mixture_ratio(p, answered, n) - bound, *sorted((rate, end)), xtol=1e-12)
+
+    return edge(0.0), edge(1.0)
+
+
+def rate_interval(answered: int, n: int, level: float) -> tuple[float, float]:
+    """The two-sided Clopper-Pearson interval of a rate, `answered` of `n`, at confidence 1 - level."""
+    from scipy.stats import binomtest
+
+    ci = binomtest(answered, n).proportion_ci(confidence_level=1 - level, method="exact")
+    return float(ci.low), float(ci.high)
 
 
 class DecisionMonitor:
@@ -73,14 +99,20 @@ class DecisionMonitor:
         served = {fmt: {"answers": counts[True, fmt] + counts[False, fmt], "answered": counts[True, fmt]}
                   for fmt in FORMATS}
         inside = served["true"]
+        level = t.delta / 2  # each side's share: the alarm is false with probability <= delta
+        served_interval = rate_confidence_sequence(inside["answered"], inside["answers"], level)
+        certified_interval = rate_interval(certified_answered, t.n, level)
+        alarm = served_interval[1] < certified_interval[0] or certified_interval[1] < served_interval[0]
         return {"threshold_file": self.source,
                 "certified": {"threshold": t.threshold, "target_risk": t.target_risk, "delta": t.delta,
-                              "answers": t.n, "answered": certified_answered, "coverage": t.coverage},
+                              "answers": t.n, "answered": certified_answered, "coverage": t.coverage,
+                              "coverage_interval": list(certified_interval)},
                 "served": {fmt: {**s, "coverage": s["answered"] / s["answers"] if s["answers"] else None}
                            for fmt, s in served.items()},
-                "shift_p_value": shift_p_value(certified_answered, t.n, inside["answered"], inside["answers"]),
-                "shift_test": "Fisher's exact, two-sided: the certified answer rate against the served in-format "
-                              "one (one look)"}
+                "shift": {"alarm": alarm, "served_interval": list(served_interval),
+                          "test": f"the in-format answer rate's confidence sequence (every look) and the certified "
+                                  f"coverage's Clopper-Pearson interval, each at {1 - level:g}: disjoint raises "
+                                  f"the alarm, false with probability <= delta ({t.delta:g})"}}
 
     def collector(self) -> "MonitorCollector":
         """A Prometheus collector of these counts (register it in a `prometheus_client` registry)."""
@@ -115,8 +147,9 @@ class MonitorCollector:
         for name, (text, key) in gauges.items():
             if certified[key] is not None:
                 yield GaugeMetricFamily(name, text, value=certified[key])
-        yield GaugeMetricFamily("ats_coverage_shift_p_value", "Fisher's exact two-sided p-value of the served "
-                                "in-format answer rate against the certified one", value=report["shift_p_value"])
+        yield GaugeMetricFamily("ats_coverage_shift_alarm", "1 when the served in-format answer rate is not the "
+                                "certified one (at every look, false with probability <= delta)",
+                                value=float(report["shift"]["alarm"]))
 
 
 _DEFAULT_COLLECTOR: MonitorCollector | None = None
