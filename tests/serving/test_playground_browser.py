@@ -155,6 +155,14 @@ def test_the_page_asks_for_certified_answers_by_default(served, browser):
     ask(browser, "Name a colour.", 1, None)
     assert browser.find_element("id", "verdict").get_attribute("data-certified-format") == "true"
     assert browser.find_elements("id", "outside-certificate") == []
+    # the server's count of its decisions, read after the answer: as GET /v1/ats/monitor reports it now
+    report = httpx.get(served.url + "/v1/ats/monitor", headers=served.headers(), timeout=10).json()
+    monitor = browser.find_element("id", "monitor")
+    inside = report["served"]["true"]
+    assert inside["answers"] >= 1 and monitor.get_attribute("data-answers") == str(inside["answers"])
+    assert monitor.get_attribute("data-answered") == str(inside["answered"])
+    assert monitor.get_attribute("data-alarm") == str(report["shift"]["alarm"]).lower()
+    assert f"{100 * report['certified']['coverage']:.1f}%" in monitor.text
     _open(browser, served)
 
 

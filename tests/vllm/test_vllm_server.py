@@ -237,6 +237,13 @@ def test_the_page_shows_what_vllm_returns(vllm_server, browser):
     assert float(verdict.get_attribute("data-answer-confidence")) == pytest.approx(ats["answer_confidence"], abs=1e-9)
     assert verdict.get_attribute("data-certified-format") == str(ats["certified_format"]).lower() == "false"
     assert ats["outside_certificate"] in browser.find_element("id", "outside-certificate").text
+    # the server's count of its decisions, read by the page from the middleware (both answers above are outside the
+    # certified format, so the in-format count the page read is still the report's)
+    report = httpx.get(vllm_server.url + "/v1/ats/monitor", headers={"Authorization": f"Bearer {API_KEY}"},
+                       timeout=10).json()
+    monitor = browser.find_element("id", "monitor")
+    assert monitor.get_attribute("data-answers") == str(report["served"]["true"]["answers"])
+    assert monitor.get_attribute("data-alarm") == str(report["shift"]["alarm"]).lower()
     # what vLLM cannot show is disabled or hidden, each with its reason
     assert browser.find_element("css selector", "input[name=shade][value=raw]").get_attribute("disabled") is not None
     notes = {li.get_attribute("data-feature"): li.text for li in

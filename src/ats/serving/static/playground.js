@@ -16,6 +16,7 @@ const state = {
   messages: [], // the chat so far, as sent to /v1/chat/completions
   turns: [], // assistant answers: {tokens, promptIds, byCal, spans, answerEl, cursor}
   controller: null,
+  monitor: null, // GET /v1/ats/monitor after the last answer: the served certificate's decisions, counted
 };
 
 // --- small helpers -------------------------------------------------------------------------------------------------
@@ -266,6 +267,7 @@ async function send(text) {
     state.messages.push({ role: "assistant", content });
     turn.promptIds = tokenized ? (await tokenized).tokens : null;
     turn.done = true;
+    await readMonitor(turn.summary[info.served]);
     if (!state.unavailable.rescore) {
       setStatus("rescoring the tokens' alternatives…");
       await rescoreTurn(turn, info.served);
@@ -298,6 +300,30 @@ async function rescoreTurn(turn, calibratorId) {
 }
 
 // --- the verdict ---------------------------------------------------------------------------------------------------
+// The server's count of its decisions (GET /v1/ats/monitor, both servers): read after each answer it decided.
+async function readMonitor(summary) {
+  if (!summary || summary.answered === undefined) { state.monitor = null; return; }
+  try { state.monitor = await (await api("/v1/ats/monitor")).json(); }
+  catch (err) { state.monitor = null; if (err instanceof Unauthorized) throw err; }
+}
+
+function monitorWords(m) {
+  const served = m.served["true"], certified = m.certified, shift = m.shift;
+  const interval = (pair) => `${pct(pair[0])} to ${pct(pair[1])}`;
+  const counted = served.answers
+    ? `Since this server started it answered ${served.answered} of the ${served.answers} answers it made in the ` +
+      `certified format (${pct(served.coverage)}; its rate is within ${interval(shift.served_interval)}, an interval ` +
+      "that holds however often this is read); "
+    : "This server has made no answer in the certified format yet; ";
+  const verdict = shift.alarm
+    ? " The two disagree: the questions asked here are not answered as the certified ones were, so they are not " +
+      "drawn like them, and the guarantee does not cover them. Certify on questions like these."
+    : " No sign so far that the questions asked here differ from the certified ones (which does not prove they do " +
+      "not).";
+  return counted + `on the certification questions it answered ${pct(certified.coverage)} ` +
+    `(${interval(certified.coverage_interval)}).` + verdict;
+}
+
 function thresholdWords(t) {
   const risk = first(t, "target_risk", "alpha"), delta = t.delta;
   if (t.threshold === null || t.threshold === undefined) {
@@ -349,6 +375,12 @@ function renderVerdict() {
                     summary.outside_certificate, ". The decision holds only for answers made as the certified ones were."));
     }
     if (cal.threshold) parts.push(el("p", { class: "muted" }, thresholdWords(cal.threshold)));
+    const m = state.monitor;
+    if (m && state.calibrator === state.info.served) {
+      parts.push(el("p", { class: m.shift.alarm ? "outside" : "muted", id: "monitor",
+                           "data-alarm": String(m.shift.alarm), "data-answers": String(m.served["true"].answers),
+                           "data-answered": String(m.served["true"].answered) }, monitorWords(m)));
+    }
   }
   box.dataset.certifiedFormat = summary.certified_format === undefined ? "none" : String(summary.certified_format);
   const figures = [["answer confidence", conf, "answer-confidence"],
