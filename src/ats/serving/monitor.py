@@ -23,6 +23,8 @@ import math
 import threading
 from collections import Counter
 
+import numpy as np
+
 from ..evaluation.threshold import CertifiedThreshold
 
 MONITOR_PATH = "/v1/ats/monitor"  # the JSON report's route on both servers
@@ -34,15 +36,31 @@ def _format_label(ats: dict) -> str:
     return "unknown" if value is None else "true" if value else "false"
 
 
-def _log_mixture_ratio(p: float, answered: int, n: int) -> float:
-    """log of the Beta(1, 1) mixture of Bernoulli likelihoods over the likelihood at rate p, for `answered` of `n`."""
+def log_mixture_ratio(p, answered, n):
+    """log of the Beta(1, 1) mixture of Bernoulli likelihoods over the likelihood at rate p, for `answered` of `n`
+    (numbers or arrays, broadcast): the log-wealth whose bound makes the confidence sequence. Convex in p, least at
+    p = answered / n, where it is <= 0 (the mixture never beats the maximum likelihood)."""
     from scipy.special import betaln, xlog1py, xlogy
 
-    return float(betaln(1 + answered, 1 + n - answered) - xlogy(answered, p) - xlog1py(n - answered, -p))
+    return betaln(1 + answered, 1 + n - answered) - xlogy(answered, p) - xlog1py(n - answered, -p)
+
+
+def shift_alarm(answered, n, certified: tuple[float, float], level: float) -> np.ndarray:
+    """Whether the served rate's confidence sequence at `level` (`rate_confidence_sequence`) misses the certified
+    interval, for `answered` of `n` (arrays: one entry per look): the ratio is at least 1 / level all over the
+    interval, which, the ratio being convex with its least value at answered / n, is read at the interval's end
+    nearer to that rate. No answers, no alarm."""
+    answered, n = np.asarray(answered, dtype=np.float64), np.asarray(n, dtype=np.float64)
+    low, high = certified
+    rate = answered / np.maximum(n, 1.0)
+    nearer = np.clip(rate, low, high)
+    outside = (rate < low) | (rate > high)
+    with np.errstate(divide="ignore"):  # log 0 at an end of [0, 1]: an infinite ratio, read as such
+        return (n > 0) & outside & (log_mixture_ratio(nearer, answered, n) >= -math.log(level))
 
 
 def rate_confidence_sequence(answered: int, n: int, level: float) -> tuple[float, float]:
-    """The rates p whose mixture ratio (`_log_mixture_ratio`) stays below 1 / level: an interval that holds the true
+    """The rates p whose mixture ratio (`log_mixture_ratio`) stays below 1 / level: an interval that holds the true
     rate at every n at once with probability >= 1 - level (Ville's inequality), however often it is read."""
     if n == 0:
         return 0.0, 1.0
@@ -52,9 +70,9 @@ def rate_confidence_sequence(answered: int, n: int, level: float) -> tuple[float
     rate = answered / n  # the ratio is at most 1 here (the mixture never beats the maximum likelihood): inside
 
     def edge(end: float) -> float:
-        if _log_mixture_ratio(end, answered, n) < bound:
+        if log_mixture_ratio(end, answered, n) < bound:
             return end
-        return brentq(lambda p: _log_mixture_ratio(p, answered, n) - bound, *sorted((rate, end)), xtol=1e-12)
+        return brentq(lambda p: log_mixture_ratio(p, answered, n) - bound, *sorted((rate, end)), xtol=1e-12)
 
     return edge(0.0), edge(1.0)
 
@@ -102,7 +120,7 @@ class DecisionMonitor:
         level = t.delta / 2  # each side's share: the alarm is false with probability <= delta
         served_interval = rate_confidence_sequence(inside["answered"], inside["answers"], level)
         certified_interval = rate_interval(certified_answered, t.n, level)
-        alarm = served_interval[1] < certified_interval[0] or certified_interval[1] < served_interval[0]
+        alarm = bool(shift_alarm(inside["answered"], inside["answers"], certified_interval, level))
         return {"threshold_file": self.source,
                 "certified": {"threshold": t.threshold, "target_risk": t.target_risk, "delta": t.delta,
                               "answers": t.n, "answered": certified_answered, "coverage": t.coverage,
