@@ -49,7 +49,8 @@ def add_parser(sub) -> None:
     options.add_number(p, "--max-model-len", int, check_positive_int, default=None,
                        help="prompt + new tokens limit (default: the model's context length)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $ATS_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and the "
+                        "playground page's files (default: $ATS_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     options.add_number(p, "--threads", int, check_positive_int, default=None,
                        help="torch CPU threads (default: torch's; --engine ats)")

@@ -472,7 +472,7 @@ async def _completion_stream(renderer: Renderer, run: Run, body: CompletionReque
 def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
                threshold: CertifiedThreshold | None = None, playground: Playground | None = None,
                certificate: Certificate | None = None) -> FastAPI:
-    """The app serving `engine` as model `model_name`; with `api_key`, every route but /health needs it.
+    """The app serving `engine` as model `model_name`; with `api_key`, every route but `OPEN_PATHS` needs it.
 
     Args:
         engine: the engine; started and stopped with the app.
