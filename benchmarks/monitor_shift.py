@@ -9,9 +9,9 @@ the certification mix, and how often it says so when they are.
    request (`served_answers`, greedy, 64 new tokens), its certification set (`ats certify`'s for the uncalibrated
    model: NQ-open and TriviaQA pool questions in turn), then three kinds of traffic: more questions of the same mix
    (disjoint from the certification ones: no shift), TruthfulQA questions (a reported set: nothing is tuned here,
-   the traffic only needs the model's confidence) and Alpaca-GPT4 instructions (an assistant's traffic). The
-   threshold is certified at the first target risk of `--target-risks` that certifies on the certification answers
-   (chosen on them alone). Each traffic set is replayed in 200 seeded orders through the alarm rule.
+   the traffic only needs the model's confidence) and Alpaca-GPT4 instructions (an assistant's traffic). A
+   threshold is certified at each target risk of `--target-risks` (every one reported, none chosen), and each
+   traffic set is replayed in 200 seeded orders through the alarm rule.
 
     ATS_DATA_DIR=../shared/data python benchmarks/monitor_shift.py --model qwen2.5-coder-1.5b-instruct
     python benchmarks/monitor_shift.py --simulation-only
@@ -124,34 +124,36 @@ def answer_sets(args) -> dict:
     return out
 
 
-def replay(args, sets: dict) -> dict:
-    """The threshold certified on the certification answers, and each traffic set replayed in seeded orders."""
+def replay(args, sets: dict) -> list[dict]:
+    """Per target risk of `--target-risks` that certifies on the certification answers: the threshold, and each
+    traffic set replayed in seeded orders through the alarm rule."""
     from ats.evaluation.threshold import certify_threshold
 
     cert = sets["certification"]
-    threshold = None
+    out = []
     for risk in args.target_risks:
         threshold = certify_threshold(cert["confidence"], cert["correct"], target_risk=risk, delta=DELTA)
-        if threshold.threshold is not None:
-            break
-    answered_n = round(threshold.coverage * threshold.n)
-    rows = []
-    rng = np.random.default_rng(1)
-    for name, s in sets.items():
-        if name == "certification":
+        if threshold.threshold is None:
+            out.append({"threshold": threshold.to_dict()})
             continue
-        decisions = threshold.answers(s["confidence"])  # (N,)
-        orders = np.stack([decisions[rng.permutation(decisions.size)] for _ in range(args.orders)])
-        first = first_alarms(orders, np.full(args.orders, answered_n), threshold.n)
-        row = {"traffic": name, "n": int(decisions.size), "answer_rate": float(decisions.mean()),
-               **delay_figures(first)}
-        if s["correct"] is not None:
-            row["accuracy"] = float(s["correct"].mean())
-            row["risk_answered"] = float(1 - s["correct"][decisions].mean()) if decisions.any() else None
-        rows.append(row)
-    return {"threshold": threshold.to_dict(), "certification_accuracy": float(cert["correct"].mean()),
-            "certified_interval": list(rate_interval(answered_n, threshold.n, LEVEL)), "traffic": rows,
-            "seconds": {name: s["seconds"] for name, s in sets.items()}}
+        answered_n = round(threshold.coverage * threshold.n)
+        rows = []
+        rng = np.random.default_rng(1)
+        for name, s in sets.items():
+            if name == "certification":
+                continue
+            decisions = threshold.answers(s["confidence"])  # (N,)
+            orders = np.stack([decisions[rng.permutation(decisions.size)] for _ in range(args.orders)])
+            first = first_alarms(orders, np.full(args.orders, answered_n), threshold.n)
+            row = {"traffic": name, "n": int(decisions.size), "answer_rate": float(decisions.mean()),
+                   **delay_figures(first)}
+            if s["correct"] is not None:
+                row["accuracy"] = float(s["correct"].mean())
+                row["risk_answered"] = float(1 - s["correct"][decisions].mean()) if decisions.any() else None
+            rows.append(row)
+        out.append({"threshold": threshold.to_dict(), "traffic": rows,
+                    "certified_interval": list(rate_interval(answered_n, threshold.n, LEVEL))})
+    return out
 
 
 def fmt(x, digits: int = 0) -> str:
@@ -172,18 +174,26 @@ def markdown(result: dict) -> str:
                               fmt(r["median"]), fmt(r["p90"])] for r in result["simulation"]], text_columns=0)]
     real = result.get("served")
     if real:
-        t = real["threshold"]
         lines += ["", f"## Served answers of {result['model']} (uncalibrated)", "",
-                  f"Certified on {t['n']} served answers (accuracy {real['certification_accuracy']:.3f}): threshold "
-                  f"{t['threshold']} at target risk {t['target_risk']}, delta {t['delta']}; coverage "
-                  f"{t['coverage']:.3f} (interval {real['certified_interval'][0]:.3f}-"
-                  f"{real['certified_interval'][1]:.3f} at {1 - LEVEL:g}). Each traffic set replayed in "
-                  f"{result['orders']} seeded orders.", "",
-                  markdown_table(["traffic", "answers", "answer rate", "orders alarmed", "answers to alarm: median",
-                                  "90th percentile", "accuracy", "error rate among answered"],
-                                 [[r["traffic"], r["n"], f"{r['answer_rate']:.3f}", f"{100 * r['alarmed']:.1f}%",
-                                   fmt(r["median"]), fmt(r["p90"]), fmt(r.get("accuracy"), 3),
-                                   fmt(r.get("risk_answered"), 3)] for r in real["traffic"]])]
+                  f"Certification: {real['n']} served answers, accuracy {real['accuracy']:.3f}. Each traffic set "
+                  f"replayed in {result['orders']} seeded orders through each threshold below.",
+                  "", "Seconds to answer each set: " + ", ".join(f"{k} {v:.0f}" for k, v in real["seconds"].items())
+                  + "."]
+        for block in real["thresholds"]:
+            t = block["threshold"]
+            if t["threshold"] is None:
+                lines += ["", f"### Target risk {t['target_risk']}: nothing certified (abstain always)"]
+                continue
+            low, high = block["certified_interval"]
+            lines += ["", f"### Target risk {t['target_risk']}: threshold {t['threshold']:.4f}, coverage "
+                      f"{t['coverage']:.3f} ({low:.3f}-{high:.3f} at {1 - LEVEL:g}), risk {t['risk']:.3f}, bound "
+                      f"{t['bound']:.3f}", "",
+                      markdown_table(["traffic", "answers", "answer rate", "orders alarmed",
+                                      "answers to alarm: median", "90th percentile", "accuracy",
+                                      "error rate among answered"],
+                                     [[r["traffic"], r["n"], f"{r['answer_rate']:.3f}", f"{100 * r['alarmed']:.1f}%",
+                                       fmt(r["median"]), fmt(r["p90"]), fmt(r.get("accuracy"), 3),
+                                       fmt(r.get("risk_answered"), 3)] for r in block["traffic"]])]
     return "\n".join(lines) + "\n"
 
 
@@ -205,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
               "simulation_looks": args.looks, "orders": args.orders, "model": args.model,
               "simulation": simulate(args.runs, args.looks, seed=0)}
     if not args.simulation_only:
-        result["served"] = replay(args, answer_sets(args))
+        sets = answer_sets(args)
+        cert = sets["certification"]
+        result["served"] = {"n": int(cert["confidence"].size), "accuracy": float(cert["correct"].mean()),
+                            "seconds": {name: s["seconds"] for name, s in sets.items()},
+                            "thresholds": replay(args, sets)}
     text = markdown(result)
     save_results(Path(args.out), result, text)
     print(text)
