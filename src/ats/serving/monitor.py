@@ -150,12 +150,13 @@ class MonitorCollector:
         if self.monitor is None:
             return
 
+        report = self.monitor.report()  # one snapshot: the counter and the alarm read the same counts
         answers = CounterMetricFamily("ats_answers", "Answers decided against the certified threshold",
                                       labels=["answered", "certified_format"])
-        for (answered, fmt), n in self.monitor.counts().items():
-            answers.add_metric(["true" if answered else "false", fmt], n)
+        for fmt, served in report["served"].items():
+            answers.add_metric(["true", fmt], served["answered"])
+            answers.add_metric(["false", fmt], served["answers"] - served["answered"])
         yield answers
-        report = self.monitor.report()
         certified = report["certified"]
         gauges = {"ats_certified_coverage": ("Fraction of the certification answers answered", "coverage"),
                   "ats_certified_answers": ("Labelled answers the threshold was certified on", "answers"),
