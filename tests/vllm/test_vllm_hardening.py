@@ -6,6 +6,7 @@ check of `ats serve --engine vllm` (numbers by hand)."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from ats.integrations.vllm.compat import (
     check_version,
     setup_refusal,
     supported_range,
+    unavailable_reason,
     version_refusal,
 )
 from ats.integrations.vllm.cpu import GIB, RUNTIME_BYTES, CPUSettings, check_memory, cpu_settings, weights_bytes
@@ -53,18 +55,24 @@ def test_version_refusal_names_the_installed_and_the_supported_versions(version,
         assert f"vLLM {version} is installed" in reason and "vllm>=0.32,<0.33" in reason and "\n" not in reason
 
 
-def test_plugin_registration_checks_the_version(monkeypatch):
+def test_plugin_outside_the_window_warns_and_only_an_export_is_refused(monkeypatch, caplog):
     import vllm
-
-    register()  # the installed vLLM is inside the window
+    from ats.integrations.vllm.model import ATSCalibratedForCausalLM
     from vllm import ModelRegistry
 
+    register()  # the installed vLLM is inside the window
     assert ARCHITECTURE in ModelRegistry.get_supported_archs()
     monkeypatch.setattr(vllm, "__version__", "0.34.1")
+    with caplog.at_level(logging.WARNING, logger="ats.integrations.vllm"):
+        register()  # the plugin runs in every vLLM process: raising would stop vLLM for every model
+    (record,) = [r for r in caplog.records if r.name == "ats.integrations.vllm"]
+    assert record.levelno == logging.WARNING and "\n" not in record.getMessage()
+    assert re.search(r"vLLM 0\.34\.1 is installed; .* supports vllm>=0\.32,<0\.33.*other models as usual",
+                     record.getMessage())
     with pytest.raises(ATSError, match=r"^vLLM 0\.34\.1 is installed; .* supports vllm>=0\.32,<0\.33"):
-        register()
-    monkeypatch.setenv(ANY_VERSION_ENV, "1")  # the user's choice to try it
-    register()
+        ATSCalibratedForCausalLM(vllm_config=None)  # the version is checked before the config is read
+    monkeypatch.setenv(ANY_VERSION_ENV, "1")  # the user's choice to try it: this vLLM's internals all check
+    assert unavailable_reason("0.34.1") is None
     check_version("0.34.1")
 
 
@@ -225,10 +233,13 @@ def test_serve_refuses_a_start_memory_cannot_hold(tiny_models, tmp_path, capsys,
     assert last.startswith("ats: error: VLLM_CPU_KVCACHE_SPACE=100000: vLLM needs about ")
 
 
-def test_thermometer_exports_refuse_an_fp8_kv_cache():
+def test_thermometer_exports_refuse_an_fp8_kv_cache_and_the_triton_free_cpu_runner():
     assert "kv cache dtype 'fp8'" in setup_refusal(kv_cache_dtype="fp8", per_prompt=True)
     assert setup_refusal(kv_cache_dtype="fp8") is None and setup_refusal(kv_cache_dtype="bfloat16", per_prompt=True) \
         is None
+    assert "vLLM's Triton-free CPU runner does not hand a model" in setup_refusal(per_prompt=True,
+                                                                                 standalone_cpu_runner=True)
+    assert setup_refusal(standalone_cpu_runner=True) is None  # per-token calibrators need no prompt lengths
 
 
 def test_float32_scale_of_a_bfloat16_logit_row():

@@ -285,9 +285,9 @@ def test_each_runner_hands_over_each_tokens_prompt_length():
     import numpy as np
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from ats.integrations.vllm.runner_patch import install, v2_model_state
+    from ats.integrations.vllm.runner_patch import v2_model_state, wrap_v1_runner
 
-    install()
+    wrap_v1_runner()  # what the calibrated model does when it is built with Thermometer
     want = [9, 9, 9, 9, 30, 2, 2]
     query_start_loc = np.array([0, 4, 5, 7, 7, 7], dtype=np.int32)  # padded past the 3 requests, as vLLM's is
     v1 = SimpleNamespace(model=_Model(), get_model=lambda: v1.model, lookback_token_ids=None, is_pooling_model=False,

@@ -35,5 +35,5 @@ def run(args) -> int:
     out = export_for_vllm(args.model, calibrator, args.out, revision=args.revision, copy=args.copy,
                           overwrite=args.overwrite)
     print(f"{args.model} calibrated by {args.calibrator} for vLLM: {out} (serve it: python -m "
-          f"vllm.entrypoints.openai.api_server --model {out})")
+          f"vllm.entrypoints.launchers.api_server.entry --model {out})")
     return 0

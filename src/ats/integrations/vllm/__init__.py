@@ -2,16 +2,21 @@
 model and the calibrator, its `compute_logits` returning calibrated logits (docs/vllm.md).
 
     ats export --engine vllm --model M --calibrator C OUT      # the folder (`export_for_vllm`)
-    python -m vllm.entrypoints.openai.api_server --model OUT   # or LLM(OUT), lm-eval --model vllm
+    python -m vllm.entrypoints.launchers.api_server.entry --model OUT   # or LLM(OUT), lm-eval --model vllm
     ats serve --engine vllm --model M --calibrator C           # both in one command
 
 Installing ats registers the calibrated architecture with vLLM: the entry point `vllm.general_plugins` calls
 `register` in every vLLM process, which names the class lazily (the module below imports vLLM only when vLLM loads
-it) after checking that this vLLM is one it supports (`compat`). vLLM's logits processors see logits only, never
+it). On a vLLM it does not support (`compat`) the plugin warns and vLLM serves other models as usual; loading a
+calibrated export there stops in one line. vLLM's logits processors see logits only, never
 hidden states, so the calibration lives in the model.
 """
 
 from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "ATSCalibratedForCausalLM"  # the `architectures` entry of an exported config.json
 CONFIG_KEY = "ats_calibration"  # the exported config.json's record: base architecture, calibrator folder, identity
@@ -19,22 +24,27 @@ CALIBRATOR_FOLDER = "calibrator"  # the calibrator inside an export, saved as `s
 
 
 def register() -> None:
-    """vLLM's plugin hook: check that this vLLM is one the calibrated model supports (`compat.SUPPORTED`: one line
-    naming the installed and the supported versions otherwise), install what Thermometer needs of vLLM's runners
-    and front end (`runner_patch`), then register the calibrated architecture (lazily, by module path).
+    """vLLM's plugin hook: on a vLLM the calibrated model supports (`compat.unavailable_reason`), install what
+    Thermometer needs of vLLM's front end (`runner_patch`); then register the calibrated architecture (lazily, by
+    module path).
 
-    Raises:
-        ATSError: a vLLM outside the supported window (vLLM stops at start with this line).
+    On any other vLLM it warns in one line and installs nothing: the plugin runs in every vLLM process of a Python
+    environment where ats is installed, so raising here would stop vLLM for every model, not only for ats's exports.
+    The architecture is registered all the same, so that loading an export stops with the reason (the model checks
+    the version first) rather than as an unknown architecture.
     """
     import vllm
     from vllm import ModelRegistry
 
-    from .compat import check_version
+    from .compat import unavailable_reason
 
-    check_version(vllm.__version__)
-    from .runner_patch import install
+    reason = unavailable_reason(vllm.__version__)
+    if reason is None:
+        from .runner_patch import install
 
-    install()  # each token's prompt length for Thermometer, and its refusal of prompt logprobs
+        install()  # the front end's refusal of prompt logprobs for Thermometer (the model hooks the runner)
+    else:
+        logger.warning("ats's calibrated model is not available: %s; vLLM serves other models as usual", reason)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "ats.integrations.vllm.model:ATSCalibratedForCausalLM")
 

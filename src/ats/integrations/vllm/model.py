@@ -38,11 +38,13 @@ from torch import Tensor, nn
 from vllm.config import VllmConfig
 from vllm.model_executor.models import ModelRegistry
 
+import vllm
+
 from ...calibrators import Calibrator, load_calibrator
 from ...errors import ATSError
 from ...hub import resolve_folder
 from . import CONFIG_KEY
-from .compat import check_vllm_config
+from .compat import check_version, check_vllm_config
 from .export import check_engine_calibrator, head_route
 
 
@@ -80,6 +82,7 @@ class ATSCalibratedForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
+        check_version(vllm.__version__)  # the plugin only warns on a vLLM it does not support: an export stops here
         check_vllm_config(vllm_config)
         hf_config = vllm_config.model_config.hf_config
         record = getattr(hf_config, CONFIG_KEY, None)
@@ -121,7 +124,7 @@ class ATSCalibratedForCausalLM(nn.Module):
         from vllm.compilation.backends import set_model_tag
 
         from .prompt_temperature import PagedPromptTemperature
-        from .runner_patch import v2_model_state
+        from .runner_patch import v2_model_state, wrap_v1_runner
 
         device = torch.get_default_device()
         self.calibrator.to(device)
@@ -131,6 +134,7 @@ class ATSCalibratedForCausalLM(nn.Module):
         size = vllm_config.scheduler_config.max_num_batched_tokens  # as the runners size their input_ids buffers
         self.register_buffer("prompt_lens", torch.zeros(size, dtype=torch.int32, device=device), persistent=False)
         self.needs_prompt_lens = True
+        wrap_v1_runner()  # the V1 runner, building this model, hands the lengths every step from now on
         self.get_model_state_cls = v2_model_state  # the V2 runner asks the model for its ModelState class
 
     def set_prompt_lens(self, lens: Tensor) -> None:

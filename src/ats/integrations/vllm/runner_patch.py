@@ -5,9 +5,9 @@ vLLM's model forward gets token ids and positions only. With prefix caching a fu
 one-token "prefill", preemption recomputes prompt + output as a prefill and chunked prefill splits prompts, so
 nothing in a step's shapes says where a prompt ends. Both model runners know it (per request, in batch order):
 
-- the V1 runner (`GPUModelRunner`, which vLLM's CPU runner extends): `input_batch.num_prompt_tokens`, with the
-  step's `query_start_loc`; `_init_model_kwargs`, which every step (and every dummy run) calls after the inputs
-  are prepared, is wrapped to hand the per-token lengths to the model;
+- the V1 runner (`GPUModelRunner`, which vLLM's CPU runner extends; gone in vLLM 0.34):
+  `input_batch.num_prompt_tokens`, with the step's `query_start_loc`; `_init_model_kwargs`, which every step (and
+  every dummy run) calls after the inputs are prepared, is wrapped to hand the per-token lengths to the model;
 - the V2 runner (`vllm.v1.worker.gpu`): `req_states.prompt_len`; a model may name its own `ModelState`
   (`get_model_state_cls`), whose `prepare_inputs` runs every step: `v2_model_state` extends the default one.
 
@@ -16,7 +16,9 @@ graphs replay on it. Prompt logprobs are refused in the front end (`InputProcess
 causal layer cannot give rows before the prompt's end the temperature read there, which `ats serve` gives echoed
 prompt tokens, nor the one lm-eval's `vllm` model would need (the context's end, inside its one prompt).
 
-Installed by `register` (the plugin hook, in every vLLM process) for the versions `compat.SUPPORTED` names; each
+The front end's wrapper is installed by `register` (the plugin hook, in every vLLM process) for the versions
+`compat.SUPPORTED` names; the V1 runner's by the calibrated model that needs it, when it is built (in the worker,
+whose runner is building it), so that a vLLM process serving anything else never imports the runner for ats. Each
 wrapper acts only for a calibrated model that asks for it (`needs_prompt_lens`) or an export whose record says so
 (`per_prompt`), and is the original call otherwise.
 """
@@ -48,9 +50,14 @@ def token_prompt_lens(query_start_loc: np.ndarray, prompt_lens: np.ndarray) -> t
     return torch.from_numpy(np.repeat(prompt_lens.astype(np.int32), counts))
 
 
-def _wrap_v1_runner() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+def wrap_v1_runner() -> None:
+    """Wrap the V1 runner's `_init_model_kwargs` to hand the model each token's prompt length (once per process;
+    nothing on a vLLM without V1)."""
+    from .surface import locate
 
+    GPUModelRunner = locate("GPUModelRunner", required=False)  # noqa: N806 (vLLM 0.34 has only the V2 runner)
+    if GPUModelRunner is None:
+        return
     original = GPUModelRunner._init_model_kwargs
     if getattr(original, "_ats", False):
         return
@@ -105,6 +112,5 @@ def _wrap_input_processor() -> None:
 
 
 def install() -> None:
-    """Wrap the V1 runner's `_init_model_kwargs` and the front end's `_validate_params` (once per process)."""
-    _wrap_v1_runner()
+    """Wrap the front end's `_validate_params` (once per process): the plugin's part."""
     _wrap_input_processor()

@@ -1,8 +1,8 @@
 """`ats serve --engine vllm`: vLLM's own OpenAI-compatible server on an export of the model and calibrator, made on
 the fly under the cache and reused while they are the same (`export_for_vllm`'s fingerprint).
 
-The server is vLLM's (`python -m vllm.entrypoints.openai.api_server`; the `vllm` script is not used because vLLM
-built for CPUs installs under another distribution name and the script fails there): its logprobs and
+The server is vLLM's (`python -m vllm.entrypoints.launchers.api_server.entry`; the `vllm` script is not used
+because vLLM built for CPUs installs under another distribution name and the script fails there): its logprobs and
 top_logprobs are the calibrated ones, its sampling temperature applies on top. ats's layer in it
 (`middleware.ATSMiddleware`, vLLM's `--middleware`) adds each choice's `ats` decision fields (answer confidence,
 answered, threshold, target risk, delta, whether the request is in the certified format), plain and streamed,
@@ -33,7 +33,7 @@ from .middleware import EXPORT_ENV, MODEL_NAME_ENV
 
 logger = logging.getLogger(__name__)
 
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"  # vLLM's server (its openai.api_server is deprecated)
 MIDDLEWARE = "ats.integrations.vllm.middleware.ATSMiddleware"
 
 
@@ -46,8 +46,11 @@ def given_options(argv: Sequence[str]) -> dict:
     """
     import argparse
 
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from .surface import locate
+
+    make_arg_parser = locate("make_arg_parser")  # moved to vllm.entrypoints.common in 0.33
 
     def refuse(message: str):
         raise ATSError(f"vLLM's options: {message}")
