@@ -259,3 +259,15 @@ def test_engine_refuses_a_setup_before_building_the_model(tiny_models, tmp_path)
     with pytest.raises(AssertionError, match=r"ATSError: .*export: LoRA adapters: the calibrator was trained"):
         run_vllm([{"model": str(export), "engine": {"enable_lora": True, "max_model_len": 512}, "rounds": []}],
                  tmp_path)
+
+
+def test_the_plugin_imports_no_model_runner():
+    """`register` runs in every vLLM process (the API server's too) for every model: it must not import the runner
+    (0.9 s here); a Thermometer export hooks the V1 runner when the worker builds it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, vllm\nfrom ats.integrations.vllm import register\nregister()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('vllm') and 'model_runner' in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
