@@ -128,6 +128,11 @@ SERVER_OPTIONS = ("middleware", "served_model_name", "host", "port", "dtype", "m
                   "speculative_config", "spec_method", "kv_cache_memory_bytes")  # the dests ats sets or reads
 
 
+def _error_line(error: Exception) -> str:
+    """"Type: the message's first line"."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
 def _resolve(place: str):
     """The object at "module:Qualified.name" (the module for "module:"); raises ImportError or AttributeError."""
     module_name, _, qualname = place.partition(":")
@@ -143,12 +148,13 @@ def _find(internal: Internal):
     for place in internal.where:
         try:
             return place, _resolve(place)
-        except (ImportError, AttributeError) as error:
-            why = f"{type(error).__name__}: {error}"
+        except Exception as error:  # noqa: BLE001 (a vLLM module may fail to import in any way: that is the finding)
+            why = _error_line(error)
     return None, why
 
 
 def _source(obj) -> str:
+    """The source of a module, class or function (of an object: its class's), or "" where Python has none."""
     try:
         return inspect.getsource(obj if inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj) else type(obj))
     except (OSError, TypeError):
@@ -166,6 +172,8 @@ def _holds(obj, name: str) -> bool:
 
 
 def _signature_problem(obj, params: tuple[str, ...]) -> str | None:
+    """What keeps ats's call with `params` from working on `obj`'s signature (a missing or a new required
+    parameter), or None."""
     try:
         signature = inspect.signature(obj)
     except (TypeError, ValueError):
@@ -197,10 +205,13 @@ def check(internal: Internal) -> tuple[str | None, str | None]:
 
 def server_option_problems() -> list[str]:
     """The server options ats sets or reads that vLLM's own parser no longer has (one line each)."""
-    parser_maker = locate("make_arg_parser")
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    dests = {action.dest for action in parser_maker(FlexibleArgumentParser(prog="vllm"))._actions}
+        parser = locate("make_arg_parser")(FlexibleArgumentParser(prog="vllm"))
+    except Exception as error:  # noqa: BLE001 (whatever stops vLLM's parser stops ats serve --engine vllm)
+        return [f"vLLM's server options could not be read ({_error_line(error)})"]
+    dests = {action.dest for action in parser._actions}
     return [f"vLLM's server has no option {name!r} (ats serve --engine vllm sets or reads it)"
             for name in SERVER_OPTIONS if name not in dests]
 
