@@ -50,6 +50,8 @@ def test_missing_calibrator_folder_and_bad_mc_file(tmp_path, capsys):
     (["train", "--lr", "0"], "lr: expected a number > 0, got 0.0"),
     (["train", "--head", "linear", "--batch-size", "6", "--micro-batch-size", "4"], "multiple of micro_batch_size"),
     (["demo", "--size", "tiny"], "lacks mmlu/test.jsonl"),
+    (["eval", "--tasks", "mmlu", "--device", "bogus"], "--device 'bogus': not a device (cpu, cuda, cuda:1, mps, ...)"),
+    (["train", "--device", "cuda:7"], "--device cuda:7: this torch is built without CUDA; use --device cpu"),
 ])
 def test_bad_options_fail_before_the_model_loads_and_write_nothing(tmp_path, capsys, monkeypatch, argv, message):
     """The model given is a folder whose config.json is not JSON: had it been loaded first, the error would name it;

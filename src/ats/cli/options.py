@@ -78,10 +78,31 @@ def add_overwrite(p: argparse.ArgumentParser) -> None:
 
 
 def device(name: str | None) -> str:
-    """The device `name`, or None: "cuda" when available, else "cpu"."""
+    """The --device `name`, checked against this machine before anything loads; None: "cuda" when available, else
+    "cpu".
+
+    Raises:
+        ATSError: `name` is no device torch knows, or a CUDA / MPS device this machine does not have (one line).
+    """
     import torch
 
-    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(name)
+    except RuntimeError:
+        raise ATSError(f"--device {name!r}: not a device (cpu, cuda, cuda:1, mps, ...)") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+            raise ATSError(f"--device {name}: {why}; use --device cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise ATSError(f"--device {name}: this machine has {count} CUDA device{'s' * (count > 1)} "
+                           f"(cuda:0 to cuda:{count - 1})")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ATSError(f"--device {name}: MPS is not available here; use --device cpu")
+    return name
 
 
 def check_model(name: str) -> None:
