@@ -72,15 +72,36 @@ def read_json(path: str | Path):
         The parsed value.
 
     Raises:
-        ATSError: if the file is missing or not valid JSON (naming the file and line).
+        ATSError: if the file is missing, a folder, not UTF-8 or not valid JSON (naming the file and line).
     """
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ATSError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise ATSError(f"{path}: a folder, not a JSON file") from None
+    try:
+        return json.loads(_utf8(raw, path, raw.count(b"\n", 0, _first_bad_byte(raw)) + 1))
     except json.JSONDecodeError as err:
         raise ATSError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+
+
+def _first_bad_byte(raw: bytes) -> int:
+    """The offset of the first byte of `raw` that is not UTF-8 (len(raw) if none)."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return err.start
+    return len(raw)
+
+
+def _utf8(raw: bytes, path: Path, lineno: int) -> str:
+    """`raw` decoded as UTF-8, or ATSError naming the file, the line and the first byte that is not."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ATSError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x})") from None
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
@@ -93,11 +114,12 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
         (1-based line number, parsed object) for each non-blank line.
 
     Raises:
-        ATSError: on a line that is not valid JSON.
+        ATSError: on a line that is not UTF-8 or not valid JSON.
     """
     path = Path(path)
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _utf8(raw, path, lineno)
             if not line.strip():
                 continue
             try:

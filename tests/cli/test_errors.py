@@ -35,6 +35,33 @@ def test_cli_bad_data_file_names_line_and_writes_nothing(tmp_path, capsys):
     assert not out.exists() or not any(p.is_file() for p in out.rglob("*"))
 
 
+@pytest.mark.parametrize("name, content, line", [
+    ("data.jsonl", b'{"instruction": "a", "output": "b"}\n{"instruction": "caf\xe9", "output": "b"}\n', 2),
+    ("data.json", b'[{"instruction": "a",\n  "output": "\xff"}]', 2),
+])
+def test_cli_data_file_not_utf8_names_file_and_line(tmp_path, capsys, name, content, line):
+    data = tmp_path / name
+    data.write_bytes(content)
+    out = tmp_path / "run"
+    code, err = _run_cli(["train", "--data", str(data), "--out", str(out)], capsys)
+    bad = 0xE9 if name.endswith("l") else 0xFF
+    assert code == 2 and err == [f"ats: error: {data}:{line}: not UTF-8 text (byte 0x{bad:02x})"], err
+    assert not out.exists() or not any(p.is_file() for p in out.rglob("*"))
+
+
+def test_a_broken_official_config_is_named_not_taken_for_a_missing_calibrator(tmp_path, capsys):
+    folder = tmp_path / "official"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"calibration_type": "transformer",')
+    code, err = _run_cli(["convert", str(folder), str(tmp_path / "out")], capsys)
+    assert code == 2 and err == [f"ats: error: {folder / 'config.json'}:1: invalid JSON (Expecting property name "
+                                 f"enclosed in double quotes)"], err
+    (folder / "config.json").unlink()
+    (folder / "config.json").mkdir()  # a folder named config.json is no official layout
+    code, err = _run_cli(["convert", str(folder), str(tmp_path / "out")], capsys)
+    assert code == 2 and len(err) == 1 and "calibrator_config.json" in err[0], err  # not a file: no official layout
+
+
 def test_missing_calibrator_folder_and_bad_mc_file(tmp_path, capsys):
     bad = tmp_path / "q.jsonl"
     bad.write_text('{"question": "2+2?", "choices": ["3", "4"], "answer": 5}\n')

@@ -17,13 +17,13 @@ Saved, it is an ordinary calibrator folder of type "ats-official" (`load_calibra
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import ATSError
+from ..io import read_json
 from ..model.backbone import Backbone
 from ..model.heads import HeadConfig
 from ..model.heads.config import MAX_SCALE  # the official max_temperature (not in config.json, never changed)
@@ -59,10 +59,7 @@ def read_official_config(directory: Path) -> dict:
             state, normalised logits, a missing or non-integer size.
     """
     path = directory / OFFICIAL_CONFIG
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as err:
-        raise ATSError(f"{path}: not valid JSON ({err})") from None
+    config = read_json(path)
     where = str(path)
     if not isinstance(config, dict):
         raise ATSError(f"{where}: expected a JSON object, got {type(config).__name__}")

@@ -43,12 +43,10 @@ def saved_type(directory: Path) -> str:
         ATSError: if the folder has neither config (a run folder is named as such), or its calibrator_config.json
             is not a JSON object.
     """
-    if not (directory / CONFIG_NAME).exists():
-        try:
-            if "calibration_type" in json.loads((directory / OFFICIAL_CONFIG).read_text()):
-                return OFFICIAL_LAYOUT
-        except (OSError, ValueError, TypeError):
-            pass
+    if not (directory / CONFIG_NAME).exists() and (directory / OFFICIAL_CONFIG).is_file():
+        official = read_json(directory / OFFICIAL_CONFIG)  # a broken one is named, not taken for a missing config
+        if isinstance(official, dict) and "calibration_type" in official:
+            return OFFICIAL_LAYOUT
     return read_config(directory).get("type")
 
 

@@ -10,7 +10,6 @@ response, and -100 elsewhere (the prompt is context, not a prediction target).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..config import ConfigMixin, option
 from ..errors import ATSError
-from ..io import read_jsonl
+from ..io import read_json, read_jsonl
 from ..model.labels import IGNORE_INDEX
 from ..sources import data_dir, local_file
 
@@ -105,10 +104,7 @@ def read_instruction_file(path: str | Path) -> list[Instruction]:
     if path.suffix == ".jsonl":
         records = [_check_record(obj, f"{path}:{lineno}") for lineno, obj in read_jsonl(path)]
     else:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise ATSError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+        data = read_json(path)
         if not isinstance(data, list):
             raise ATSError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
         records = [_check_record(obj, f"{path}: record {i}") for i, obj in enumerate(data)]
