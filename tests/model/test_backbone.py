@@ -1,6 +1,8 @@
 """The real embedded models (SmolLM2, Gemma 3 270M): load offline from their GGUF wheels; logits == the output layer
 of the final hidden state; a second load reads the cached model folder."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -64,3 +66,32 @@ def test_unknown_inputs_are_refused(tmp_path):
         load_backbone(str(tmp_path / "empty"))
     with pytest.raises(ATSError, match="dtype"):
         load_backbone("smollm2-135m-instruct", dtype="float8")
+
+
+def test_broken_model_folders_are_one_line(tmp_path, tiny_backbone):
+    """A model folder saved here, then broken as users break them: each load fails in one line naming the folder
+    and what is wrong."""
+    import json
+
+    good = tmp_path / "good"
+    tiny_backbone.model.save_pretrained(good)
+    tiny_backbone.tokenizer.save_pretrained(good)
+    assert load_backbone(str(good)).vocab_size == tiny_backbone.vocab_size
+    with pytest.raises(ATSError, match=r"config\.json: a file, not a model folder or a \.gguf file$"):
+        load_backbone(str(good / "config.json"))
+
+    typed = tmp_path / "typed"
+    shutil.copytree(good, typed)
+    config = json.loads((typed / "config.json").read_text())
+    (typed / "config.json").write_text(json.dumps({**config, "hidden_size": "abc"}))
+    with pytest.raises(ATSError) as err:
+        load_backbone(str(typed))
+    assert str(err.value).startswith(f"{typed}: cannot load the model (") and "hidden_size" in str(err.value)
+    assert "'abc'" in str(err.value) and "\n" not in str(err.value)
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:500])
+    with pytest.raises(ATSError, match=r"truncated: cannot load the model \(.*header"):
+        load_backbone(str(truncated))

@@ -119,6 +119,8 @@ def check_model(name: str) -> None:
         if not path.exists():
             raise ATSError(f"--model {name}: no such file or folder (and not an embedded model: "
                            f"{', '.join(EMBEDDED_MODELS)})")
+        if path.is_file() and path.suffix != ".gguf":
+            raise ATSError(f"--model {name}: a file, not a model folder or a .gguf file")
         if path.is_dir() and not (path / "config.json").is_file():
             raise ATSError(f"--model {name}: not a model folder (no config.json)")
         return

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -391,15 +393,19 @@ def load_backbone(
         model, tokenizer, rev = _load_gguf(path, torch_dtype)
         name = path.name
     else:
+        if path.is_file():
+            raise ATSError(f"{path}: a file, not a model folder or a .gguf file")
         if path.exists() and not (path / "config.json").is_file():
             raise ATSError(f"{path}: not a model folder (no config.json)")
         kwargs = dict(revision=revision, trust_remote_code=trust_remote_code)
         try:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
-        except (OSError, ValueError) as err:  # not found locally or on the Hub, no network, a broken folder
-            first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-            raise ATSError(f"{name_or_path}: cannot load the model ({first})") from None
+        except (OSError, ValueError, TypeError, SafetensorError, StrictDataclassError) as err:  # not found
+            # locally or on the Hub, no network, a broken folder: a config.json value of the wrong type, truncated
+            # weights
+            said = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+            raise ATSError(f"{name_or_path}: cannot load the model ({said[:300]})") from None
         name = name_or_path
         rev = revision_of(model, revision)
     if device is not None:
