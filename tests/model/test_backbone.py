@@ -95,3 +95,25 @@ def test_broken_model_folders_are_one_line(tmp_path, tiny_backbone):
     weights.write_bytes(weights.read_bytes()[:500])
     with pytest.raises(ATSError, match=r"truncated: cannot load the model \(.*header"):
         load_backbone(str(truncated))
+
+
+def test_a_local_folder_is_the_same_model_however_its_path_is_written(tmp_path, tiny_backbone, monkeypatch):
+    """A calibrator made on `art/model` from one folder applies to the same folder named absolutely, or relatively
+    from another folder (the record holds the absolute path)."""
+    from helpers import calibrator_for
+
+    folder = tmp_path / "art" / "model"
+    tiny_backbone.model.save_pretrained(folder)
+    tiny_backbone.tokenizer.save_pretrained(folder)
+    monkeypatch.chdir(tmp_path)
+    relative = load_backbone("art/model")
+    assert relative.name == str(folder.resolve())
+    calibrator = calibrator_for(relative, head_type="linear")
+    assert calibrator.config_.base_model == str(folder.resolve())
+    monkeypatch.chdir(tmp_path / "art")
+    for written in ("model", "./model/", str(folder), "../art/model"):
+        calibrator.check_backbone(load_backbone(written))  # no ATSError
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    with pytest.raises(ATSError, match="calibrator was trained for base model"):
+        calibrator.check_backbone(load_backbone(str(other)))

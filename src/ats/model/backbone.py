@@ -238,7 +238,8 @@ class Backbone:
     Args:
         model: the causal LM; put in eval mode with gradients off.
         tokenizer: its tokenizer; without a pad token, eos pads.
-        name: the model's name, recorded by calibrators.
+        name: the model's name, recorded by calibrators (`load_backbone`: the embedded name, the .gguf file's name, a
+            local folder's absolute path or the Hub id).
         revision: the model's revision, recorded by calibrators.
         softcap: ignored: set from the model config's `final_logit_softcapping` (None: no softcap).
     """
@@ -393,20 +394,24 @@ def load_backbone(
         model, tokenizer, rev = _load_gguf(path, torch_dtype)
         name = path.name
     else:
+        path = path.expanduser()
         if path.is_file():
             raise ATSError(f"{path}: a file, not a model folder or a .gguf file")
         if path.exists() and not (path / "config.json").is_file():
             raise ATSError(f"{path}: not a model folder (no config.json)")
+        # a local folder is known by its absolute path: the same model, and the same name in every record that
+        # checks it (calibrators, features, thresholds), from any working folder and however the path was written
+        source = str(path.resolve()) if path.is_dir() else name_or_path
         kwargs = dict(revision=revision, trust_remote_code=trust_remote_code)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
         except (OSError, ValueError, TypeError, SafetensorError, StrictDataclassError) as err:  # not found
             # locally or on the Hub, no network, a broken folder: a config.json value of the wrong type, truncated
             # weights
             said = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
             raise ATSError(f"{name_or_path}: cannot load the model ({said[:300]})") from None
-        name = name_or_path
+        name = source
         rev = revision_of(model, revision)
     if device is not None:
         model.to(device)
