@@ -78,3 +78,11 @@ def check_choice(field: str, value, choices: Sequence) -> object:
     if value not in choices:
         raise ATSError(f"{field}: unknown value {value!r}; known: {', '.join(map(str, choices))}")
     return value
+
+
+def check_nonempty(field: str, value) -> str:
+    """`value` if it is a string with more than blanks in it; else `ATSError` naming `field` (an empty path would
+    name the working folder, an empty list of names nothing)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ATSError(f"{field}: expected a non-empty value, got {value!r}")
+    return value

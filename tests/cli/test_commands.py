@@ -113,3 +113,14 @@ def test_demo_tiny_runs_end_to_end(model_dir, tmp_path, capsys):
     assert list(blocks(printed.split("Task-level calibration")[1].split("Paired differences")[0])) == [
         "MMLU", "TriviaQA", "TruthfulQA MC1"]
     assert (out / "eval" / "figures" / "mmlu.png").stat().st_size > 0
+
+
+def test_eval_refuses_a_reference_that_is_no_method_before_evaluating(model_dir, tmp_path, capsys):
+    out = tmp_path / "eval"
+    code = main(["-q", "eval", "--model", str(model_dir), "--calibrator", "none,temperature", "--tasks", "mmlu",
+                 "--task-limit", "1", "--reference", "temperature", "--reference", "platt", *TINY_DATA,
+                 "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["ats: error: --reference 'platt': not a method of this evaluation "
+                                 "(uncalibrated, temperature)"], err
+    assert not out.exists()

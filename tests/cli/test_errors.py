@@ -78,6 +78,12 @@ def test_missing_calibrator_folder_and_bad_mc_file(tmp_path, capsys):
     (["train", "--head", "linear", "--batch-size", "6", "--micro-batch-size", "4"], "multiple of micro_batch_size"),
     (["demo", "--size", "tiny"], "lacks mmlu/test.jsonl"),
     (["eval", "--tasks", "mmlu", "--device", "bogus"], "--device 'bogus': not a device (cpu, cuda, cuda:1, mps, ...)"),
+    (["eval", "--tasks", ""], "--tasks '': no names given"),
+    (["eval", "--tasks", " , "], "--tasks ' , ': no names given"),
+    (["eval", "--tasks", "mmlu", "--calibrator", " "], "--calibrator: expected a non-empty value, got ' '"),
+    (["eval", "--tasks", "mmlu", "--task-limit", "0"], "--task-limit: expected a positive integer, got 0"),
+    (["ablate", "--task-limit", "-3"], "--task-limit: expected a positive integer, got -3"),
+    (["certify", "--calibrator", ""], "--calibrator: expected a non-empty value, got ''"),
     (["train", "--device", "cuda:7"], "--device cuda:7: this torch is built without CUDA; use --device cpu"),
 ])
 def test_bad_options_fail_before_the_model_loads_and_write_nothing(tmp_path, capsys, monkeypatch, argv, message):
@@ -95,3 +101,12 @@ def test_bad_options_fail_before_the_model_loads_and_write_nothing(tmp_path, cap
     code, err = _run_cli([*argv, *model, "--out", str(out)], capsys)
     assert code == 2 and len(err) == 1 and message in err[0] and "config.json" not in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "ablate"])
+def test_an_empty_out_is_refused_not_the_working_folder(tmp_path, capsys, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
+    code, err = _run_cli([command, "--tasks", "mmlu", "--out", ""] if command != "train" else
+                         [command, "--out", ""], capsys)
+    assert code == 2 and err == ["ats: error: --out: expected a non-empty value, got ''"], err
+    assert list(tmp_path.iterdir()) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..checks import check_positive_int
 from . import options
 
 
@@ -18,9 +19,11 @@ def add_parser(sub) -> None:
     options.add_training(p, exclude=("loss_type", "alpha"))
     p.add_argument("--ablations", default=",".join(ABLATIONS), help="comma-separated: " + ", ".join(ABLATIONS))
     p.add_argument("--tasks", default="mmlu,triviaqa,truthfulqa_mc1", help="comma-separated: " + ", ".join(KNOWN_SPECS))
-    p.add_argument("--task-limit", type=int, default=None, help="examples per task (MMLU: per subject)")
+    options.add_number(p, "--task-limit", int, check_positive_int, default=None,
+                       help="examples per task (MMLU: per subject)")
     options.add_overwrite(p)
-    p.add_argument("--out", required=True, help="ablation folder (heads, eval, tables, ablations.json, figure)")
+    p.add_argument("--out", type=options.nonempty("--out"), required=True,
+                   help="ablation folder (heads, eval, tables, ablations.json, figure)")
     p.set_defaults(run=run)
 
 
@@ -33,7 +36,7 @@ def run(args) -> int:
     out = Path(args.out)
     options.check_model(args.model)
     ablation_plan(args.ablations)
-    tasks = options.split_names([args.tasks], "")
+    tasks = options.split_names([args.tasks], "", option="--tasks")
     build_tasks(tasks, args.task_limit)  # task specs and files checked before the model loads
     data = options.data_config(args)
     training = options.training_config(args)

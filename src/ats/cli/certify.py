@@ -29,7 +29,8 @@ def add_parser(sub) -> None:
                                    "holds for questions drawn like those, asked alone and answered in that format, by "
                                    "this calibrator and backbone.")
     options.add_model(p)
-    p.add_argument("--calibrator", required=True, help="a saved calibrator folder (the threshold is saved in it)")
+    p.add_argument("--calibrator", type=options.nonempty("--calibrator"), required=True,
+                   help="a saved calibrator folder (the threshold is saved in it)")
     options.add_number(p, "--target-risk", float, UNIT, default=0.1,
                        help="the highest error rate allowed among answered questions (default: 0.1)")
     options.add_number(p, "--delta", float, UNIT, default=0.1,
@@ -63,7 +64,7 @@ def run(args) -> int:
         raise ATSError(f"--calibrator {args.calibrator}: a Hub id; the threshold is saved in the calibrator's folder, "
                        f"so make a local copy first (ats convert {args.calibrator} DIR)")
     folder = options.calibrator_folder(args.calibrator)
-    names = tuple(options.split_names([args.tasks], ""))
+    names = tuple(options.split_names([args.tasks], "", option="--tasks"))
     unknown = [n for n in names if n not in FREE_FORM]
     if unknown:
         raise ATSError(f"--tasks: unknown {', '.join(unknown)}; certified answers are free-form, of "

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checks import check_nonnegative_int
+from ..checks import check_nonnegative_int, check_positive_int
+from ..errors import ATSError
 from . import options
 
 
@@ -17,17 +18,18 @@ def add_parser(sub) -> None:
     options.add_model(p)
     options.add_data(p)
     options.add_training(p, exclude=("save_every",))
-    p.add_argument("--calibrator", action="append", default=None,
+    p.add_argument("--calibrator", type=options.nonempty("--calibrator"), action="append", default=None,
                    help="a saved calibrator folder, or a name to fit on --data: " + ", ".join(REGISTRY)
                         + " (repeatable or comma-separated; ATS-family names train with the head options)")
     p.add_argument("--tasks", default="mmlu,triviaqa,truthfulqa_mc1", help="comma-separated: " + ", ".join(KNOWN_SPECS))
-    p.add_argument("--task-limit", type=int, default=None, help="examples per task (MMLU: per subject)")
+    options.add_number(p, "--task-limit", int, check_positive_int, default=None,
+                       help="examples per task (MMLU: per subject)")
     options.add_number(p, "--bootstrap", int, check_nonnegative_int, default=0,
                        help="bootstrap resamples for confidence intervals and paired differences (e.g. 1000)")
     p.add_argument("--reference", action="append", default=None,
                    help="method(s) compared with every other by paired differences (default: ats)")
     options.add_overwrite(p)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=options.nonempty("--out"), required=True)
     p.set_defaults(run=run)
 
 
@@ -36,8 +38,8 @@ def run(args) -> int:
     from ..evaluation.tasks import build_task, resolve
 
     out = Path(args.out)
-    names = options.split_names(args.calibrator, "none")
-    specs = options.split_names([args.tasks], "")
+    names = options.split_names(args.calibrator, "none", option="--calibrator")
+    specs = options.split_names([args.tasks], "", option="--tasks")
     options.check_model(args.model)
     folders = options.calibrator_folders(names)
     for spec in specs:
@@ -58,6 +60,10 @@ def run(args) -> int:
             calibrator = options.load_calibrator_folder(folders[name], backbone)
             label = calibrator.label if calibrator.label not in calibrators else Path(name).name
             calibrators[label] = calibrator
+    known = [*calibrators, *to_fit]
+    unknown = [r for r in args.reference or () if r not in known]  # the default, ats, is skipped where absent
+    if unknown:
+        raise ATSError(f"--reference {unknown[0]!r}: not a method of this evaluation ({', '.join(known)})")
     if to_fit:
         train_store, val_store = prepare_features(backbone, args.features or out / "features", data,
                                                   overwrite=args.overwrite, progress=not args.quiet)

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("--engine", default="vllm", choices=ENGINES, help="the engine that will load OUT")
     options.add_model(p, loading=False)
     p.add_argument("--revision", default=None, help="the Hub revision of --model")
-    p.add_argument("--calibrator", required=True,
+    p.add_argument("--calibrator", type=options.nonempty("--calibrator"), required=True,
                    help="a saved calibrator folder or Hub id (ATS heads, the paper's released heads, the selective "
                         "controls, temperature or vector scaling), or 'none'")
     p.add_argument("--copy", action="store_true", help="copy the base model's files instead of linking them")

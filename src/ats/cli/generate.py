@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     """Add `ats generate` to `sub`, the sub-command parsers of `ats`."""
     p = sub.add_parser("generate", help="generate with calibrated per-token confidence")
     options.add_model(p)
-    p.add_argument("--calibrator", required=True,
+    p.add_argument("--calibrator", type=options.nonempty("--calibrator"), required=True,
                    help="a saved calibrator folder of any type (an ATS head such as runs/smol/head, temperature, "
                         "vector, binning, isotonic, Thermometer, ...), the paper's released head, a Hub id, or 'none' "
                         "(the model's own probabilities)")

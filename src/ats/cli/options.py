@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..checks import check_nonempty
 from ..config import OptionType
 from ..errors import ATSError
 from ..model.embedded import DEFAULT_MODEL, EMBEDDED_MODELS
@@ -69,6 +70,12 @@ def add_number(p, flag: str, kind: type, check: Callable[[str, int | float], int
     value)` (a validator of `ats.checks`) as argparse parses it, so a bad value fails at once (`OptionType`);
     `kwargs` go to `add_argument`."""
     p.add_argument(flag, type=OptionType(flag, kind, check), **kwargs)
+
+
+def nonempty(flag: str) -> OptionType:
+    """argparse's `type=` for a text option `flag` that must not be empty (`--out ''` would write into the working
+    folder, `--calibrator ''` read it as a calibrator)."""
+    return OptionType(flag, str, check_nonempty)
 
 
 def add_overwrite(p: argparse.ArgumentParser) -> None:
@@ -155,9 +162,16 @@ def training_config(args, **overrides) -> TrainingConfig:
     return TrainingConfig.from_args(args, **overrides)
 
 
-def split_names(values: list[str] | None, default: str) -> list[str]:
-    """Repeatable and comma-separated option `values` (None: `default`), split and stripped, in order."""
-    return [v.strip() for item in (values or [default]) for v in item.split(",") if v.strip()]
+def split_names(values: list[str] | None, default: str, *, option: str) -> list[str]:
+    """Repeatable and comma-separated option `values` (None: `default`), split and stripped, in order.
+
+    Raises:
+        ATSError: naming `option`, when no name is left (`--tasks ''`, `--tasks ,`).
+    """
+    names = [v.strip() for item in (values or [default]) for v in item.split(",") if v.strip()]
+    if not names:
+        raise ATSError(f"{option} {','.join(values or [default])!r}: no names given")
+    return names
 
 
 def calibrator_folder(name: str | Path) -> Path:

@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
                         "and reused (docs/vllm.md)")
     options.add_model(p)
     p.add_argument("--revision", default=None, help="the Hub revision of --model (--engine vllm)")
-    p.add_argument("--calibrator", required=True,
+    p.add_argument("--calibrator", type=options.nonempty("--calibrator"), required=True,
                    help="a saved calibrator folder of any type (ATS head, temperature, vector, binning, isotonic, "
                         "Thermometer, ...), the paper's released head, a Hub id, or 'none' to serve the model's own "
                         "probabilities (a baseline)")
