@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from ats.cli import main
+from ats.errors import ATSError
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ats"
 
@@ -110,3 +111,19 @@ def test_an_empty_out_is_refused_not_the_working_folder(tmp_path, capsys, monkey
                          [command, "--out", ""], capsys)
     assert code == 2 and err == ["ats: error: --out: expected a non-empty value, got ''"], err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_where_an_output_folder_belongs_is_named(tmp_path):
+    from ats.fingerprint import check_reuse
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(ATSError, match=rf"^{afile}: a file, not a vLLM export folder; choose another --out$"):
+        check_reuse(afile, "vLLM export", None, {"kind": "vllm-export"}, overwrite=False)
+    assert afile.read_text() == "mine"
+
+
+def test_certify_needs_a_calibrator_folder(capsys):
+    code, err = _run_cli(["certify", "--calibrator", "None"], capsys)
+    assert code == 2 and err == ["ats: error: --calibrator None: this command needs a saved calibrator folder (ats "
+                                 "train makes one)"], err

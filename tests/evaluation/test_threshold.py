@@ -230,3 +230,10 @@ def test_a_threshold_file_from_before_certificates_is_refused_with_the_way_out(t
     with pytest.raises(ATSError, match=rf"^{path}: missing key 'served' .*re-run ats certify --overwrite$"):
         read_certificate(tmp_path)
     assert read_certificate(tmp_path / "nowhere") is None
+
+
+def test_a_folder_where_threshold_json_belongs_is_named_not_taken_for_no_certificate(tmp_path):
+    assert read_certificate(tmp_path) is None  # no threshold.json: uncertified
+    (tmp_path / THRESHOLD_NAME).mkdir()
+    with pytest.raises(ATSError, match=rf"^{re.escape(str(tmp_path / THRESHOLD_NAME))}: a folder, not a JSON file$"):
+        read_certificate(tmp_path)

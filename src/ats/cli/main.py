@@ -64,6 +64,7 @@ def _configure_output(quiet: bool) -> None:
     library.setLevel(logging.WARNING if quiet else logging.INFO)
     if quiet:
         os.environ["TQDM_DISABLE"] = "1"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up notes, unless the user chose
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub / transformers load
         if "transformers" in sys.modules or "huggingface_hub" in sys.modules:  # loaded already (main() in-process)
             from transformers.utils import logging as hf_logging

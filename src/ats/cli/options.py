@@ -184,6 +184,8 @@ def calibrator_folder(name: str | Path) -> Path:
     from ..calibrators.saving import OFFICIAL_LAYOUT, saved_type
     from ..hub import resolve_folder
 
+    if str(name).strip().lower() == "none":
+        raise ATSError(f"--calibrator {name}: this command needs a saved calibrator folder (ats train makes one)")
     folder = resolve_folder(name)
     if saved_type(folder) == OFFICIAL_LAYOUT:
         from ..calibrators.official import read_official_config

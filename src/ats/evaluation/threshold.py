@@ -354,9 +354,9 @@ def read_certificate(folder) -> Certificate | None:
     from ..io import read_json
 
     path = Path(folder) / THRESHOLD_NAME
-    if not path.is_file():
+    if not path.exists():
         return None
-    record = read_json(path)
+    record = read_json(path)  # a folder in its place is named, not taken for no certificate
     if not isinstance(record, dict) or "threshold" not in record:
         raise ATSError(f"{path}: missing key 'threshold' (write it with ats certify)")
     threshold = CertifiedThreshold.from_dict(record["threshold"], where=f"{path}: threshold")
