@@ -127,3 +127,15 @@ def test_certify_needs_a_calibrator_folder(capsys):
     code, err = _run_cli(["certify", "--calibrator", "None"], capsys)
     assert code == 2 and err == ["ats: error: --calibrator None: this command needs a saved calibrator folder (ats "
                                  "train makes one)"], err
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_an_out_under_a_file_or_on_a_file_is_refused_as_parsed(tmp_path, capsys, command):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    extra = ["--tasks", "mmlu"] if command == "eval" else []
+    for out, message in ((afile, f"--out {afile}: a file, not a folder"),
+                         (afile / "run", f"--out {afile / 'run'}: {afile} is a file, not a folder")):
+        code, err = _run_cli([command, *extra, "--out", str(out)], capsys)
+        assert code == 2 and err == [f"ats: error: {message}"], err
+    assert afile.read_text() == "mine"

@@ -66,3 +66,15 @@ def test_bad_ats_model_arguments_are_refused_before_lm_eval_starts(tiny_folder, 
     err = capsys.readouterr().err.strip()
     assert err.startswith("ats: error: ") and message.format(tmp=tmp_path) in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_lm_evals_refusal_of_its_arguments_is_one_line(tiny_folder, tmp_path, capsys):
+    """lm-eval's own check of its arguments (here an unknown task, before any model loads) raises ValueError; the
+    CLI prints it as one line, as it prints its own."""
+    tasks = write_task(tmp_path / "tasks", toy_rows(4))
+    assert run_lm_eval(["--model", "ats", "--model_args", f"pretrained={tiny_folder},calibrator=none",
+                        "--include_path", str(tasks), "--tasks", f"{TASK},no_such_task_xyz", "--output_path",
+                        str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "ats: error: lm-eval: Tasks not found: no_such_task_xyz" and "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "out").exists()

@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
     options.add_number(p, "--task-limit", int, check_positive_int, default=None,
                        help="examples per task (MMLU: per subject)")
     options.add_overwrite(p)
-    p.add_argument("--out", type=options.nonempty("--out"), required=True,
+    p.add_argument("--out", type=options.out_folder("--out"), required=True,
                    help="ablation folder (heads, eval, tables, ablations.json, figure)")
     p.set_defaults(run=run)
 

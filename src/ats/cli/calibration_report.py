@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     p.add_argument("samples", nargs="+",
                    help="samples_<task>_<date>.jsonl files, or folders searched for them; two files of one task "
                         "are also compared question by question (paired bootstrap, first file minus the other)")
-    p.add_argument("--out", type=options.nonempty("--out"), default=None,
+    p.add_argument("--out", type=options.out_folder("--out"), default=None,
                    help="output folder (default: a `calibration` folder beside the first file)")
     p.add_argument("--label", action="append", default=None,
                    help="a name per file for the tables (repeatable, in file order; default: model and calibrator "

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     from ..workflows.configs import SIZES
 
     p = sub.add_parser("demo", help="the end-to-end demo on the embedded model and local data")
-    p.add_argument("--out", type=options.nonempty("--out"), default="runs/demo")
+    p.add_argument("--out", type=options.out_folder("--out"), default="runs/demo")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--size", default="demo", choices=list(SIZES),
                    help="tiny: a smoke run; demo: about 5.5 min where SmolLM2's forward pass runs at 830 tokens/s "

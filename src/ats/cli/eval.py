@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--reference", action="append", default=None,
                    help="method(s) compared with every other by paired differences (default: ats)")
     options.add_overwrite(p)
-    p.add_argument("--out", type=options.nonempty("--out"), required=True)
+    p.add_argument("--out", type=options.out_folder("--out"), required=True)
     p.set_defaults(run=run)
 
 

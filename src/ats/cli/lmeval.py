@@ -93,6 +93,14 @@ def new_sample_files(output_path: Path, since: float) -> list[Path]:
     return sorted(p for p in root.rglob("samples_*.jsonl") if p.stat().st_mtime >= since)
 
 
+def _raised_in(err: BaseException, folder: str) -> bool:
+    """Whether `err` was raised by code under `folder` (a path fragment such as "lm_eval/config/")."""
+    frame = err.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and folder in Path(frame.tb_frame.f_code.co_filename).as_posix()
+
+
 def run(args) -> int:
     """Run `ats lm-eval` with the parsed `args`; returns the exit code."""
     try:
@@ -116,6 +124,10 @@ def run(args) -> int:
     sys.argv = ["lm-eval", *argv]
     try:
         cli_evaluate()
+    except ValueError as err:  # lm-eval's refusal of its arguments (an unknown task, a bad seed): one line
+        if not _raised_in(err, "lm_eval/config/"):
+            raise
+        raise ATSError(f"lm-eval: {err}") from None
     finally:
         sys.argv = saved
         if known.model == "vllm":  # before exit, not from vLLM's exit hook (shut_down_engines)

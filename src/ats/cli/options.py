@@ -78,6 +78,24 @@ def nonempty(flag: str) -> OptionType:
     return OptionType(flag, str, check_nonempty)
 
 
+def _check_out_folder(flag: str, value: str) -> str:
+    """`value`, an output folder to be: not empty, not a file, under a folder (not under a file)."""
+    check_nonempty(flag, value)
+    path = Path(value).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ATSError(f"{flag} {value}: a file, not a folder")
+    above = next(p for p in path.parents if p.exists())
+    if not above.is_dir():
+        raise ATSError(f"{flag} {value}: {above} is a file, not a folder")
+    return value
+
+
+def out_folder(flag: str) -> OptionType:
+    """argparse's `type=` for an output folder option `flag` (`_check_out_folder`): checked as it is parsed, so that
+    nothing runs towards an output that cannot be written."""
+    return OptionType(flag, str, _check_out_folder)
+
+
 def add_overwrite(p: argparse.ArgumentParser) -> None:
     """Add --overwrite to parser `p`."""
     p.add_argument("--overwrite", action="store_true",

@@ -72,7 +72,7 @@ def add_parser(sub) -> None:
     options.add_number(g, "--token-weight", float, check_nonnegative_float, default=pool.token_weight,
                        help=f"weight of the '+tokens' term (default: {pool.token_weight})")
     options.add_overwrite(p)
-    p.add_argument("--out", type=options.nonempty("--out"), required=True,
+    p.add_argument("--out", type=options.out_folder("--out"), required=True,
                    help="run folder: answers (or features) in OUT/answers (OUT/features), "
                                                 "the head in OUT/head")
     p.set_defaults(run=run)
