@@ -82,26 +82,19 @@ def read_json(path: str | Path):
     except IsADirectoryError:
         raise ATSError(f"{path}: a folder, not a JSON file") from None
     try:
-        return json.loads(_utf8(raw, path, raw.count(b"\n", 0, _first_bad_byte(raw)) + 1))
+        return json.loads(_utf8(raw, path))
     except json.JSONDecodeError as err:
         raise ATSError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
 
 
-def _first_bad_byte(raw: bytes) -> int:
-    """The offset of the first byte of `raw` that is not UTF-8 (len(raw) if none)."""
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        return err.start
-    return len(raw)
-
-
-def _utf8(raw: bytes, path: Path, lineno: int) -> str:
-    """`raw` decoded as UTF-8, or ATSError naming the file, the line and the first byte that is not."""
+def _utf8(raw: bytes, path: Path, first_line: int = 1) -> str:
+    """`raw` (the file's text from line `first_line` on) decoded as UTF-8, or ATSError naming the file, the line and
+    the first byte that is not UTF-8."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ATSError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x})") from None
+        line = first_line + raw.count(b"\n", 0, err.start)
+        raise ATSError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x})") from None
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
