@@ -47,6 +47,8 @@ def test_parametric_specs_and_limits_by_registered_name(tmp_path):
     assert build_tasks([f"mc:{path}"], {"mmlu": 2})[0].limit is None
     with pytest.raises(ATSError, match="missing file path"):
         build_task("mc:")
+    with pytest.raises(ATSError, match=r"unknown scoring mode 'likelyhood'; expected mc:PATH\[:letters\|likelihood\]"):
+        build_task(f"mc:{path}:likelyhood")
     with pytest.raises(ATSError, match=r"unknown task 'mmlu:x'; known: mmlu, "):
         build_task("mmlu:x")
     with pytest.raises(ATSError, match="unknown task 'mc'"):

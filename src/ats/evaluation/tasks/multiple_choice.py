@@ -113,12 +113,14 @@ def parse_mc_spec(rest: str, spec: str) -> tuple[str, str]:
     """(path, mode) of 'mc:PATH[:letters|likelihood]' from the text after 'mc:'.
 
     Raises:
-        ATSError: if the path is empty.
+        ATSError: if the path is empty, or names a file followed by an unknown mode.
     """
     path, mode = rest, "letters"
     head, sep, tail = rest.rpartition(":")
     if sep and tail in MODES:
         path, mode = head, tail
+    elif sep and Path(head).is_file() and not Path(rest).exists():  # mc:quiz.jsonl:likelyhood
+        raise ATSError(f"task {spec!r}: unknown scoring mode {tail!r}; expected mc:PATH[:letters|likelihood]")
     if not path:
         raise ATSError(f"task {spec!r}: missing file path; expected mc:PATH[:letters|likelihood]")
     return path, mode
