@@ -165,8 +165,6 @@ def refusal(where: str | Path, what: str, old: dict | None, new: dict) -> ATSErr
     Returns:
         The error (not raised), naming the differing options and the ways out (--overwrite, another --out).
     """
-    if Path(where).is_file():  # a file where the result's folder belongs: not a result of any version
-        return ATSError(f"{where}: a file, not a {what} folder; choose another --out")
     why = "no record of the options that made it (an older version)" if old is None else \
         f"made with other options: {differences(old, new)}"
     return ATSError(f"{where}: {what} {why}; rerun with --overwrite to replace it, or choose another --out")

@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 
 from ats.cli import main
-from ats.errors import ATSError
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ats"
 
@@ -113,13 +112,12 @@ def test_an_empty_out_is_refused_not_the_working_folder(tmp_path, capsys, monkey
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_file_where_an_output_folder_belongs_is_named(tmp_path):
-    from ats.fingerprint import check_reuse
-
+def test_a_file_where_the_vllm_export_folder_belongs_is_named(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("mine")
-    with pytest.raises(ATSError, match=rf"^{afile}: a file, not a vLLM export folder; choose another --out$"):
-        check_reuse(afile, "vLLM export", None, {"kind": "vllm-export"}, overwrite=False)
+    for overwrite in ([], ["--overwrite"]):
+        code, err = _run_cli(["export", "--calibrator", "none", *overwrite, str(afile)], capsys)
+        assert code == 2 and err == [f"ats: error: {afile}: a file, not a vLLM export folder; choose another OUT"], err
     assert afile.read_text() == "mine"
 
 

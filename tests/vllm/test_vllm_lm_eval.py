@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "integrations"))
 from lmeval_helpers import TASK, toy_rows, write_task  # noqa: E402
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-       "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+       "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "VLLM_LOGGING_LEVEL": "INFO"}  # the shutdown line read below is vLLM's INFO (`ats -q` in this process quiets it)
 
 
 def lm_eval(model: str, model_args: str, tasks: Path, out: Path) -> dict:

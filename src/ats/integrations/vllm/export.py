@@ -154,6 +154,8 @@ def export_for_vllm(model: str, calibrator: str | Path | Calibrator | None, out:
             existing `out` made otherwise (without `overwrite`).
     """
     out = Path(out)
+    if out.is_file():  # not an export of any version: refused even with --overwrite, which replaces folders
+        raise ATSError(f"{out}: a file, not a vLLM export folder; choose another OUT")
     if calibrator is None or str(calibrator) == "none":
         calibrator = threshold_from = None
     elif not isinstance(calibrator, Calibrator):
