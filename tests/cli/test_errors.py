@@ -113,11 +113,18 @@ def test_an_empty_out_is_refused_not_the_working_folder(tmp_path, capsys, monkey
 
 
 def test_a_file_where_the_vllm_export_folder_belongs_is_named(tmp_path, capsys):
+    from ats.errors import ATSError
+    from ats.integrations.vllm.export import export_for_vllm
+
     afile = tmp_path / "afile"
     afile.write_text("mine")
     for overwrite in ([], ["--overwrite"]):
         code, err = _run_cli(["export", "--calibrator", "none", *overwrite, str(afile)], capsys)
-        assert code == 2 and err == [f"ats: error: {afile}: a file, not a vLLM export folder; choose another OUT"], err
+        assert code == 2 and err == [f"ats: error: OUT {afile}: a file, not a folder"], err
+        code, err = _run_cli(["export", "--calibrator", "none", *overwrite, str(afile / "out")], capsys)
+        assert code == 2 and err == [f"ats: error: OUT {afile / 'out'}: {afile} is a file, not a folder"], err
+    with pytest.raises(ATSError, match=rf"^{afile}: a file, not a vLLM export folder; choose another OUT$"):
+        export_for_vllm("smollm2-135m-instruct", None, afile, overwrite=True)  # the library refuses it too
     assert afile.read_text() == "mine"
 
 

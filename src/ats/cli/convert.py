@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
                                    "config.json + calibration_head.safetensors, or a Hub id of either) and write it "
                                    "to OUT as calibrator_config.json + model.safetensors (docs/official_heads.md).")
     p.add_argument("src", help="calibrator folder or Hub id (owner/name)")
-    p.add_argument("out", help="output folder (must not exist, unless --overwrite)")
+    p.add_argument("out", type=options.out_folder("OUT"), help="output folder (must not exist, unless --overwrite)")
     p.add_argument("--base-model", type=options.nonempty("--base-model"), default=None,
                    help="the backbone the head was trained on, recorded in OUT (default: what SRC records)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")

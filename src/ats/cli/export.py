@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
                                       "model", description="Write OUT: the base model's files (linked, or copied "
                                       "with --copy), the calibrator, and a config.json naming the calibrated "
                                       "architecture that installing ats registers with vLLM (docs/vllm.md).")
-    p.add_argument("out", help="the folder to write")
+    p.add_argument("out", type=options.out_folder("OUT"), help="the folder to write")
     p.add_argument("--engine", default="vllm", choices=ENGINES, help="the engine that will load OUT")
     options.add_model(p, loading=False)
     p.add_argument("--revision", default=None, help="the Hub revision of --model")
