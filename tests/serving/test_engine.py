@@ -12,7 +12,7 @@ from ats.errors import ATSError
 from ats.generation import SamplingParams, TextTracker, generate_calibrated, tokens_covering
 from ats.generation.batch import check_attention
 from ats.model.backbone import Backbone
-from ats.serving.engine import ContextLengthExceeded, Engine, Job, QueueFull
+from ats.serving.engine import ContextLengthExceeded, Engine, Job, JobDone, JobFailed, QueueFull
 
 from helpers import calibrator_for
 from serving_reference import chat_ids, choices, continuation_values, done, forward, prompt_scores
@@ -282,3 +282,49 @@ def test_text_tracker_holds_back_possible_stops_and_partial_characters(tokenizer
     pieces.append(plain.release(final=True)[0])
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert plain.offsets == [len(tokenizer.decode(ids[:i], skip_special_tokens=True)) for i in range(len(ids))]
+
+
+def test_rows_that_finish_at_prefill_get_one_token_and_the_job_ends_once(backbone, calibrator):
+    """max_tokens=1: each row's only token comes from its prefill; a decoding step must not feed it again (it gave
+    a second token and counted the row's end twice, so the job was 'done' while half its rows still ran)."""
+    prompts = [chat_ids(backbone, p) for p in PROMPTS] * 3  # 9 rows through a batch of 4
+    events: list = []
+    engine = Engine(backbone, calibrator, max_batch=4)
+    engine.submit(job(prompts, events, max_tokens=1, sampling=GREEDY))
+    steps = run(engine)
+    assert done(events) and sum(isinstance(e, JobDone) for e in events) == 1
+    got = choices(events)
+    assert sorted(got) == list(range(9))
+    assert all(len(c["tokens"]) == 1 and c["finish"] == "length" for c in got.values())
+    assert [got[i]["tokens"][0].token for i in range(3)] == [got[i + 3]["tokens"][0].token for i in range(3)]
+    assert steps == 3  # one prefill per batch of 4, 4 and 1 rows, and no decoding step
+
+
+class _NoGenerator(SamplingParams):
+    def generator(self):
+        raise RuntimeError("this job cannot start")
+
+
+def test_a_job_whose_admission_fails_is_failed_not_left_waiting(backbone, calibrator):
+    """A job the engine cannot start (its random generator fails: once a seed torch refused, which left the client
+    waiting forever) ends with a failure event naming why; the job behind it still runs."""
+    bad, good = [], []
+    engine = Engine(backbone, calibrator)
+    engine.submit(job(chat_ids(backbone, PROMPTS[2]), bad, max_tokens=2, sampling=_NoGenerator(temperature=1)))
+    engine.submit(job(chat_ids(backbone, PROMPTS[2]), good, max_tokens=2, sampling=GREEDY))
+    run(engine)
+    assert len(bad) == 1 and isinstance(bad[0], JobFailed) and "this job cannot start" in bad[0].message
+    assert done(good) and len(choices(good)[0]["tokens"]) == 2
+
+
+@pytest.mark.parametrize("seed", [-2 ** 63, 0, 2 ** 64 - 1])
+def test_every_seed_torch_takes_is_accepted_and_reproducible(seed):
+    draws = [torch.rand(3, generator=SamplingParams(seed=seed).generator()) for _ in range(2)]
+    torch.testing.assert_close(draws[0], draws[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", [-2 ** 63 - 1, 2 ** 64, 2 ** 70])
+def test_a_seed_torch_refuses_is_refused_naming_the_range(seed):
+    with pytest.raises(ValueError, match=rf"seed must be an integer in \[-9223372036854775808, "
+                                         rf"18446744073709551615\], got {seed}"):
+        SamplingParams(seed=seed)

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 64 - 1  # what torch.Generator.manual_seed takes (a negative seed wraps)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,13 +34,21 @@ class SamplingParams:
         temperature: >= 0; 0: greedy.
         top_p: in (0, 1]: the smallest set of most likely tokens whose probability reaches top_p (at least one).
         top_k: keep the k most likely tokens; 0: all.
-        seed: the row's random generator's seed; None: a fresh random one (see `generator`).
+        seed: the row's random generator's seed, in [SEED_MIN, SEED_MAX]; None: a fresh random one (see
+            `generator`).
+
+    Raises:
+        ValueError: a seed out of that range.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -81,7 +81,8 @@ class Job:
     """One request: `prompts` (token ids), each continued `n` times (choice index = prompt * n + replica).
 
     max_tokens: new tokens per choice (0: only score the prompt); top_logprobs: alternatives reported per token;
-    prompt_logprobs: also score every prompt token (echo); ignore_eos: keep going after end-of-sequence tokens.
+    prompt_logprobs: also score every prompt token (echo); ignore_eos: keep going after end-of-sequence tokens;
+    min_tokens: no end-of-sequence token before this many new tokens.
     sink: receives the events, on the engine thread; it must not block.
     """
 
@@ -93,6 +94,7 @@ class Job:
     top_logprobs: int = 0
     prompt_logprobs: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0
     sink: Callable[[object], None] | None = None
     cancelled: bool = field(default=False, init=False)
     _remaining: int = field(default=0, init=False)
@@ -116,7 +118,7 @@ class _Sequence(Row):
     def __init__(self, job: Job, prompt: int, choice: int, tokenizer) -> None:
         super().__init__(job.prompts[prompt], (id(job), prompt), tokenizer, max_tokens=job.max_tokens,
                          sampling=job.sampling, generator=job._generator, stop=job.stop,
-                         top_logprobs=job.top_logprobs, ignore_eos=job.ignore_eos,
+                         top_logprobs=job.top_logprobs, ignore_eos=job.ignore_eos, min_tokens=job.min_tokens,
                          score_prompt=job.prompt_logprobs and prompt not in job._scored)
         job._scored.add(prompt)
         self.job, self.index, self.choice = job, prompt, choice
@@ -313,6 +315,7 @@ class Engine:
                 self.decoder.add(admitted)
             except Exception as err:
                 self._fail({s.job for s in admitted}, err)
+            self.decoder.retire()  # rows that finished at prefill (max_tokens 1, a first token that ends) are done
         if self._rows:
             try:
                 self.decoder.step()
@@ -338,10 +341,13 @@ class Engine:
                     job = self._jobs.popleft()
                 if job.cancelled:
                     continue
-                job._remaining = len(job.prompts) * job.n
-                job._generator = job.sampling.generator()
-                self._ready.extend(_Sequence(job, p, p * job.n + j, self.tokenizer)
-                                   for p in range(len(job.prompts)) for j in range(job.n))
+                try:
+                    job._remaining = len(job.prompts) * job.n
+                    job._generator = job.sampling.generator()
+                    self._ready.extend([_Sequence(job, p, p * job.n + j, self.tokenizer)
+                                        for p in range(len(job.prompts)) for j in range(job.n)])
+                except Exception as err:  # a job that cannot start fails alone; it must not wait forever
+                    self._fail({job}, err)
                 continue
             seq = self._ready.popleft()
             if not seq.job.cancelled:
