@@ -221,6 +221,7 @@ def test_certificate_refuses_another_calibrator_or_backbone_in_one_line(tmp_path
     assert "at most 64 new tokens" in cert.outside(max_tokens=128, chat_template=True)
     assert "through the chat template" in cert.outside(max_tokens=64, chat_template=False)
     assert "sampled" in cert.outside(max_tokens=64, chat_template=True, sampled=True)
+    assert "this one is steered by min_tokens" in cert.outside(max_tokens=64, chat_template=True, steered="min_tokens")
 
 
 def test_a_threshold_file_from_before_certificates_is_refused_with_the_way_out(tmp_path):

@@ -54,6 +54,8 @@ def finished_ats(response: httpx.Response) -> dict:
     ({"max_tokens": ANSWER_MAX_TOKENS, "temperature": 0, "ignore_eos": True}, {"ignore_eos": True}),
     ({"max_tokens": 8, "temperature": 0, "stream": True}, {"max_tokens": 8}),
     ({"temperature": 0}, {"max_tokens": None}),  # up to the context length
+    ({"max_tokens": ANSWER_MAX_TOKENS, "temperature": 0, "min_tokens": 3}, {"steered": "min_tokens"}),
+    ({"max_tokens": ANSWER_MAX_TOKENS, "temperature": 0, "min_tokens": 0, "top_k": 5}, {}),  # neutral; greedy
 ])
 def test_a_chat_says_whether_it_is_in_the_certified_format(certified, request_, format_):
     server, certificate = certified

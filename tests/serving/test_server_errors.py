@@ -51,8 +51,19 @@ def wait_for(condition, timeout: float = 30.0) -> bool:
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content", "only text content is supported"),
     ({**CHAT, "top_logprobs": 3}, None, "top_logprobs requires logprobs"),
-    ({**CHAT, "frequency_penalty": 0.5}, None, "frequency_penalty is not supported"),
+    ({**CHAT, "frequency_penalty": 0.5}, "frequency_penalty", "not supported by this server; leave it out or send 0 "
+                                                             "(got 0.5)"),
     ({key: v for key, v in CHAT.items() if key != "model"}, "model", "Field required"),
+    ({**CHAT, "seed": 2 ** 64}, "seed", "less than or equal to 18446744073709551615"),  # once: a request never answered
+    ({**CHAT, "stop": ["a", 7]}, "stop.1", "Input should be a valid string (got 7)"),  # the bad item, not 'not a str'
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text",
+     "Field required"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", 'send {"type": "text"}'),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice", 'send "none" or "auto"'),
+    ({**CHAT, "repetition_penalty": 1.3}, "repetition_penalty", "send 1 (got 1.3)"),
+    ({**CHAT, "min_p": 0.1}, "min_p", "not supported by this server"),
+    ({**CHAT, "max_tokens": 4, "min_tokens": 5}, "min_tokens", "5 is more than max_tokens (4)"),
+    ({**CHAT, "top_k": -2}, "top_k", "greater than or equal to -1"),
 ])
 def test_bad_chat_fields_are_400_naming_the_field(server, body, param, words):
     err = error(post(server, "/v1/chat/completions", body), 400)
@@ -73,6 +84,37 @@ def test_bad_completion_requests(server):
     err = error(post(server, "/v1/completions", {**base, "prompt": {"a": 1}}), 400)
     assert err["param"] == "prompt" and "a list of lists of token ids" in err["message"]
     assert "logprobs" in error(post(server, "/v1/completions", {**base, "logprobs": 50}), 400)["message"]
+
+
+def test_text_that_is_not_unicode_and_bodies_that_are_not_objects(server):
+    """JSON can carry a lone surrogate, which no tokenizer takes (it was a 500): refused naming the field."""
+    raw = json.dumps(CHAT).replace('"Hi"', '"a \\ud800 b"')
+    err = error(post(server, "/v1/chat/completions", content=raw), 400)
+    assert err["param"] == "messages.0.content" and "lone surrogate '\\ud800' at character 2" in err["message"]
+    raw = json.dumps({"model": MODEL_NAME, "prompt": ["ok", "\udfff"], "max_tokens": 1})
+    assert error(post(server, "/v1/completions", content=raw), 400)["param"] == "prompt.1"
+    for content, words in (("", "has no body"), ("null", "has no body"), ("[]", "must be a JSON object, got list")):
+        err = error(post(server, "/v1/chat/completions", content=content), 400)
+        assert words in err["message"] and err["code"] == "invalid_json"
+
+
+def test_neutral_values_of_unhonoured_options_and_vllm_sampling_extensions_are_served(server):
+    neutral = {"logit_bias": {"5": 0}, "frequency_penalty": 0, "response_format": {"type": "text"},
+               "tool_choice": "none", "modalities": ["text"], "min_p": 0, "repetition_penalty": 1}
+    greedy = post(server, "/v1/chat/completions", CHAT).json()["choices"][0]["message"]["content"]
+    assert post(server, "/v1/chat/completions", {**CHAT, **neutral}).json()["choices"][0]["message"]["content"] == \
+        greedy
+    # top_k 1 keeps only the most likely token: sampling then gives the greedy text, whatever the seed
+    top1 = post(server, "/v1/chat/completions", {**CHAT, "temperature": 1.5, "top_k": 1, "seed": 3}).json()
+    assert top1["choices"][0]["message"]["content"] == greedy
+
+
+def test_models_route_and_health_answer_as_clients_ask(client, server):
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-4' does not exist"):
+        client.models.retrieve("gpt-4")
+    head = httpx.head(server.url + "/health", timeout=10)  # load balancers' probes
+    assert head.status_code == 200 and head.content == b""
 
 
 def test_malformed_json_unknown_model_route_and_method(server):

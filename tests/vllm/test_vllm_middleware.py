@@ -156,6 +156,11 @@ def certificate(max_tokens: int = 64) -> Certificate:
     ({"max_tokens": 32, "temperature": 0}, "at most 64 new tokens, and this one may have 32"),
     ({"temperature": 0}, "and this one may have up to the context length"),
     ({"max_tokens": 64, "temperature": 0, "chat_template": "{{ x }}"}, "made without it"),
+    ({"max_tokens": 64, "temperature": 0, "min_tokens": 5}, "this one is steered by min_tokens"),
+    ({"max_tokens": 64, "temperature": 0, "repetition_penalty": 1.2}, "steered by repetition_penalty"),
+    ({"max_tokens": 64, "temperature": 0, "response_format": {"type": "json_object"}}, "steered by response_format"),
+    ({"max_tokens": 64, "temperature": 0, "repetition_penalty": 1, "logit_bias": {"5": 0},
+      "response_format": {"type": "text"}, "min_tokens": 0}, None),  # every option at its neutral value
 ])
 def test_the_decision_says_whether_the_request_is_in_the_certified_format(monkeypatch, request_, reason):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)

@@ -315,13 +315,15 @@ class Certificate:
         return self.threshold
 
     def outside(self, *, max_tokens: int | None, chat_template: bool, sampled: bool = False,
-                stops: bool = False, ignore_eos: bool = False) -> str | None:
+                stops: bool = False, ignore_eos: bool = False, steered: str | None = None) -> str | None:
         """Why answers made with `max_tokens` (None: up to the context length), with or without the chat template,
-        sampled or greedy, with or without stop strings, run past end-of-sequence or not, are not in the certified
-        format (None: they are, as far as these go)."""
+        sampled or greedy, with or without stop strings, run past end-of-sequence or not, steered by a request
+        option or not (`steered`: its name, e.g. "min_tokens"), are not in the certified format (None: they are, as
+        far as these go)."""
         fmt = self.served.get("format") or {}
-        if sampled or stops or ignore_eos:
-            how = "sampled" if sampled else "cut by stop strings" if stops else "run past end-of-sequence (ignore_eos)"
+        if sampled or stops or ignore_eos or steered:
+            how = ("sampled" if sampled else "cut by stop strings" if stops
+                   else "run past end-of-sequence (ignore_eos)" if ignore_eos else f"steered by {steered}")
             return (f"{self.path} certifies greedy answers stopped only by end-of-sequence, and this one is {how}: "
                     f"outside what it certifies")
         if bool(fmt.get("chat_template")) and not chat_template:

@@ -33,8 +33,22 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
+_NOT_AN_OBJECT = frozenset({"missing", "model_attributes_type", "model_type", "dict_type"})
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _field_path(loc) -> list[str]:
+    """A pydantic error location as the request's field path: "body" and the union members' tags (e.g. "str",
+    "list[str]") left out."""
+    return [str(part) for part in loc if part != "body" and not (
+        isinstance(part, str) and (part in _TYPE_NAMES or "[" in part or part.startswith("function-")))]
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """400 from pydantic / FastAPI validation errors, naming the first bad field and its value.
+
+    Of a union's errors (one per member the value failed), the deepest is named: a list whose item is bad says
+    which item, rather than that the list is not a string.
 
     Args:
         errors: the validation errors, as `ValidationError.errors()` lists them.
@@ -49,7 +63,18 @@ def validation_error(errors: list[dict]) -> APIError:
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"could not parse the JSON body of the request: {detail}".rstrip(": "),
                         code="invalid_json")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    ctx = first.get("ctx") or {}
+    if "param" in ctx:  # the schemas' own errors name their field (`schemas.APIRequest`)
+        return APIError(400, str(first.get("msg")), param=str(ctx["param"]))
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") in _NOT_AN_OBJECT:  # empty, or not an object
+        if first.get("input") is None:
+            return APIError(400, "the request has no body: send a JSON object", code="invalid_json")
+        return APIError(400, f"the request body must be a JSON object, got {type(first.get('input')).__name__}",
+                        code="invalid_json")
+    field = _field_path(first.get("loc", ()))[:1]
+    first = max((e for e in errors if _field_path(e.get("loc", ()))[:1] == field),
+                key=lambda e: len(_field_path(e.get("loc", ()))))
+    loc = _field_path(first.get("loc", ()))
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if loc and "input" in first and first.get("type") != "missing":

@@ -159,7 +159,8 @@ class BearerAuth:
 
 def _sampling(body: GenerationRequest) -> SamplingParams:
     return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+                          top_p=1.0 if body.top_p is None else body.top_p, top_k=max(body.top_k or 0, 0),
+                          seed=body.seed)
 
 
 def _data(obj) -> dict:
@@ -200,7 +201,7 @@ class Service:
             return self.renderer
         return self.renderer.with_info(self.certificate.format_fields(
             max_tokens=max_tokens, chat_template=chat, sampled=not _sampling(body).greedy, stops=bool(body.stops),
-            ignore_eos=body.ignore_eos))
+            ignore_eos=body.ignore_eos, steered="min_tokens" if body.min_tokens else None))
 
     def check_model(self, name: str) -> None:
         """Refuse a request for another model than the served one.
@@ -286,20 +287,27 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 # The route handlers below carry no docstrings: FastAPI would publish them as the OpenAPI descriptions.
 def _add_info_routes(app: FastAPI, service: Service) -> None:
-    """GET /health (open without the API key) and GET /v1/models: the model, its calibration and the engine's
-    counters."""
+    """GET (or HEAD) /health, open without the API key; GET /v1/models and /v1/models/{model}: the model, its
+    calibration and the engine's counters."""
     engine, renderer = service.engine, service.renderer
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "model": service.model_name, "calibrated": engine.calibrated, **renderer.info,
                 "calibration": engine.calibration.describe(), **engine.stats()}
 
+    def card() -> dict:
+        return {"id": service.model_name, "object": "model", "created": service.started, "owned_by": "ats",
+                "max_model_len": engine.max_model_len, "calibrated": engine.calibrated, **renderer.info}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.started,
-                                            "owned_by": "ats", "max_model_len": engine.max_model_len,
-                                            "calibrated": engine.calibrated, **renderer.info}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        service.check_model(model)
+        return card()
 
 
 def _add_monitor_routes(app: FastAPI, service: Service) -> None:
@@ -365,7 +373,8 @@ def _add_chat_route(app: FastAPI, service: Service) -> None:
         ids = service.chat_ids(body.messages)
         max_tokens = body.new_tokens if body.new_tokens is not None else max(1, engine.max_model_len - len(ids))
         job = Job([ids], n=body.n, max_tokens=max_tokens, sampling=_sampling(body), stop=body.stops,
-                  top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0, ignore_eos=body.ignore_eos)
+                  top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0, ignore_eos=body.ignore_eos,
+                  min_tokens=body.min_tokens)
         run = Run(engine, job, "messages")
         renderer = service.renderer_for(body, chat=True, max_tokens=body.new_tokens)
         if body.stream:
@@ -413,7 +422,7 @@ def _add_completion_route(app: FastAPI, service: Service) -> None:
         renderer = service.renderer_for(body, chat=False, max_tokens=max_tokens)
         job = Job([ids for _, ids in prompts], n=body.n, max_tokens=max_tokens,
                   sampling=_sampling(body), stop=body.stops, top_logprobs=body.logprobs or 0,
-                  prompt_logprobs=body.echo and logprobs, ignore_eos=body.ignore_eos)
+                  prompt_logprobs=body.echo and logprobs, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
         run = Run(engine, job, "prompt")
         if body.stream:
             return EventSourceResponse(_completion_stream(renderer, run, body, prompts))

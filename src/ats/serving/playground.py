@@ -25,7 +25,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Query, Response
 from fastapi.responses import HTMLResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import Field, StrictInt
 
 from ..errors import ATSError
 from ..evaluation.threshold import CertifiedThreshold
@@ -36,7 +36,7 @@ from .api_errors import APIError
 from .rescore import ServedCalibrator, rescore
 from .responses import summary
 from .saved_evaluation import SavedEvaluation
-from .schemas import MAX_TOP_LOGPROBS
+from .schemas import MAX_TOP_LOGPROBS, APIRequest
 
 STATIC = {"playground.css": "text/css; charset=utf-8", "playground.js": "text/javascript; charset=utf-8"}
 PAGE_PATHS = ("/", *(f"/static/{name}" for name in STATIC))  # open without the API key: no data in them
@@ -70,11 +70,9 @@ class Playground:
                        param="calibrator", code="calibrator_not_found")
 
 
-class RescoreRequest(BaseModel):
+class RescoreRequest(APIRequest):
     """POST /v1/playground/rescore: `tokens` (generated ids) after `prompt_tokens` (ids, e.g. from /tokenize),
     scored under `calibrator` (an id from GET /v1/playground)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     calibrator: str

@@ -1,21 +1,88 @@
 """Request bodies of the OpenAI-compatible API (pydantic), validated field by field.
 
-A field out of range fails validation and the server answers 400 in OpenAI's error format, naming the field.
-Unknown fields are ignored (clients send options such as `user`); options the server cannot honour
-(`frequency_penalty`, `presence_penalty`, `logit_bias`, `best_of`, `suffix`, tools) are refused unless they are at
-their neutral value. Extensions beyond OpenAI's fields: `ignore_eos` (as in vLLM: keep generating after the
-end-of-sequence token, for fixed-length benchmarks).
+A field out of range fails validation and the server answers 400 in OpenAI's error format, naming the field. Text
+must be valid Unicode (JSON can carry a lone surrogate, which no tokenizer takes). Unknown fields are ignored (clients
+send options such as `user`); options the server cannot honour are refused unless they are at their neutral value:
+those that steer an answer's tokens (`request_options.STEERING`: penalties, `logit_bias`, `response_format`, tools,
+vLLM's guided decoding, ...) and the other OpenAI and vLLM options below (`UNHONOURED`, `CHAT_UNHONOURED`).
+Extensions beyond OpenAI's fields, as vLLM has them: `ignore_eos` (keep generating after the end-of-sequence token,
+for fixed-length benchmarks), `top_k` (-1 or 0: all tokens) and `min_tokens` (no end-of-sequence before that many).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from ..generation.sampling import SEED_MAX, SEED_MIN
+from .request_options import EMPTY, STEERING, ZERO, Neutral
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 64
 MAX_STOP = 16
+HONOURED = frozenset({"min_tokens"})  # the STEERING options this server does honour (fields below)
+FALSE = Neutral(lambda value: value is None or value is False, "false")
+AUTO = Neutral(lambda value: value in (None, "none", "auto"), '"none" or "auto"')
+UNHONOURED: dict[str, Neutral] = {  # beyond STEERING, on both routes (vLLM's extensions)
+    "min_p": ZERO, "use_beam_search": FALSE, "include_stop_str_in_output": FALSE, "stop_token_ids": EMPTY,
+    "truncate_prompt_tokens": EMPTY, "prompt_logprobs": EMPTY,
+}
+CHAT_UNHONOURED: dict[str, Neutral] = {  # beyond those, on chat (OpenAI's and vLLM's chat options)
+    "tool_choice": AUTO, "function_call": AUTO, "modalities": Neutral(lambda value: value in (None, ["text"]),
+                                                                      '["text"]'),
+    "audio": EMPTY, "echo": FALSE, "add_generation_prompt": Neutral(lambda value: value in (None, True), "true"),
+    "continue_final_message": FALSE, "chat_template": EMPTY, "chat_template_kwargs": EMPTY, "documents": EMPTY,
+}
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _bad_unicode(value, path: str) -> tuple[str, int, str] | None:
+    """(path, index, character) of the first lone surrogate in the strings of `value` (a parsed JSON body), or
+    None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return path, err.start, value[err.start]
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _bad_unicode(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class APIRequest(BaseModel):
+    """A request body: unknown fields ignored, every string valid Unicode, no option in `unhonoured` away from its
+    neutral value (each refused with a 400 naming it, `api_errors.validation_error`)."""
+
+    model_config = ConfigDict(extra="ignore")
+    unhonoured: ClassVar[dict[str, Neutral]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _checked(cls, data):
+        if not isinstance(data, dict):
+            return data
+        bad = _bad_unicode(data, "")
+        if bad is not None:
+            path, index, char = bad
+            raise PydanticCustomError("invalid_unicode", "{param}: not valid Unicode text (a lone surrogate "
+                                      "{char} at character {index})", {"param": path, "char": ascii(char),
+                                                                      "index": index})
+        for name, neutral in cls.unhonoured.items():
+            if name in data and not neutral.test(data[name]):
+                raise PydanticCustomError("unsupported_option", "{param}: not supported by this server; leave it "
+                                          "out or send {neutral} (got {value})",
+                                          {"param": name, "neutral": neutral.says, "value": _short(data[name])})
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -24,23 +91,23 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(APIRequest):
     """Fields shared by chat and legacy completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    unhonoured: ClassVar[dict[str, Neutral]] = {
+        **{name: neutral for name, neutral in STEERING.items() if name not in HONOURED}, **UNHONOURED}
 
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_tokens: int = Field(0, ge=0)
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -51,15 +118,17 @@ class GenerationRequest(BaseModel):
         return [s for s in stops if s]
 
     @model_validator(mode="after")
-    def _unsupported(self):
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by this server (use 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
+    def _consistent(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def check_min_tokens(self, max_tokens: int | None) -> None:
+        """Refuse `min_tokens` above the request's new-token limit (None: none given), as vLLM does."""
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise PydanticCustomError("min_tokens", "{param}: {min_tokens} is more than max_tokens ({max_tokens})",
+                                      {"param": "min_tokens", "min_tokens": self.min_tokens,
+                                       "max_tokens": max_tokens})
 
     @property
     def stops(self) -> list[str]:
@@ -109,21 +178,21 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
-    """The body of POST /v1/chat/completions (tools refused; top_logprobs needs logprobs)."""
+    """The body of POST /v1/chat/completions (top_logprobs needs logprobs)."""
+
+    unhonoured: ClassVar[dict[str, Neutral]] = {**GenerationRequest.unhonoured, **CHAT_UNHONOURED}
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list | None = None
 
     @model_validator(mode="after")
     def _chat(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
+        self.check_min_tokens(self.new_tokens)
         return self
 
     @property
@@ -165,6 +234,7 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("best_of is not supported by this server")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
+        self.check_min_tokens(16 if self.max_tokens is None else self.max_tokens)
         return self
 
     @property
@@ -178,10 +248,8 @@ class CompletionRequest(GenerationRequest):
         return list(value)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(APIRequest):
     """vLLM's /tokenize: a `prompt` or chat `messages` (the chat template applied)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     prompt: str | None = None
@@ -196,10 +264,8 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(APIRequest):
     """vLLM's /detokenize: token ids to text."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     tokens: list[StrictInt]

@@ -33,6 +33,7 @@ from typing import get_args
 
 from ...serving.api_errors import APIError
 from ...serving.monitor import MONITOR_PATH, DecisionMonitor, report_in_default_registry
+from ...serving.request_options import steering_option
 from ...serving.schemas import ChatMessage
 from .stream import StreamDecisions, StreamRewriter
 
@@ -80,7 +81,7 @@ def vllm_defaults(export: Path | None) -> dict:
 def request_format(body: dict, kind: str, defaults: dict) -> dict:
     """How vLLM makes the answers of request `body` (`Certificate.outside`'s arguments): its new-token limit (None:
     up to the context; completions: 16 by default), through the chat template or not, sampled or greedy, cut by stop
-    strings or tokens, run past end-of-sequence."""
+    strings or tokens, run past end-of-sequence, steered by an option (`request_options.steering_option`)."""
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or defaults.get("max_tokens")
     if max_tokens is None and kind == "completion":
         max_tokens = 16  # vLLM's default for completions, as OpenAI's
@@ -91,7 +92,7 @@ def request_format(body: dict, kind: str, defaults: dict) -> dict:
                 and not body.get("continue_final_message"))
     return {"max_tokens": max_tokens, "chat_template": bool(template), "sampled": not greedy,
             "stops": bool(body.get("stop")) or bool(body.get("stop_token_ids")),
-            "ignore_eos": bool(body.get("ignore_eos"))}
+            "ignore_eos": bool(body.get("ignore_eos")), "steered": steering_option(body)}
 
 
 def add_decisions(response: dict, decider, strip_logprobs: bool, fields: dict | None = None,
