@@ -241,6 +241,10 @@ def test_queue_is_bounded_and_requests_are_checked(backbone, calibrator):
         engine.check(Job([[1, backbone.vocab_size]], max_tokens=1))
     with pytest.raises(ATSError, match="empty"):
         engine.check(Job([[]], max_tokens=1))
+    limit = backbone.model.config.max_position_embeddings
+    assert Engine(backbone, calibrator, max_model_len=limit).max_model_len == limit
+    with pytest.raises(ATSError, match=rf"max_model_len {limit + 1} is more than .*'s context of {limit} tokens"):
+        Engine(backbone, calibrator, max_model_len=limit + 1)  # was cut to the model's without a word
 
 
 def test_stop_string_cuts_text_and_tokens_as_generate_does(backbone, calibrator):

@@ -142,7 +142,8 @@ class Engine:
         max_model_len: the context limit, at most the model's; None: the model's (2048 if it names none).
 
     Raises:
-        ATSError: if the calibrator does not fit the backbone or a layer uses neither full nor sliding-window attention.
+        ATSError: if the calibrator does not fit the backbone, a layer uses neither full nor sliding-window attention,
+            or `max_model_len` is more than the model's context.
     """
 
     def __init__(self, backbone: Backbone, calibrator: Calibrator | None = None, *, max_batch: int = 16,
@@ -152,7 +153,10 @@ class Engine:
         self.tokenizer = backbone.tokenizer
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)
         limit = getattr(backbone.model.config, "max_position_embeddings", None) or 2048
-        self.max_model_len = int(min(max_model_len, limit) if max_model_len else limit)
+        if max_model_len and max_model_len > limit:  # positions the model never saw: refused, as vLLM does
+            raise ATSError(f"max_model_len {max_model_len} is more than {backbone.name}'s context of {limit} tokens "
+                           f"(max_position_embeddings in its config): give at most {limit}, or leave it out")
+        self.max_model_len = int(max_model_len or limit)
         self._jobs: deque[Job] = deque()
         self._ready: deque[_Sequence] = deque()
         self._cond = threading.Condition()
