@@ -80,7 +80,7 @@ def answer_sets(args) -> dict:
     from ats.model.backbone import load_backbone
     from ats.training.data import load_instructions
     from ats.workflows.answer_pool import certification_tasks, check_disjoint, free_form_tasks, task_range
-    from ats.workflows.certify import _interleaved
+    from ats.workflows.certify import interleaved_order
 
     certify = certification_tasks([], args.certify_size)  # `ats certify`'s sets for the uncalibrated model
     offsets = {name: task.offset + args.certify_size for name, task in certify.items()}
@@ -89,7 +89,7 @@ def answer_sets(args) -> dict:
 
     def interleaved(tasks: dict) -> list[dict]:
         rows = {name: task.load()[1] for name, task in tasks.items()}
-        return [rows[t][i] for t, i in _interleaved(rows)]
+        return [rows[t][i] for t, i in interleaved_order(rows)]
 
     rng = np.random.default_rng(0)
     truthful = load_truthfulqa_gen()

@@ -82,8 +82,9 @@ def certification_sets(calibrator, size: int, *, names: tuple[str, ...] = FREE_F
     return certification_tasks(trained_ranges(record, where=where, pool_size=pool_size), size, names=names)
 
 
-def _interleaved(questions: dict[str, list]) -> list[tuple[str, int]]:
-    """(task, index) of every question, the tasks taken in turn, so any prefix spreads over them."""
+def interleaved_order(questions: dict[str, list]) -> list[tuple[str, int]]:
+    """(task, index) of every question, the tasks taken in turn, so any prefix spreads over them: the order the
+    certification answers are made in (benchmarks/monitor_shift.py replays traffic in it)."""
     turns = zip_longest(*[[(name, i) for i in range(len(rows))] for name, rows in questions.items()])
     return [item for turn in turns for item in turn if item is not None]
 
@@ -135,7 +136,7 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
             reach = stored.get("reachable") or {}
             return Certification(CertifiedThreshold.from_dict(stored["threshold"], where=f"{path}: threshold"),
                                  True, reach.get("early"), reach.get("smallest_target_risk"))
-    order = _interleaved(questions)
+    order = interleaved_order(questions)
     n = len(order)
     answers = ServedAnswers()
     early, said = None, False
