@@ -111,6 +111,24 @@ def test_unknown_role_gets_ats_serves_400(client_and_seen):
                                     "param": "messages.0.role", "code": None}}
 
 
+@pytest.mark.parametrize("route, raw, param, words", [
+    ("/v1/chat/completions", {**CHAT, "messages": [{"content": "hi"}]}, "messages.0.role", "Field required"),
+    ("/v1/chat/completions", {**CHAT, "messages": ["hi"]}, "messages.0", "valid dictionary"),
+    ("/v1/chat/completions", json.dumps(CHAT).replace("France", "\\ud800"), "messages.0.content",
+     "lone surrogate '\\ud800' at character 11"),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": ["ok", "X"]}).replace("X", "\\udc00"), "prompt.1",
+     "not valid Unicode"),
+])
+def test_requests_vllm_would_take_or_fail_on_get_ats_serves_400(client_and_seen, route, raw, param, words):
+    """The same message as `ats serve`'s for the same body (its schemas make both)."""
+    client, seen = client_and_seen
+    out = (client.post(route, content=raw, headers={"Content-Type": "application/json"}) if isinstance(raw, str)
+           else client.post(route, json=raw))
+    assert out.status_code == 400 and not seen
+    error = out.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param + ":") and words in error["message"]
+
+
 def test_the_decision_is_added_and_logprobs_stay_as_asked(client_and_seen):
     client, seen = client_and_seen
     plain = client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]

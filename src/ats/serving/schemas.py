@@ -37,14 +37,17 @@ CHAT_UNHONOURED: dict[str, Neutral] = {  # beyond those, on chat (OpenAI's and v
 }
 
 
+UNICODE_ERROR = "{param}: not valid Unicode text (a lone surrogate {char} at character {index})"
+
+
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _bad_unicode(value, path: str) -> tuple[str, int, str] | None:
-    """(path, index, character) of the first lone surrogate in the strings of `value` (a parsed JSON body), or
-    None."""
+def lone_surrogate(value, path: str = "") -> tuple[str, int, str] | None:
+    """(field path, index, character) of the first lone surrogate in the strings of `value` (a parsed JSON body),
+    or None. Both servers refuse such text (`UNICODE_ERROR`): JSON's escapes can carry it, no tokenizer takes it."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -53,7 +56,7 @@ def _bad_unicode(value, path: str) -> tuple[str, int, str] | None:
         return None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        found = _bad_unicode(item, f"{path}.{key}" if path else str(key))
+        found = lone_surrogate(item, f"{path}.{key}" if path else str(key))
         if found is not None:
             return found
     return None
@@ -71,12 +74,11 @@ class APIRequest(BaseModel):
     def _checked(cls, data):
         if not isinstance(data, dict):
             return data
-        bad = _bad_unicode(data, "")
+        bad = lone_surrogate(data)
         if bad is not None:
             path, index, char = bad
-            raise PydanticCustomError("invalid_unicode", "{param}: not valid Unicode text (a lone surrogate "
-                                      "{char} at character {index})", {"param": path, "char": ascii(char),
-                                                                      "index": index})
+            raise PydanticCustomError("invalid_unicode", UNICODE_ERROR, {"param": path, "char": ascii(char),
+                                                                        "index": index})
         for name, neutral in cls.unhonoured.items():
             if name in data and not neutral.test(data[name]):
                 raise PydanticCustomError("unsupported_option", "{param}: not supported by this server; leave it "

@@ -2,8 +2,9 @@
 decision in each response, the request checks `ats serve` makes that vLLM does not, and the playground page.
 
     POST /v1/chat/completions, /v1/completions (plain and streamed)
-      request : a chat message whose role `ats serve` refuses (not system, developer, user or assistant) -> 400 in
-                OpenAI's error format, as `ats serve` answers it (vLLM would accept it and generate);
+      request : a chat message whose role `ats serve` refuses (not system, developer, user or assistant), or text
+                that is not valid Unicode -> 400 in OpenAI's error format, as `ats serve` answers it (vLLM would
+                accept the first and generate, and fail on the second in its tokenizer);
                 logprobs asked for when the client did not (the decision reads them)
       response: each choice gets `"ats"`: {"answer_confidence"} and, when the export carries a certified threshold,
                 {"answered", "threshold", "target_risk", "delta", "certified_format", "outside_certificate"}:
@@ -29,31 +30,38 @@ import hmac
 import json
 import os
 from pathlib import Path
-from typing import get_args
 
-from ...serving.api_errors import APIError
+from pydantic import ConfigDict, ValidationError, create_model
+
+from ...serving.api_errors import APIError, validation_error
 from ...serving.monitor import MONITOR_PATH, DecisionMonitor, report_in_default_registry
 from ...serving.request_options import steering_option
-from ...serving.schemas import ChatMessage
+from ...serving.schemas import UNICODE_ERROR, ChatMessage, lone_surrogate
 from .stream import StreamDecisions, StreamRewriter
 
 EXPORT_ENV = "ATS_VLLM_EXPORT"  # the export whose threshold and end tokens decide (set by `ats serve --engine vllm`)
 MODEL_NAME_ENV = "ATS_VLLM_MODEL_NAME"  # the model id clients send (--served-model-name), for the page
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-ROLES = get_args(ChatMessage.model_fields["role"].annotation)  # the roles `ats serve` accepts (its schema's)
+_ROLE = create_model("MessageRole", __config__=ConfigDict(extra="ignore"),
+                     role=(ChatMessage.model_fields["role"].annotation, ...))  # `ats serve`'s roles, its schema's
 
 
-def role_error(body: dict) -> APIError | None:
-    """The 400 `ats serve` gives a chat request with a message of another role, or None."""
+def request_error(body: dict, kind: str) -> APIError | None:
+    """The 400 `ats serve` gives a request that vLLM would take, or None: text that is not valid Unicode (a lone
+    surrogate, which vLLM's tokenizer fails on), or a chat message without a role `ats serve` accepts (vLLM would
+    generate for it). The messages are ats serve's own, from its schemas."""
+    bad = lone_surrogate(body)
+    if bad is not None:
+        path, index, char = bad
+        return APIError(400, UNICODE_ERROR.format(param=path, char=ascii(char), index=index), param=path)
     messages = body.get("messages")
-    if not isinstance(messages, list):
+    if kind != "chat" or not isinstance(messages, list):
         return None
     for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in ROLES:
-            allowed = ", ".join(repr(r) for r in ROLES[:-1]) + f" or {ROLES[-1]!r}"
-            return APIError(400, f"messages.{i}.role: Input should be {allowed} (got {role!r})",
-                            param=f"messages.{i}.role")
+        try:
+            _ROLE.model_validate(message)
+        except ValidationError as err:
+            return validation_error([{**e, "loc": ("messages", i, *e["loc"])} for e in err.errors()])
     return None
 
 
@@ -150,7 +158,7 @@ class ATSMiddleware:
         if not isinstance(body, dict):  # vLLM's own 400 for a body that is not a JSON object
             await self.app(scope, _replay(raw, receive), send)
             return
-        if kind == "chat" and (error := role_error(body)) is not None:
+        if (error := request_error(body, kind)) is not None:
             await error.response()(scope, _replay(b"", receive), send)
             return
         if body.get("echo") or self.decider is None:
