@@ -77,14 +77,14 @@ def test_missing_calibrator_folder_and_bad_mc_file(tmp_path, capsys):
     (["train", "--lr", "0"], "lr: expected a number > 0, got 0.0"),
     (["train", "--head", "linear", "--batch-size", "6", "--micro-batch-size", "4"], "multiple of micro_batch_size"),
     (["demo", "--size", "tiny"], "lacks mmlu/test.jsonl"),
-    (["eval", "--tasks", "mmlu", "--device", "bogus"], "--device 'bogus': not a device (cpu, cuda, cuda:1, mps, ...)"),
+    (["eval", "--tasks", "mmlu", "--device", "bogus"], "--device bogus: not a device (cpu, cuda, cuda:1, mps, ...)"),
     (["eval", "--tasks", ""], "--tasks '': no names given"),
     (["eval", "--tasks", " , "], "--tasks ' , ': no names given"),
     (["eval", "--tasks", "mmlu", "--calibrator", " "], "--calibrator: expected a non-empty value, got ' '"),
     (["eval", "--tasks", "mmlu", "--task-limit", "0"], "--task-limit: expected a positive integer, got 0"),
     (["ablate", "--task-limit", "-3"], "--task-limit: expected a positive integer, got -3"),
     (["certify", "--calibrator", ""], "--calibrator: expected a non-empty value, got ''"),
-    (["train", "--device", "cuda:7"], "--device cuda:7: this torch is built without CUDA; use --device cpu"),
+    (["train", "--device", "cuda:7"], "--device cuda:7: this torch is built without CUDA; use cpu"),
 ])
 def test_bad_options_fail_before_the_model_loads_and_write_nothing(tmp_path, capsys, monkeypatch, argv, message):
     """The model given is a folder whose config.json is not JSON: had it been loaded first, the error would name it;

@@ -59,8 +59,12 @@ def test_gemma3_270m_hidden_states_give_the_models_logits():
 
 
 def test_unknown_inputs_are_refused(tmp_path):
-    with pytest.raises(ATSError, match="GGUF file not found"):
+    with pytest.raises(ATSError, match=r"missing\.gguf: no such file or folder \(and not an embedded model"):
         load_backbone(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ATSError, match=r"^/no/such/model: no such file or folder"):  # not sent to the Hub as an id
+        load_backbone("/no/such/model")
+    with pytest.raises(ATSError, match=r"^device 'gpu7': not a device \(cpu, cuda, cuda:1, mps, \.\.\.\)$"):
+        load_backbone("smollm2-135m-instruct", device="gpu7")  # before anything loads
     (tmp_path / "empty").mkdir()
     with pytest.raises(ATSError, match="no config.json"):
         load_backbone(str(tmp_path / "empty"))

@@ -77,10 +77,7 @@ def check_ats_model(known: argparse.Namespace) -> None:
     from ..model.embedded import DEFAULT_MODEL
 
     given = model_args(known.model_args)
-    try:
-        check_model(given.get("pretrained", DEFAULT_MODEL))
-    except ATSError as err:  # its message names ats's own --model option
-        raise ATSError(str(err).replace("--model ", "pretrained=", 1)) from None
+    check_model(given.get("pretrained", DEFAULT_MODEL), option="pretrained=")
     check_calibrator(given.get("calibrator"))
 
 

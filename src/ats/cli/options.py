@@ -103,55 +103,38 @@ def add_overwrite(p: argparse.ArgumentParser) -> None:
 
 
 def device(name: str | None) -> str:
-    """The --device `name`, checked against this machine before anything loads; None: "cuda" when available, else
-    "cpu".
+    """The --device `name`, checked against this machine before anything loads (`locate.device_problem`); None:
+    "cuda" when available, else "cpu".
 
     Raises:
         ATSError: `name` is no device torch knows, or a CUDA / MPS device this machine does not have (one line).
     """
-    import torch
+    from ..model.locate import default_device, device_problem
 
     if name is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        parsed = torch.device(name)
-    except RuntimeError:
-        raise ATSError(f"--device {name!r}: not a device (cpu, cuda, cuda:1, mps, ...)") from None
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            why = "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
-            raise ATSError(f"--device {name}: {why}; use --device cpu")
-        if parsed.index is not None and parsed.index >= count:
-            raise ATSError(f"--device {name}: this machine has {count} CUDA device{'s' * (count > 1)} "
-                           f"(cuda:0 to cuda:{count - 1})")
-    if parsed.type == "mps" and not torch.backends.mps.is_available():
-        raise ATSError(f"--device {name}: MPS is not available here; use --device cpu")
+        return default_device()
+    why = device_problem(name)
+    if why is not None:
+        raise ATSError(f"--device {name}: {why}")
     return name
 
 
-def check_model(name: str) -> None:
-    """Refuse a --model `name` that can be neither a local model nor a Hub id, before anything loads.
+def check_model(name: str, option: str = "--model ") -> None:
+    """Refuse a --model `name` that can be neither a local model nor a Hub id, before anything loads
+    (`locate.model_name_problem`).
+
+    Args:
+        name: the model name.
+        option: what the message calls the value, before the name (e.g. "pretrained=").
 
     Raises:
         ATSError: if `name` is a missing path, a folder without config.json, or not shaped like a Hub id.
     """
-    path = Path(name).expanduser()
-    local = name.startswith((".", "/", "~")) or path.suffix == ".gguf" or path.exists()
-    if name in EMBEDDED_MODELS:
-        return
-    if local:
-        if not path.exists():
-            raise ATSError(f"--model {name}: no such file or folder (and not an embedded model: "
-                           f"{', '.join(EMBEDDED_MODELS)})")
-        if path.is_file() and path.suffix != ".gguf":
-            raise ATSError(f"--model {name}: a file, not a model folder or a .gguf file")
-        if path.is_dir() and not (path / "config.json").is_file():
-            raise ATSError(f"--model {name}: not a model folder (no config.json)")
-        return
-    if name.count("/") > 1 or not name.strip():
-        raise ATSError(f"--model {name!r}: not an embedded model ({', '.join(EMBEDDED_MODELS)}), a local path or "
-                       f"a Hub id (owner/name)")
+    from ..model.locate import model_name_problem
+
+    why = model_name_problem(name)
+    if why is not None:
+        raise ATSError(f"{option}{name}: {why}")
 
 
 def backbone_from_args(args) -> Backbone:

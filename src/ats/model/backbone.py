@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, 
 from ..errors import ATSError
 from ..io import atomic_dir, atomic_file
 from .embedded import DEFAULT_MODEL, EMBEDDED_MODELS
+from .locate import device_problem, model_name_problem
 
 logger = logging.getLogger(__name__)
 
@@ -379,13 +380,18 @@ def load_backbone(
         The backbone, its output layer checked against the model's forward pass.
 
     Raises:
-        ATSError: if the dtype is unknown, the folder has no config.json, the model cannot be loaded, or the output
-            layer check fails.
+        ATSError: if the dtype or device is unknown or absent here, the name cannot be a model
+            (`locate.model_name_problem`: a missing path, a folder without config.json), the model cannot be loaded,
+            or the output layer check fails; all but the last two before anything loads.
     """
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     torch_dtype = dtypes.get(dtype) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
         raise ATSError(f"unknown dtype {dtype!r}; expected float32, bfloat16 or float16")
+    if isinstance(device, str) and (why := device_problem(device)) is not None:
+        raise ATSError(f"device {device!r}: {why}")
+    if (why := model_name_problem(str(name_or_path))) is not None:
+        raise ATSError(f"{name_or_path}: {why}")
     path = Path(name_or_path)
     if name_or_path in EMBEDDED_MODELS:
         model, tokenizer, rev = _load_gguf(_embedded_gguf(name_or_path), torch_dtype)
@@ -395,10 +401,6 @@ def load_backbone(
         name = path.name
     else:
         path = path.expanduser()
-        if path.is_file():
-            raise ATSError(f"{path}: a file, not a model folder or a .gguf file")
-        if path.exists() and not (path / "config.json").is_file():
-            raise ATSError(f"{path}: not a model folder (no config.json)")
         # a local folder is known by its absolute path: the same model, and the same name in every record that
         # checks it (calibrators, features, thresholds), from any working folder and however the path was written
         source = str(path.resolve()) if path.is_dir() else name_or_path
