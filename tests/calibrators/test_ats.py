@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from ats.calibrators import load_calibrator
+from ats.calibrators import build_calibrator, load_calibrator
 from ats.calibrators.ats import ATSCalibrator
 from ats.calibrators.calibrated_model import CalibratedModel
 from ats.errors import ATSError
@@ -104,6 +104,14 @@ def test_head_for_another_backbone_is_refused(tiny_backbone, tokenizer, tmp_path
     reseeded = make_tiny_backbone(tokenizer, seed=5)
     with pytest.raises(ATSError, match="revision"):
         CalibratedModel(reseeded, cal)
+    # hidden states of another size given by hand (was a shape error from inside the head)
+    with pytest.raises(ATSError, match=r"^hidden: shape \(1, 3, 32\), but this head reads hidden states of size 64 "
+                                       r"\(those of tiny-llama\)$"):
+        cal.calibrate(torch.randn(1, 3, 10), torch.randn(1, 3, 32))
+    with pytest.raises(ATSError, match=r"head/calibrator_config\.json: a file, not a calibrator folder"):
+        ATSCalibrator.from_pretrained(tmp_path / "head" / "calibrator_config.json")
+    with pytest.raises(ATSError, match=r"^fit: expected a FitSource or a LogitChunks callable .*, got list$"):
+        build_calibrator("temperature").fit([torch.randn(4, 10)])  # data, not a source of it
 
 
 def test_corrupt_or_foreign_files_are_refused(tiny_backbone, tmp_path):

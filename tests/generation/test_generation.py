@@ -197,6 +197,25 @@ def test_chat_template_option_and_errors(tiny_backbone, calibrator):
     assert generate_calibrated(tiny_backbone, calibrator, [], max_new_tokens=2) == []
 
 
+@pytest.mark.parametrize("prompts, options, message", [
+    (["Hi", 5], {}, r"^prompts: expected a string or a list of strings, got int 5$"),
+    (None, {}, r"^prompts: expected a string or a list of strings, got NoneType None$"),
+    ("Hi", {"stop_strings": 7}, r"^stop_strings: expected a string or a list of strings, got int 7$"),
+    ("", {"chat_template": False}, r"^prompt 0: empty \(no tokens\)$"),  # was a reshape error from the model
+    ("word " * 2100, {"chat_template": False}, r"^this model's maximum context length is 2048 tokens, but prompt 0 "
+                                               r"has \d+ tokens and max_tokens is 2$"),  # the server's own words
+    ("Hi", {"do_sample": True, "temperature": -1.0}, r"^temperature: expected a finite number >= 0, got -1\.0$"),
+    ("Hi", {"do_sample": True, "top_k": -3}, r"^top_k: expected an integer >= 0 \(0: all tokens\), got -3$"),
+    ("Hi", {"do_sample": True, "top_p": 1.5}, r"^top_p: expected a number in \[0, 1\], got 1\.5$"),
+    ("Hi", {"num_return_sequences": 0}, r"^num_return_sequences: expected an integer >= 1, got 0$"),
+    ("Hi", {"min_new_tokens": -1}, r"^min_new_tokens: expected an integer >= 0, got -1$"),
+])
+def test_bad_inputs_are_one_line_errors_before_decoding(tiny_backbone, calibrator, prompts, options, message):
+    assert tiny_backbone.model.config.max_position_embeddings == 2048
+    with pytest.raises(ATSError, match=message):
+        generate_calibrated(tiny_backbone, calibrator, prompts, **{"max_new_tokens": 2, **options})
+
+
 def test_num_return_sequences(tiny_backbone, calibrator):
     torch.manual_seed(0)
     outs = generate_calibrated(tiny_backbone, calibrator, PROMPTS, max_new_tokens=5, do_sample=True,

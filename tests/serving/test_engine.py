@@ -11,8 +11,9 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3NextConfig
 from ats.errors import ATSError
 from ats.generation import SamplingParams, TextTracker, generate_calibrated, tokens_covering
 from ats.generation.batch import check_attention
+from ats.generation.limits import ContextLengthExceeded
 from ats.model.backbone import Backbone
-from ats.serving.engine import ContextLengthExceeded, Engine, Job, JobDone, JobFailed, QueueFull
+from ats.serving.engine import Engine, Job, JobDone, JobFailed, QueueFull
 
 from helpers import calibrator_for
 from serving_reference import chat_ids, choices, continuation_values, done, forward, prompt_scores

@@ -194,10 +194,13 @@ class ATSCalibrator(Calibrator):
             q, same shape as `logits`.
 
         Raises:
-            ATSError: if `hidden` is None.
+            ATSError: if `hidden` is None or its last dimension is not the head's hidden size.
         """
         if hidden is None:
             raise ATSError("ATS needs the backbone's hidden states: pass hidden=(B, T, H)")
+        if hidden.shape[-1] != self.config_.hidden_size:
+            raise ATSError(f"hidden: shape {tuple(hidden.shape)}, but this head reads hidden states of size "
+                           f"{self.config_.hidden_size} (those of {self.config_.base_model or 'its backbone'})")
         squeeze = logits.dim() == 2  # (N, V) with hidden (N, H): one position per row
         if squeeze:
             logits, hidden = logits[:, None], hidden[:, None]

@@ -64,10 +64,11 @@ def as_source(source) -> FitSource:
     `logit_chunks` view).
 
     Raises:
-        ATSError: if `source` is None.
+        ATSError: if `source` is None or data itself (a list, a tensor, ...), not a source of it.
     """
-    if source is None:
-        raise ATSError("fit: expected a FitSource or a LogitChunks callable, got None")
     if callable(source) and not hasattr(type(source), "logit_chunks"):
         return ChunkSource(source)
+    if source is None or isinstance(source, (list, tuple, dict, str, Tensor)):  # data itself, not a source of it
+        raise ATSError(f"fit: expected a FitSource or a LogitChunks callable (a function yielding (logits, labels) "
+                       f"chunks), got {type(source).__name__}")
     return source

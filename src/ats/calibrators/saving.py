@@ -60,9 +60,12 @@ def read_config(directory: Path) -> dict:
         The parsed calibrator_config.json, "type" included.
 
     Raises:
-        ATSError: if the file is missing (a run folder is named as such) or is not a JSON object.
+        ATSError: if `directory` is a file, the config is missing (a run folder is named as such) or is not a
+            JSON object.
     """
     path = directory / CONFIG_NAME
+    if directory.is_file():
+        raise ATSError(f"{directory}: a file, not a calibrator folder (the folder that holds {CONFIG_NAME})")
     if directory.is_dir() and not path.exists() and (directory / "head" / CONFIG_NAME).exists():
         raise ATSError(f"{directory}: a run folder, not a calibrator; the head is in {directory / 'head'}")
     config = read_json(path)

@@ -24,6 +24,7 @@ from ..confidence import ANSWER_MAX_TOKENS
 from ..errors import ATSError
 from ..model.backbone import Backbone
 from .decoder import Decoder, Row
+from .limits import check_prompts, context_length
 from .logprobs import answer_confidence
 from .sampling import SamplingParams
 from .stream import StreamToken
@@ -186,19 +187,22 @@ def generate_calibrated(
         One `CalibratedGeneration` per output sequence (per prompt, or prompt-major with `num_return_sequences`).
 
     Raises:
-        ATSError: if the calibrator does not fit the backbone, beam search or an unknown option is asked for, or
-            `max_new_tokens` is invalid.
+        ATSError: if the calibrator does not fit the backbone, beam search or an unknown option is asked for, an
+            option or sampling setting is out of range, a prompt is empty, or a prompt + `max_new_tokens` is over
+            the model's context (`limits.check_prompts`).
     """
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    stop_strings = [s for s in ([stop_strings] if isinstance(stop_strings, str) else stop_strings or []) if s]
+    prompts = _strings(prompts, "prompts")
+    stop_strings = [s for s in _strings(stop_strings or [], "stop_strings") if s]
     _check_options(max_new_tokens, options)
+    sampling = (SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p)
+                if do_sample else SamplingParams(temperature=0))
     if not prompts:
         return []
     input_ids, attention_mask, texts = encode_prompts(backbone, prompts, chat_template)
     encoded = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+    check_prompts(encoded, vocab_size=backbone.vocab_size, max_model_len=context_length(backbone),
+                  max_tokens=max_new_tokens)
     repeats = int(options.get("num_return_sequences") or 1)
-    sampling = (SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p)
-                if do_sample else SamplingParams(temperature=0))
     min_tokens = int(options.get("min_new_tokens") or 0)
     rows = [Row(encoded[p], p, backbone.tokenizer, max_tokens=max_new_tokens, sampling=sampling, stop=stop_strings,
                 min_tokens=min_tokens) for p in range(len(prompts)) for _ in range(repeats)]
@@ -218,14 +222,27 @@ def generate_calibrated(
     return outputs
 
 
+def _strings(value, name: str) -> list[str]:
+    """`value` (a string or a sequence of strings) as a list of strings; an ATSError naming `name` otherwise."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Sequence) and all(isinstance(item, str) for item in value):
+        return list(value)
+    bad = next((item for item in value if not isinstance(item, str)), None) if isinstance(value, Sequence) else value
+    raise ATSError(f"{name}: expected a string or a list of strings, got {type(bad).__name__} {bad!r:.80}")
+
+
 def _check_options(max_new_tokens, options: dict) -> None:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ATSError(f"generate_calibrated: unsupported option {unknown[0]!r}; supported: {', '.join(OPTIONS)}")
     if int(options.get("num_beams", 1) or 1) > 1:
         raise ATSError("calibrated generation does not support beam search (num_beams > 1); use greedy or sampling")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ATSError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1),
+                             ("num_return_sequences", options.get("num_return_sequences", 1), 1),
+                             ("min_new_tokens", options.get("min_new_tokens", 0), 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ATSError(f"{name}: expected an integer >= {low}, got {value!r}")
 
 
 class _Streamer:

@@ -15,6 +15,7 @@ global generator, in row order, as `generate` does.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from ..errors import ATSError
 
 SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 64 - 1  # what torch.Generator.manual_seed takes (a negative seed wraps)
 
@@ -38,7 +41,7 @@ class SamplingParams:
             `generator`).
 
     Raises:
-        ValueError: a seed out of that range.
+        ATSError: a value out of its range (named).
     """
 
     temperature: float = 1.0
@@ -47,8 +50,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
+            raise ATSError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 <= self.top_p <= 1):
+            raise ATSError(f"top_p: expected a number in [0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ATSError(f"top_k: expected an integer >= 0 (0: all tokens), got {self.top_k!r}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
-            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
+            raise ATSError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -26,9 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ATSError
 from ..evaluation.threshold import Certificate, CertifiedThreshold
+from ..generation.limits import ContextLengthExceeded
 from ..generation.sampling import SamplingParams
 from .api_errors import APIError, validation_error
-from .engine import ContextLengthExceeded, Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull
+from .engine import Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull
 from .monitor import MONITOR_PATH, DecisionMonitor
 from .playground import PAGE_PATHS, Playground, add_playground_routes
 from .rescore import ServedCalibrator

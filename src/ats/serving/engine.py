@@ -29,6 +29,7 @@ import torch
 from ..calibrators.base import Calibrator
 from ..errors import ATSError
 from ..generation.decoder import Decoder, Row
+from ..generation.limits import check_prompts, context_length
 from ..generation.logprobs import TokenLogprob
 from ..generation.sampling import SamplingParams
 from ..model.backbone import Backbone
@@ -38,10 +39,6 @@ logger = logging.getLogger(__name__)
 
 class QueueFull(RuntimeError):
     """The engine's queue of waiting requests is full (the server answers 503)."""
-
-
-class ContextLengthExceeded(ATSError):
-    """A prompt plus its new tokens do not fit in the model's context."""
 
 
 @dataclass
@@ -152,7 +149,7 @@ class Engine:
         self.backbone = backbone
         self.tokenizer = backbone.tokenizer
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)
-        limit = getattr(backbone.model.config, "max_position_embeddings", None) or 2048
+        limit = context_length(backbone)
         if max_model_len and max_model_len > limit:  # positions the model never saw: refused, as vLLM does
             raise ATSError(f"max_model_len {max_model_len} is more than {backbone.name}'s context of {limit} tokens "
                            f"(max_position_embeddings in its config): give at most {limit}, or leave it out")
@@ -195,16 +192,8 @@ class Engine:
             ATSError: naming the prompt, if one is empty or has a token id outside the vocabulary;
                 `ContextLengthExceeded` if prompt + max_tokens is over the context.
         """
-        vocab = self.backbone.vocab_size
-        for i, prompt in enumerate(job.prompts):
-            if not prompt:
-                raise ATSError(f"prompt {i}: empty (no tokens)")
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ATSError(f"prompt {i}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-            if len(prompt) + job.max_tokens > self.max_model_len:
-                raise ContextLengthExceeded(f"this model's maximum context length is {self.max_model_len} tokens, but "
-                                            f"prompt {i} has {len(prompt)} tokens and max_tokens is {job.max_tokens}")
+        check_prompts(job.prompts, vocab_size=self.backbone.vocab_size, max_model_len=self.max_model_len,
+                      max_tokens=job.max_tokens)
 
     def submit(self, job: Job) -> None:
         """Queue `job`, checked first (see `check`).
