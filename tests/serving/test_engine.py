@@ -333,3 +333,38 @@ def test_a_seed_torch_refuses_is_refused_naming_the_range(seed):
     with pytest.raises(ValueError, match=rf"seed must be an integer in \[-9223372036854775808, "
                                          rf"18446744073709551615\], got {seed}"):
         SamplingParams(seed=seed)
+
+
+def test_random_mixes_of_jobs_each_end_once_with_what_they_get_alone(backbone, calibrator):
+    """Jobs of 1-4 prompts x n 1-3, max_tokens 0-5, stop strings and echo, through a batch of 3 rows: every job
+    ends exactly once, last, with all its choices, each as long as asked and with the tokens and values it gets
+    run alone (a row that ends at prefill, or while others of its job wait, is the case a bookkeeping slip breaks)."""
+    import random
+
+    rng = random.Random(0)
+    pool = [chat_ids(backbone, p) for p in PROMPTS] + [[5, 6, 7], [42]]
+    specs = [dict(prompts=rng.sample(pool, rng.randint(1, 4)), n=rng.randint(1, 3), max_tokens=rng.randint(0, 5),
+                  stop=rng.choice([(), ("w",), (" w1",)]), prompt_logprobs=rng.random() < 0.3) for _ in range(12)]
+
+    def run_jobs(batch_specs, max_batch):
+        engine = Engine(backbone, calibrator, max_batch=max_batch)
+        sinks = [[] for _ in batch_specs]
+        for spec, sink in zip(batch_specs, sinks):
+            engine.submit(Job(spec["prompts"], n=spec["n"], max_tokens=spec["max_tokens"], sampling=GREEDY,
+                              stop=spec["stop"], prompt_logprobs=spec["prompt_logprobs"], sink=sink.append))
+        run(engine)
+        return sinks
+
+    mixed = run_jobs(specs, max_batch=3)
+    for spec, events in zip(specs, mixed):
+        (alone,) = run_jobs([spec], max_batch=16)
+        assert done(events) and sum(isinstance(e, (JobDone, JobFailed)) for e in events) == 1
+        got, want = choices(events), choices(alone)
+        assert sorted(got) == list(range(len(spec["prompts"]) * spec["n"]))
+        for k, choice in got.items():
+            assert len(choice["tokens"]) <= spec["max_tokens"] and choice["finish"] in ("length", "stop", "eos")
+            assert choice["text"] == want[k]["text"]
+            assert [t.token for t in choice["tokens"]] == [t.token for t in want[k]["tokens"]]
+            close([t.logprob for t in choice["tokens"]], torch.tensor([t.logprob for t in want[k]["tokens"]]))
+        if spec["prompt_logprobs"]:
+            assert sorted(prompt_scores(events)) == list(range(len(spec["prompts"])))

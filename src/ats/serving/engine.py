@@ -300,7 +300,7 @@ class Engine:
     @torch.no_grad()
     def step(self) -> bool:
         """Drop cancelled rows, admit and prefill waiting sequences, run one decoding step, retire finished rows;
-        False when there was nothing to do."""
+        False when there was nothing to do (no sequence waited or ran)."""
         self.decoder.retire()
         admitted = self._admit()
         if admitted:
@@ -309,14 +309,15 @@ class Engine:
             except Exception as err:
                 self._fail({s.job for s in admitted}, err)
             self.decoder.retire()  # rows that finished at prefill (max_tokens 1, a first token that ends) are done
-        if self._rows:
+        decoded = bool(self._rows)
+        if decoded:
             try:
                 self.decoder.step()
             except Exception as err:
                 self._fail({s.job for s in self._rows}, err)
                 self.decoder.reset()
         self.decoder.retire()
-        return bool(admitted or self._rows)
+        return bool(admitted) or decoded  # (the batch may have just drained, with jobs still waiting)
 
     def _fail(self, jobs: set[Job], err: Exception) -> None:
         logger.error("generation failed for %d request(s): %s", len(jobs), err, exc_info=err)
