@@ -368,3 +368,34 @@ def test_random_mixes_of_jobs_each_end_once_with_what_they_get_alone(backbone, c
             close([t.logprob for t in choice["tokens"]], torch.tensor([t.logprob for t in want[k]["tokens"]]))
         if spec["prompt_logprobs"]:
             assert sorted(prompt_scores(events)) == list(range(len(spec["prompts"])))
+
+
+def test_min_tokens_holds_back_the_end_of_sequence(tokenizer):
+    """A model whose end-of-sequence token is made the greedy first choice (its output row 1.5 times the first
+    token's): it ends at once, unless min_tokens forbids that; then the first token is the one it outranked."""
+    from ats.generation import eos_ids
+
+    from helpers import make_tiny_backbone
+
+    bb = make_tiny_backbone(tokenizer, tie_word_embeddings=False, output_scale=60.0)
+    ids = chat_ids(bb, PROMPTS[2])
+
+    def answer(**options):
+        events = []
+        engine = Engine(bb, None)
+        engine.submit(job(ids, events, sampling=GREEDY, **options))
+        run(engine)
+        return choices(events)[0]
+
+    first = answer(max_tokens=1)["tokens"][0].token
+    eos = min(eos_ids(bb))
+    with torch.no_grad():
+        hidden, _ = bb.forward(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+        assert first != eos and bb.logits(hidden[:, -1])[0, first] > 0  # so 1.5 times its row outranks it
+        weight = bb.model.get_output_embeddings().weight
+        weight[eos] = 1.5 * weight[first]
+    ended = answer(max_tokens=6)
+    assert [t.token for t in ended["tokens"]] == [eos] and ended["finish"] == "stop"  # OpenAI's name for it
+    held = answer(max_tokens=6, min_tokens=3)
+    tokens = [t.token for t in held["tokens"]]
+    assert tokens[0] == first and eos not in tokens[:3] and len(tokens) >= 3

@@ -35,7 +35,7 @@ class SamplingParams:
 
     Args:
         temperature: >= 0; 0: greedy.
-        top_p: in (0, 1]: the smallest set of most likely tokens whose probability reaches top_p (at least one).
+        top_p: in [0, 1]: the smallest set of most likely tokens whose probability reaches top_p (at least one).
         top_k: keep the k most likely tokens; 0: all.
         seed: the row's random generator's seed, in [SEED_MIN, SEED_MAX]; None: a fresh random one (see
             `generator`).
