@@ -34,9 +34,17 @@ from . import ablate, calibration_report, certify, convert, demo, eval, export, 
 COMMANDS = (train, eval, certify, generate, ablate, demo, serve, export, lmeval, calibration_report, convert)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line that points at --help (argparse prints the whole usage first: 20
+    lines for `ats train`, the error last); its sub-parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `ats` parser: -q/--quiet and one sub-command per module in `COMMANDS`."""
-    parser = argparse.ArgumentParser(prog="ats", description="Adaptive Temperature Scaling for causal LMs")
+    parser = OneLineParser(prog="ats", description="Adaptive Temperature Scaling for causal LMs")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or progress messages")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
