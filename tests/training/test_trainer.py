@@ -1,5 +1,6 @@
 """Training: a short run lowers the loss, moves confidence the right way, and resumes to identical weights."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -144,3 +145,11 @@ def test_training_leaves_the_global_rng_alone_and_is_reproducible(tiny_backbone,
     second, _ = _train(tiny_backbone, stores, head_type="transformer", epochs=1)
     for a, b in zip(first.head.state_dict().values(), second.head.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_resume_with_no_checkpoint_says_it_starts_afresh(tiny_backbone, stores, tmp_path, caplog):
+    """--resume into a folder without a checkpoint (a mistyped OUT, say) trains from the start, and says so."""
+    with caplog.at_level(logging.INFO, logger="ats"):
+        _, result = _train(tiny_backbone, stores, out_dir=tmp_path / "fresh", resume=True, epochs=1)
+    assert f"nothing to resume in {tmp_path / 'fresh'} (no checkpoint): training from the start" in caplog.text
+    assert result.history and result.history[0]["step"] == 1

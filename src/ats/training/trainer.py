@@ -215,7 +215,8 @@ class Trainer(FitLoop):
     def _resume(self) -> tuple[int, int]:
         """(epoch, step in epoch) of the last checkpoint, its state restored; (0, 0) if there is none."""
         ckpt = latest_checkpoint(self.out_dir) if self.out_dir is not None else None
-        if ckpt is None:
+        if ckpt is None:  # said, so that a mistyped OUT is not taken for a resumed run
+            logger.info("nothing to resume in %s (no checkpoint): training from the start", self.out_dir)
             return 0, 0
         trainer = load_checkpoint(ckpt, self.calibrator, self.optimizer, self.scheduler)
         self.history[:] = trainer.get("history", [])
