@@ -100,6 +100,15 @@ def test_generate_until_samples_from_the_calibrated_distribution(ats_lm, tiny_fo
     assert _generate(plain, prompts, **greedy) == _generate(ats_lm, prompts, **greedy)  # s > 0 keeps the argmax
 
 
+def test_generation_options_the_calibrated_decoding_ignores_are_refused(ats_lm):
+    """hf's generate would apply repetition_penalty; the calibrated decoding cannot, so it says so instead of
+    comparing another decoding."""
+    with pytest.raises(ATSError, match=r"^gen_kwargs repetition_penalty=1\.3: not supported by the ats model's "
+                                       r"calibrated decoding \(it honours do_sample, min_new_tokens, num_beams, "
+                                       r"temperature, top_k, top_p\)$"):
+        _generate(ats_lm, ["Hello"], until=["\n\n\n"], max_gen_toks=4, do_sample=False, repetition_penalty=1.3)
+
+
 def test_saved_temperature_scaling_is_usable(tiny_folder, folder_backbone, tmp_path):
     tok = folder_backbone.tokenizer
     ids = torch.tensor([tok("A short text to fit one temperature on, nothing more than that.").input_ids])

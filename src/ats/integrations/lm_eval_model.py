@@ -52,6 +52,9 @@ from .prefix_sharing import SharedPrefixes
 from .prompt_ends import PromptEnd, PromptEnds
 
 logger = logging.getLogger(__name__)
+# generate_until's options the calibrated decoding honours; any other (repetition_penalty, no_repeat_ngram_size, ...)
+# is refused rather than ignored, since lm-eval's hf model would apply it
+GEN_KWARGS = frozenset({"attention_mask", "do_sample", "temperature", "top_k", "top_p", "num_beams", "min_new_tokens"})
 
 
 def check_calibrator(spec) -> Path | Calibrator | None:
@@ -300,18 +303,24 @@ class ATSLM(HFLM):
             max_length: P + the new tokens at most.
             stop: lm-eval's stop strings (each row stops at the first; lm-eval cuts the text there itself).
             **generation_kwargs: `do_sample`, `temperature`, `top_k`, `top_p` (the model's generation config fills
-                what is not given, as `generate` does); `attention_mask`.
+                what is not given, as `generate` does), `min_new_tokens`, `num_beams` 1; `attention_mask`.
 
         Returns:
             (B, P + N) the prompts and every row's new tokens, padded after a row's end.
 
         Raises:
-            ATSError: for beam search.
+            ATSError: for beam search, or a generation option the calibrated decoding does not honour (`GEN_KWARGS`;
+                lm-eval's `hf` model would, so ignoring it would compare other decodings).
         """
         if self.calibrator is None:
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         if int(generation_kwargs.get("num_beams", 1) or 1) > 1:
             raise ATSError("the ats model samples from calibrated logits; beam search (num_beams > 1) is not supported")
+        unknown = sorted(k for k, v in generation_kwargs.items() if k not in GEN_KWARGS and v is not None)
+        if unknown:
+            name = unknown[0]
+            raise ATSError(f"gen_kwargs {name}={generation_kwargs[name]!r}: not supported by the ats model's "
+                           f"calibrated decoding (it honours {', '.join(sorted(GEN_KWARGS - {'attention_mask'}))})")
         mask = generation_kwargs.get("attention_mask")
         mask = torch.ones_like(context) if mask is None else mask
         temperature = float(generation_kwargs.get("temperature", 0.0) or 0.0)
@@ -323,8 +332,9 @@ class ATSLM(HFLM):
         else:
             sampling = SamplingParams(temperature=0)
         P, tok = context.shape[1], self.tokenizer
-        rows = [Row(ids[m.bool()].tolist(), i, tok, max_tokens=max_length - P, sampling=sampling, stop=stop)
-                for i, (ids, m) in enumerate(zip(context.cpu(), mask.cpu()))]
+        min_tokens = int(generation_kwargs.get("min_new_tokens") or 0)
+        rows = [Row(ids[m.bool()].tolist(), i, tok, max_tokens=max_length - P, sampling=sampling, stop=stop,
+                    min_tokens=min_tokens) for i, (ids, m) in enumerate(zip(context.cpu(), mask.cpu()))]
         with self._autocast():
             Decoder(self.backbone, self.calibrator).run(rows)
         width = max(len(r.generated) for r in rows)
