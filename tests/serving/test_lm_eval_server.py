@@ -44,8 +44,11 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     return ctx, whole[len(ctx):]
 
 
+@pytest.mark.parametrize("batch_size", [1, 12])  # 12: all 12 requests in one, more rows than the server's batch of 8
 def test_lm_eval_local_completions_scores_choices_with_calibrated_logprobs(server, backbone, calibrator, model_dir,
-                                                                          tmp_path, monkeypatch):
+                                                                          tmp_path, monkeypatch, batch_size):
+    """With batch_size 12, rows that end at prefill (max_tokens 1) wait beside others: that path once gave each
+    choice a second generated token, which lm-eval summed into the continuation's log-likelihood."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
@@ -59,7 +62,7 @@ def test_lm_eval_local_completions_scores_choices_with_calibrated_logprobs(serve
                   "tokenizer_backend=huggingface,max_retries=1,num_concurrent=2")
     results = lm_eval.simple_evaluate(model="local-completions", model_args=model_args, tasks=["ats_serve_mc"],
                                       task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
-                                      log_samples=True, batch_size=1)
+                                      log_samples=True, batch_size=batch_size)
     samples = sorted(results["samples"]["ats_serve_mc"], key=lambda s: s["doc_id"])
     assert len(samples) == len(QUESTIONS)
     correct, calibrated_moved = 0, 0
