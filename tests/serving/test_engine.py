@@ -4,6 +4,8 @@ their slots."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3NextConfig
@@ -13,7 +15,7 @@ from ats.generation import SamplingParams, TextTracker, generate_calibrated, tok
 from ats.generation.batch import check_attention
 from ats.generation.limits import ContextLengthExceeded
 from ats.model.backbone import Backbone
-from ats.serving.engine import Engine, Job, JobDone, JobFailed, QueueFull
+from ats.serving.engine import Engine, Job, JobDone, JobFailed, QueueFull, ShuttingDown
 
 from helpers import calibrator_for
 from serving_reference import chat_ids, choices, continuation_values, done, forward, prompt_scores
@@ -399,3 +401,58 @@ def test_min_tokens_holds_back_the_end_of_sequence(tokenizer):
     held = answer(max_tokens=6, min_tokens=3)
     tokens = [t.token for t in held["tokens"]]
     assert tokens[0] == first and eos not in tokens[:3] and len(tokens) >= 3
+
+
+class _Events(list):
+    """A job's sink on the engine thread: the events, and a flag set at the first and at the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started, self.ended = threading.Event(), threading.Event()
+
+    def append(self, event) -> None:
+        super().append(event)
+        self.started.set()
+        if isinstance(event, (JobDone, JobFailed)):
+            self.ended.set()
+
+
+def test_drain_lets_jobs_finish_within_the_grace_period_and_takes_no_new_one(backbone, calibrator):
+    engine = Engine(backbone, calibrator, max_batch=2)
+    engine.start()
+    try:
+        events = _Events()
+        engine.submit(job(chat_ids(backbone, PROMPTS[0]), events, n=3, max_tokens=40, sampling=GREEDY,
+                          ignore_eos=True))  # 3 rows through a batch of 2: one still waits for a row
+        assert events.started.wait(60)
+        engine.drain(120)
+        assert engine.draining
+        with pytest.raises(ShuttingDown):
+            engine.submit(Job([chat_ids(backbone, PROMPTS[1])], max_tokens=2))
+        assert events.ended.wait(120)
+    finally:
+        engine.stop()
+    assert done(events) and not any(isinstance(e, JobFailed) for e in events)
+    assert [len(c["tokens"]) for c in choices(events).values()] == [40, 40, 40]
+
+
+def test_drain_fails_what_is_still_running_at_its_deadline_with_a_503(backbone, calibrator):
+    engine = Engine(backbone, calibrator, max_batch=1)
+    engine.start()
+    try:
+        running, waiting = _Events(), _Events()
+        limit = engine.max_model_len
+        ids = chat_ids(backbone, PROMPTS[0])
+        engine.submit(job(ids, running, max_tokens=limit - len(ids), sampling=GREEDY, ignore_eos=True))
+        engine.submit(job(ids, waiting, max_tokens=4, sampling=GREEDY))  # behind it: the batch holds one row
+        assert running.started.wait(60)
+        engine.drain(0)
+        assert running.ended.wait(60) and waiting.ended.wait(60)
+    finally:
+        engine.stop()
+    for events in (running, waiting):
+        assert not done(events)
+        (failed,) = [e for e in events if isinstance(e, JobFailed)]
+        assert failed is events[-1] and failed.status == 503 and "shut down before this request finished" in \
+            failed.message
+    assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0

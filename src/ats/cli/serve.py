@@ -52,6 +52,11 @@ def add_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and the "
                         "playground page's files (default: $ATS_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    options.add_number(p, "--shutdown-timeout", int, partial(check_number, integer=True, low=0), default=20,
+                       metavar="SECONDS",
+                       help="on SIGTERM or Ctrl-C, the seconds requests in flight (plain and streamed) get to finish; "
+                            "those still running then end with a 503 or a stream's error event (keep it below your "
+                            "orchestrator's kill timeout: Kubernetes's is 30 s)")
     options.add_number(p, "--threads", int, check_positive_int, default=None,
                        help="torch CPU threads (default: torch's; --engine ats)")
     p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
@@ -95,11 +100,10 @@ def run(args) -> int:
         raise ATSError(f"{args.vllm_args[0]}: options after -- go to vLLM's server; add --engine vllm")
     compare = [None if c.strip().lower() == "none" else options.calibrator_folder(c) for c in args.compare]
     try:
-        import uvicorn
-
         from ..evaluation.threshold import read_certificate
         from ..serving import Engine, create_app
         from ..serving.saved_evaluation import SavedEvaluation
+        from ..serving.server import run_server
     except ImportError as err:
         raise ATSError(f"ats serve needs the serve extra ({err.name} is missing): pip install 'ats[serve]'") from None
     _check_port_free(args.host, args.port)
@@ -125,7 +129,8 @@ def run(args) -> int:
     app = create_app(engine, model_name=name, api_key=key, threshold=threshold, playground=playground,
                      certificate=certificate)
     logger.info("serving %s (%s) on http://%s:%d/v1", name, engine.calibration.label, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
+    run_server(app, engine, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+               shutdown_timeout=args.shutdown_timeout)
     return 0
 
 

@@ -6,7 +6,9 @@
 
 Handlers run on the event loop and never compute: they validate, tokenize, submit a `Job` and wait for its events
 (`asyncio.Queue`, filled from the engine thread). A client that disconnects has its job cancelled: a stream's
-generator is closed by sse-starlette, a plain request is watched for `http.disconnect`.
+generator is closed by sse-starlette, a plain request is watched for `http.disconnect`. At shutdown a stream is not
+cut when the server gets the signal (sse-starlette's default): it runs as a plain request does, until the engine's
+drain ends it (`server.py`), and then its last event says so.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 from contextlib import asynccontextmanager
 
@@ -29,7 +32,7 @@ from ..evaluation.threshold import Certificate, CertifiedThreshold
 from ..generation.limits import ContextLengthExceeded
 from ..generation.sampling import SamplingParams
 from .api_errors import APIError, validation_error
-from .engine import Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull
+from .engine import Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull, ShuttingDown
 from .monitor import MONITOR_PATH, DecisionMonitor
 from .playground import PAGE_PATHS, Playground, add_playground_routes
 from .rescore import ServedCalibrator
@@ -49,6 +52,9 @@ OPEN_PATHS = ("/health", "/metrics", *PAGE_PATHS)  # answered without the API ke
 #                                                     metrics are counts, open as vLLM's are, for a scraper)
 
 
+SHUTTING_DOWN = "shutting_down"  # the error code of a request the server's shutdown refused or ended
+
+
 class _Gone:
     """Put in a run's queue when its client disconnected."""
 
@@ -62,7 +68,8 @@ class Run:
         param: the request field named in a 400 (the prompt's).
 
     Raises:
-        APIError: 503 if the queue is full, 400 if the job is refused (e.g. over the context length).
+        APIError: 503 if the queue is full or the server is shutting down, 400 if the job is refused (e.g. over the
+            context length).
     """
 
     def __init__(self, engine: Engine, job: Job, param: str) -> None:
@@ -74,6 +81,8 @@ class Run:
             engine.submit(job)
         except QueueFull as err:
             raise APIError(503, f"the server is busy ({err}); try again later", code="overloaded") from None
+        except ShuttingDown as err:
+            raise APIError(503, f"{err}; send the request again", code=SHUTTING_DOWN) from None
         except ContextLengthExceeded as err:
             raise APIError(400, str(err), param=param, code="context_length_exceeded") from None
         except ATSError as err:
@@ -83,7 +92,8 @@ class Run:
         """The job's events in order, up to its end.
 
         Raises:
-            APIError: 500 if the job failed, 499 if the client disconnected.
+            APIError: the job's failure (500: the model failed; 503: the server shut down first), 499 if the client
+                disconnected.
         """
         while True:
             event = await self.queue.get()
@@ -92,7 +102,7 @@ class Run:
                 return
             if isinstance(event, JobFailed):
                 self.finished = True
-                raise APIError(500, event.message)
+                raise APIError(event.status, event.message, code=SHUTTING_DOWN if event.status == 503 else None)
             if isinstance(event, _Gone):
                 raise APIError(499, "the client closed the request")
             yield event
@@ -166,6 +176,12 @@ def _sampling(body: GenerationRequest) -> SamplingParams:
 
 def _data(obj) -> dict:
     return {"data": json.dumps(obj)}
+
+
+def _event_stream(events) -> EventSourceResponse:
+    """A streamed answer's response: server-sent `events`, kept going at shutdown until they end (the engine's drain
+    bounds them), where sse-starlette would cut them when the signal comes."""
+    return EventSourceResponse(events, shutdown_grace_period=math.inf)
 
 
 def _error_data(err: APIError) -> dict:
@@ -379,7 +395,7 @@ def _add_chat_route(app: FastAPI, service: Service) -> None:
         run = Run(engine, job, "messages")
         renderer = service.renderer_for(body, chat=True, max_tokens=body.new_tokens)
         if body.stream:
-            return EventSourceResponse(_chat_stream(renderer, run, body, len(ids)))
+            return _event_stream(_chat_stream(renderer, run, body, len(ids)))
         collected = await run.collect(request, Collector(1, body.n))
         return renderer.chat(collected, logprobs=body.logprobs, prompt_tokens=len(ids))
 
@@ -426,7 +442,7 @@ def _add_completion_route(app: FastAPI, service: Service) -> None:
                   prompt_logprobs=body.echo and logprobs, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
         run = Run(engine, job, "prompt")
         if body.stream:
-            return EventSourceResponse(_completion_stream(renderer, run, body, prompts))
+            return _event_stream(_completion_stream(renderer, run, body, prompts))
         collected = await run.collect(request, Collector(len(prompts), body.n))
         offsets = None
         if body.echo and logprobs:

@@ -13,12 +13,16 @@ loop): `PromptScored` (echoed prompt log-probabilities), `Generated` (released t
 its finish reason at the end), then `JobDone`, or `JobFailed` when the model raised. The engine never waits for a
 client: a slow reader only lets its own events pile up, and a cancelled job (client gone) frees its rows at the next
 step.
+
+Shutting down (`drain`): the engine takes no new job, lets those it has run to their end for a grace period, and then
+fails each one still running with `JobFailed(status=503)`, so that every client learns that its answer was cut.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -39,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 class QueueFull(RuntimeError):
     """The engine's queue of waiting requests is full (the server answers 503)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The engine is draining for shutdown and takes no new job (the server answers 503)."""
 
 
 @dataclass
@@ -68,9 +76,11 @@ class JobDone:
 
 @dataclass
 class JobFailed:
-    """The job's last event when the engine failed on it: `message` says why."""
+    """The job's last event when the engine failed on it: `message` says why; `status` is the HTTP status a server
+    answers with (500: the model failed; 503: the server shut down first, the request may be retried)."""
 
     message: str
+    status: int = 500
 
 
 @dataclass(eq=False)
@@ -159,6 +169,8 @@ class Engine:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._drain_deadline: float | None = None  # time.monotonic() at which draining jobs fail (`drain`)
+        self._drain_timeout = 0.0
         self.cancelled = 0  # jobs cancelled before they finished (clients gone)
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()  # run on the engine thread between steps
 
@@ -204,9 +216,12 @@ class Engine:
         Raises:
             ATSError: as `check`.
             QueueFull: if `max_queue` jobs already wait.
+            ShuttingDown: if the engine is draining (`drain`).
         """
         self.check(job)
         with self._cond:
+            if self._drain_deadline is not None:
+                raise ShuttingDown("the server is shutting down")
             if len(self._jobs) >= self.max_queue:
                 raise QueueFull(f"{len(self._jobs)} requests are already waiting")
             self._jobs.append(job)
@@ -265,23 +280,53 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="ats-engine", daemon=True)
             self._thread.start()
 
+    def drain(self, timeout: float) -> None:
+        """Begin shutting down: take no new job (`submit` raises `ShuttingDown`); the jobs already taken, running or
+        waiting, go on for up to `timeout` seconds, and those not done by then fail with
+        `JobFailed(status=503)`. Calling it again keeps the earlier deadline.
+
+        Args:
+            timeout: the grace period in seconds (0: fail every job at once).
+        """
+        with self._cond:
+            if self._drain_deadline is None:
+                self._drain_deadline = time.monotonic() + max(0.0, float(timeout))
+                self._drain_timeout = float(timeout)
+                logger.info("shutting down: %d request(s) running or waiting get up to %g s to finish",
+                            len({s.job for s in self._rows} | {s.job for s in self._ready} | set(self._jobs)),
+                            timeout)
+            self._cond.notify()
+
+    @property
+    def draining(self) -> bool:
+        """Whether `drain` was called (the engine takes no new job)."""
+        return self._drain_deadline is not None
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Ask the engine thread to stop and wait up to `timeout` seconds for it."""
+        """Ask the engine thread to stop and wait up to `timeout` seconds for it; every job still there fails with
+        status 503."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self._fail_all("the server is shutting down")
+
+    def _fail_all(self, message: str) -> None:
+        """Fail every job the engine holds (running, ready or waiting) with status 503, and every pending call."""
         for job in {s.job for s in self._rows} | {s.job for s in self._ready} | set(self._jobs):
-            job.emit(JobFailed("the server is shutting down"))
-        while self._calls:
-            _, future = self._calls.popleft()
+            job.emit(JobFailed(message, status=503))
+            job.cancelled = True
+        with self._cond:
+            calls, self._calls = list(self._calls), deque()
+        for _, future in calls:
             if future.set_running_or_notify_cancel():
-                future.set_exception(RuntimeError("the server is shutting down"))
+                future.set_exception(RuntimeError(message))
         self.decoder.reset()
         self._ready.clear()
-        self._jobs.clear()
+        with self._cond:
+            self._jobs.clear()
 
     # --- the engine thread ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -291,11 +336,18 @@ class Engine:
                     self._cond.wait()
                 if self._stopping:
                     return
+            if self._past_drain_deadline():
+                self._fail_all(f"the server shut down before this request finished (running requests were given "
+                               f"{self._drain_timeout:g} s); send it again")
+                continue
             self._run_calls()
             try:
                 self.step()
             except Exception:  # never let the worker die; step() already failed the jobs concerned
                 logger.exception("engine step failed")
+
+    def _past_drain_deadline(self) -> bool:
+        return self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
 
     @torch.no_grad()
     def step(self) -> bool:

@@ -1,0 +1,113 @@
+"""`ats serve` shut down with requests in flight (SIGTERM, as an orchestrator stops a replica): within
+--shutdown-timeout they finish as if nothing happened, plain and streamed alike; past it each ends with an error its
+client sees (a 503, a stream's error event), never a silently cut answer; and the server exits."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_process import API_KEY, MODEL_NAME, Server
+
+LONG = 1800  # new tokens: seconds of decoding for the tiny model, so the requests are in flight at the signal
+
+
+class InFlight:
+    """A streamed completion and a plain one (n=4), each run on its own thread with the openai client, and what
+    each got: the plain response or its error; the stream's chunks and the error that ended it, if any."""
+
+    def __init__(self, server: Server) -> None:
+        self.client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        self.server, self.chunks, self.stream_error, self.plain, self.plain_error = server, [], None, None, None
+        self.streaming = threading.Event()
+        self.threads = [threading.Thread(target=self._stream), threading.Thread(target=self._plain)]
+        for thread in self.threads:
+            thread.start()
+        assert self.streaming.wait(60)
+        deadline = time.monotonic() + 60
+        while server.health()["running"] < 5:  # the stream's row and the plain request's four
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    def _stream(self) -> None:
+        try:
+            for chunk in self.client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=LONG, stream=True,
+                                                        temperature=0, extra_body={"ignore_eos": True}):
+                self.chunks.append(chunk)
+                self.streaming.set()
+        except openai.APIError as err:
+            self.stream_error = err
+
+    def _plain(self) -> None:
+        try:
+            self.plain = self.client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=LONG, n=4,
+                                                        temperature=0, extra_body={"ignore_eos": True})
+        except openai.APIError as err:
+            self.plain_error = err
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(120)
+            assert not thread.is_alive()
+
+
+def _terminate(server: Server) -> float:
+    """SIGTERM the server; the seconds until it exited."""
+    start = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(120)
+    return time.monotonic() - start
+
+
+@pytest.fixture()
+def serve(model_dir, head_dir, tmp_path):
+    servers = []
+
+    def start(shutdown_timeout: int) -> Server:
+        servers.append(Server(["--model", str(model_dir), "--calibrator", str(head_dir), "--served-model-name",
+                               MODEL_NAME, "--max-batch", "8", "--shutdown-timeout", str(shutdown_timeout)],
+                              tmp_path / f"server-{len(servers)}.log", api_key=API_KEY))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def test_requests_in_flight_finish_within_the_shutdown_timeout(serve):
+    server = serve(120)
+    requests = InFlight(server)
+    seconds = _terminate(server)
+    requests.join()
+    assert requests.stream_error is None and requests.plain_error is None
+    assert requests.chunks[-1].choices[0].finish_reason == "length"
+    assert sum(len(c.choices[0].text) > 0 for c in requests.chunks) > 0
+    assert [c.finish_reason for c in requests.plain.choices] == ["length"] * 4
+    assert requests.plain.usage.completion_tokens == 4 * LONG
+    log = server.log.read_text()
+    assert "shutting down: 2 request(s) running or waiting get up to 120 s to finish" in log  # both were in flight
+    assert seconds < 110 and "Traceback" not in log
+    with pytest.raises(httpx.TransportError):  # and it listens no more
+        httpx.get(server.url + "/health", timeout=5)
+
+
+def test_requests_still_running_at_the_shutdown_timeout_end_with_an_error_their_client_sees(serve):
+    server = serve(0)
+    requests = InFlight(server)
+    seconds = _terminate(server)
+    requests.join()
+    assert requests.plain is None and requests.plain_error.status_code == 503  # openai.InternalServerError
+    assert requests.plain_error.code == "shutting_down"
+    assert "the server shut down before this request finished" in requests.plain_error.message
+    # the stream's last event is an error, which the openai client raises: not an answer cut without a word
+    assert requests.stream_error is not None and "shut down before this request finished" in str(
+        requests.stream_error)
+    assert all(c.choices[0].finish_reason is None for c in requests.chunks)
+    log = server.log.read_text()
+    assert '"POST /v1/completions HTTP/1.1" 503' in log and "Traceback" not in log
+    assert seconds < 30
