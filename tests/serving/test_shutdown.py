@@ -4,64 +4,16 @@ client sees (a 503, a stream's error event), never a silently cut answer; and th
 
 from __future__ import annotations
 
-import signal
-import threading
-import time
-
 import httpx
-import openai
 import pytest
 
+from in_flight import LONG, InFlight, terminate
 from server_process import API_KEY, MODEL_NAME, Server
 
-LONG = 1800  # new tokens: seconds of decoding for the tiny model, so the requests are in flight at the signal
 
-
-class InFlight:
-    """A streamed completion and a plain one (n=4), each run on its own thread with the openai client, and what
-    each got: the plain response or its error; the stream's chunks and the error that ended it, if any."""
-
-    def __init__(self, server: Server) -> None:
-        self.client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-        self.server, self.chunks, self.stream_error, self.plain, self.plain_error = server, [], None, None, None
-        self.streaming = threading.Event()
-        self.threads = [threading.Thread(target=self._stream), threading.Thread(target=self._plain)]
-        for thread in self.threads:
-            thread.start()
-        assert self.streaming.wait(60)
-        deadline = time.monotonic() + 60
-        while server.health()["running"] < 5:  # the stream's row and the plain request's four
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-
-    def _stream(self) -> None:
-        try:
-            for chunk in self.client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=LONG, stream=True,
-                                                        temperature=0, extra_body={"ignore_eos": True}):
-                self.chunks.append(chunk)
-                self.streaming.set()
-        except openai.APIError as err:
-            self.stream_error = err
-
-    def _plain(self) -> None:
-        try:
-            self.plain = self.client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=LONG, n=4,
-                                                        temperature=0, extra_body={"ignore_eos": True})
-        except openai.APIError as err:
-            self.plain_error = err
-
-    def join(self) -> None:
-        for thread in self.threads:
-            thread.join(120)
-            assert not thread.is_alive()
-
-
-def _terminate(server: Server) -> float:
-    """SIGTERM the server; the seconds until it exited."""
-    start = time.monotonic()
-    server.process.send_signal(signal.SIGTERM)
-    server.process.wait(120)
-    return time.monotonic() - start
+def in_flight(server: Server) -> InFlight:
+    """A stream and a plain request of n=4 running on `server` (its rows counted in /health)."""
+    return InFlight(server.url, API_KEY, MODEL_NAME, n=4, ready=lambda: server.health()["running"] >= 5)
 
 
 @pytest.fixture()
@@ -81,8 +33,8 @@ def serve(model_dir, head_dir, tmp_path):
 
 def test_requests_in_flight_finish_within_the_shutdown_timeout(serve):
     server = serve(120)
-    requests = InFlight(server)
-    seconds = _terminate(server)
+    requests = in_flight(server)
+    seconds = terminate(server.process)
     requests.join()
     assert requests.stream_error is None and requests.plain_error is None
     assert requests.chunks[-1].choices[0].finish_reason == "length"
@@ -98,8 +50,8 @@ def test_requests_in_flight_finish_within_the_shutdown_timeout(serve):
 
 def test_requests_still_running_at_the_shutdown_timeout_end_with_an_error_their_client_sees(serve):
     server = serve(0)
-    requests = InFlight(server)
-    seconds = _terminate(server)
+    requests = in_flight(server)
+    seconds = terminate(server.process)
     requests.join()
     assert requests.plain is None and requests.plain_error.status_code == 503  # openai.InternalServerError
     assert requests.plain_error.code == "shutting_down"

@@ -8,8 +8,10 @@ needs the key. The slow server tests (test_vllm_server.py) run it in vLLM's real
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import threading
 
 import pytest
 from starlette.applications import Starlette
@@ -19,9 +21,11 @@ from starlette.testclient import TestClient
 from test_vllm_abstain import CERTIFIED
 
 from ats.evaluation.threshold import Certificate
-from ats.integrations.vllm import CONFIG_KEY
-from ats.integrations.vllm.abstain import AnswerDecider
-from ats.integrations.vllm.middleware import EXPORT_ENV, MODEL_NAME_ENV, ATSMiddleware
+from ats.integrations.vllm import CONFIG_KEY, shutdown
+from ats.integrations.vllm.abstain import CUT_SHORT, AnswerDecider
+from ats.integrations.vllm.middleware import EXPORT_ENV, MODEL_NAME_ENV, ATSMiddleware, add_decisions
+from ats.integrations.vllm.stream import StreamDecisions
+from ats.serving.api_errors import SHUTTING_DOWN
 from ats.serving.playground import STATIC, page_file
 
 TOKENS = [{"token": "Par", "logprob": -0.1, "top_logprobs": []}, {"token": "is", "logprob": -0.9, "top_logprobs": []},
@@ -268,3 +272,83 @@ def test_the_monitor_counts_each_decision_and_joins_vllms_metrics(monkeypatch, t
     without = TestClient(ATSMiddleware(stand_in([]), decider=AnswerDecider(None, frozenset({"<eos>"}))))
     assert without.get("/v1/ats/monitor", headers=key).status_code == 404
     assert "ats_answers_total" not in generate_latest(REGISTRY).decode()  # the default registry's: the last one's
+
+
+def test_an_answer_the_server_cut_short_is_outside_the_certificate():
+    decider = AnswerDecider(CERTIFIED, frozenset({"<eos>"}), certificate())
+    fields = certificate().format_fields(max_tokens=64, chat_template=True)
+    assert fields == {"certified_format": True, "outside_certificate": None}
+    response = {"choices": [{"index": 0, "logprobs": {"content": TOKENS[:2]}, "finish_reason": "abort"},
+                            {"index": 1, "logprobs": {"content": TOKENS}, "finish_reason": "stop"}]}
+    cut, whole = (c["ats"] for c in add_decisions(response, decider, False, fields)["choices"])
+    assert cut == {**DECISION, "certified_format": False, "outside_certificate": CUT_SHORT}
+    assert whole == {**DECISION, **fields}
+    stream = StreamDecisions(decider, False, fields)  # a stream's choice cut short, on the chunk that ends it
+    stream.edit({"choices": [{"index": 0, "delta": {"content": "Par"}, "logprobs": {"content": TOKENS[:1]},
+                              "finish_reason": None}]})
+    last = stream.edit({"choices": [{"index": 0, "delta": {"content": "is"}, "logprobs": {"content": TOKENS[1:2]},
+                                     "finish_reason": "abort"}]})
+    assert last["choices"][0]["ats"] == {**DECISION, "certified_format": False, "outside_certificate": CUT_SHORT}
+    assert add_decisions(None, decider, False, fields) is None  # vLLM's `null` body for a request it gave up on
+
+
+def engine_stand_in(answer_after_stop: bool):
+    """vLLM's app with ats's layer inside it (as `--middleware` puts it) and an engine client whose `errored` the
+    test sets: its routes run until the engine stops, a stream after one chunk; then they answer vLLM's 500 (vLLM's
+    engine that died of an error) or, as vLLM 0.32's at shutdown, never."""
+    from types import SimpleNamespace
+
+    from starlette.middleware import Middleware
+
+    engine = SimpleNamespace(errored=False)
+
+    async def until_stopped():
+        while not engine.errored:
+            await asyncio.sleep(0.01)
+        if not answer_after_stop:
+            await asyncio.Event().wait()  # never answered
+
+    async def plain(request):
+        await request.json()
+        await until_stopped()
+        return JSONResponse({"error": {"message": "EngineDeadError", "code": 500}}, status_code=500)
+
+    async def stream(request):
+        await request.json()
+
+        async def chunks():
+            first = {"object": "text_completion", "choices": [{"index": 0, "text": "Par", "finish_reason": None}]}
+            yield f"data: {json.dumps(first)}\n\n"
+            await until_stopped()
+            yield 'data: {"error": {"message": "EngineDeadError", "code": 500}}\n\n'
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", plain, methods=["POST"]),
+                            Route("/v1/chat/completions", stream, methods=["POST"])],
+                    middleware=[Middleware(ATSMiddleware, decider=AnswerDecider(CERTIFIED, frozenset({"<eos>"})))])
+    app.state.engine_client = engine
+    return app, engine
+
+
+@pytest.mark.parametrize("answer_after_stop", [False, True])
+def test_a_request_the_stopped_engine_leaves_unanswered_ends_with_ats_serves_shutdown_error(monkeypatch,
+                                                                                          answer_after_stop):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setattr(shutdown, "POLL", 0.05)
+    monkeypatch.setattr(shutdown, "GRACE", 0.5)
+    app, engine = engine_stand_in(answer_after_stop)
+    threading.Timer(0.3, lambda: setattr(engine, "errored", True)).start()
+    with TestClient(app) as client:
+        plain = client.post("/v1/completions", json={"model": "m", "prompt": "Q"})
+        if answer_after_stop:  # vLLM answered within the grace period: its answer goes through
+            assert plain.status_code == 500 and plain.json()["error"]["message"] == "EngineDeadError"
+        else:
+            assert plain.status_code == 503 and plain.json()["error"]["code"] == SHUTTING_DOWN
+            assert plain.json()["error"]["message"].startswith("the server shut down before this request finished")
+        engine.errored = False
+        threading.Timer(0.3, lambda: setattr(engine, "errored", True)).start()
+        events = read_stream(client.post("/v1/chat/completions", json={**CHAT, "stream": True}))
+    assert events[0]["choices"][0]["text"] == "Par" and len(events) == 2
+    error = events[-1]["error"]  # the stream's last event: an error the openai client raises
+    assert error["message"] == "EngineDeadError" if answer_after_stop else error["code"] == SHUTTING_DOWN

@@ -206,6 +206,13 @@ def run_vllm(jobs: list[dict], work: Path, *, env: dict | None = None, timeout: 
 @contextlib.contextmanager
 def ats_serve_vllm(argv: list[str], env: dict, log_path: Path, timeout: float = 600):
     """`python -m ats serve --engine vllm ARGV --port PORT` started, healthy, then stopped; yields its base URL."""
+    with ats_serve_vllm_process(argv, env, log_path, timeout) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def ats_serve_vllm_process(argv: list[str], env: dict, log_path: Path, timeout: float = 600):
+    """As `ats_serve_vllm`, yielding (base URL, the server's process)."""
     import httpx
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))
@@ -226,8 +233,9 @@ def ats_serve_vllm(argv: list[str], env: dict, log_path: Path, timeout: float = 
                 pass
             assert time.monotonic() < deadline, "vLLM server not up"
             time.sleep(1)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
-        server.terminate()
+        if server.poll() is None:
+            server.terminate()
         server.wait(timeout=60)
         log.close()

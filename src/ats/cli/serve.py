@@ -173,5 +173,6 @@ def _run_vllm(args, calibrator, key: str | None) -> int:
     _check_port_free(args.host, args.port)
     serve_with_vllm(args.model, calibrator, served_model_name=args.served_model_name or args.model, host=args.host,
                     port=args.port, api_key=key, dtype=args.dtype, revision=args.revision,
-                    max_model_len=args.max_model_len, max_num_seqs=args.max_batch, vllm_args=args.vllm_args)
+                    max_model_len=args.max_model_len, max_num_seqs=args.max_batch,
+                    shutdown_timeout=args.shutdown_timeout, vllm_args=args.vllm_args)
     return 0  # not reached: this process became vLLM's server

@@ -1,12 +1,15 @@
 """Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status.
 
 400 a bad field (malformed JSON, a value out of range, a prompt over the context), 401 a missing or wrong API key,
-404 an unknown model or route, 503 a full queue, 500 only for a failure of the server itself.
+404 an unknown model or route, 503 a full queue or a server shutting down, 500 only for a failure of the server
+itself.
 """
 
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
+
+SHUTTING_DOWN = "shutting_down"  # the code of a request that the server's shutdown refused or ended (503), both servers
 
 
 class APIError(Exception):

@@ -31,7 +31,7 @@ from ..errors import ATSError
 from ..evaluation.threshold import Certificate, CertifiedThreshold
 from ..generation.limits import ContextLengthExceeded
 from ..generation.sampling import SamplingParams
-from .api_errors import APIError, validation_error
+from .api_errors import SHUTTING_DOWN, APIError, validation_error
 from .engine import Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull, ShuttingDown
 from .monitor import MONITOR_PATH, DecisionMonitor
 from .playground import PAGE_PATHS, Playground, add_playground_routes
@@ -50,9 +50,6 @@ logger = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics", *PAGE_PATHS)  # answered without the API key (the page's files hold no data; the
 #                                                     metrics are counts, open as vLLM's are, for a scraper)
-
-
-SHUTTING_DOWN = "shutting_down"  # the error code of a request the server's shutdown refused or ended
 
 
 class _Gone:

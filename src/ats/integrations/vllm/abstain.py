@@ -157,3 +157,15 @@ def answer_entries(logprobs) -> list:
     if not _has_tokens(logprobs):
         return list(_field(logprobs, "content") or [])
     return [{"token": t, "logprob": p} for t, p in zip(_field(logprobs, "tokens"), _field(logprobs, "token_logprobs"))]
+
+
+CUT_SHORT = "the server cut this answer short (finish_reason 'abort'): not an answer in the certified format"
+
+
+def finished_fields(fields: dict, finish_reason: str | None) -> dict:
+    """The request's word on the certified format (`fields`, `Certificate.format_fields`'s) for one answer that
+    finished with `finish_reason`: an answer vLLM cut short ("abort": its engine stopped at shutdown, or an operator
+    aborted the request) is outside, whatever the request asked; {} (no certificate) stays {}."""
+    if fields and finish_reason == "abort":
+        return {**fields, "certified_format": False, "outside_certificate": CUT_SHORT}
+    return fields

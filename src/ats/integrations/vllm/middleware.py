@@ -18,6 +18,10 @@ decision in each response, the request checks `ats serve` makes that vLLM does n
     GET  /v1/ats/monitor the served certificate's decisions, counted (`ats.serving.monitor`), with the API key; the
                         same counts join vLLM's own Prometheus metrics at its GET /metrics
 
+A request still running when vLLM's engine stops at shutdown ends with `ats serve`'s shutdown error if vLLM leaves it
+unanswered (`shutdown.until_engine_stops`); an answer vLLM cut short (finish_reason "abort") is outside the
+certified format (`abstain.finished_fields`).
+
 Completions that echo the prompt (their logprobs start with the prompt's) pass through unchanged. The export comes
 from $ATS_VLLM_EXPORT and the served model's name from $ATS_VLLM_MODEL_NAME, which `ats serve --engine vllm` sets. A
 plain ASGI middleware: vLLM adds it outside its own, so requests without the server's API key ($VLLM_API_KEY) pass
@@ -37,6 +41,8 @@ from ...serving.api_errors import APIError, validation_error
 from ...serving.monitor import MONITOR_PATH, DecisionMonitor, report_in_default_registry
 from ...serving.request_options import steering_option
 from ...serving.schemas import UNICODE_ERROR, ChatMessage, lone_surrogate
+from .abstain import finished_fields
+from .shutdown import SentTracker, until_engine_stops
 from .stream import StreamDecisions, StreamRewriter
 
 EXPORT_ENV = "ATS_VLLM_EXPORT"  # the export whose threshold and end tokens decide (set by `ats serve --engine vllm`)
@@ -106,10 +112,13 @@ def request_format(body: dict, kind: str, defaults: dict) -> dict:
 def add_decisions(response: dict, decider, strip_logprobs: bool, fields: dict | None = None,
                   monitor: DecisionMonitor | None = None) -> dict:
     """Put each choice's `ats` field (`AnswerDecider.decide`, and the request's word on the certified format
-    `fields`) in a response body, counted by `monitor`; drop logprobs nobody asked for."""
+    `fields`) in a response body, counted by `monitor`; drop logprobs nobody asked for. A body that is not a JSON
+    object (vLLM answers `null` to a request whose engine stopped) is left as it is."""
+    if not isinstance(response, dict):
+        return response
     for choice in response.get("choices", []):
         if choice.get("logprobs") is not None:
-            choice["ats"] = {**decider.decide(choice), **(fields or {})}
+            choice["ats"] = {**decider.decide(choice), **finished_fields(fields or {}, choice.get("finish_reason"))}
             if monitor is not None:
                 monitor.record(choice["ats"])
         if strip_logprobs:
@@ -161,18 +170,19 @@ class ATSMiddleware:
         if (error := request_error(body, kind)) is not None:
             await error.response()(scope, _replay(b"", receive), send)
             return
+        tracker = SentTracker(send)  # what the client got, for a request that vLLM's shutdown leaves unanswered
         if body.get("echo") or self.decider is None:
-            await self.app(scope, _replay(raw, receive), send)
+            await until_engine_stops(self.app, scope, _replay(raw, receive), tracker, tracker)
             return
         fields = self._format_fields(body, kind)
         strip = ask_for_logprobs(body, kind)
         raw = json.dumps(body).encode()
         scope = {**scope, "headers": _with_length(scope["headers"], len(raw))}
         if body.get("stream"):
-            send = StreamRewriter(send, StreamDecisions(self.decider, strip, fields, self.monitor).edit)
+            send = StreamRewriter(tracker, StreamDecisions(self.decider, strip, fields, self.monitor).edit)
         else:
-            send = _Rewriter(send, lambda r: add_decisions(r, self.decider, strip, fields, self.monitor))
-        await self.app(scope, _replay(raw, receive), send)
+            send = _Rewriter(tracker, lambda r: add_decisions(r, self.decider, strip, fields, self.monitor))
+        await until_engine_stops(self.app, scope, _replay(raw, receive), send, tracker)
 
     def _format_fields(self, body: dict, kind: str) -> dict:
         """The request's word on the certified format (`Certificate.format_fields`), {} without a certificate."""

@@ -83,13 +83,14 @@ def export_cache(model: str, calibrator: Calibrator | None) -> Path:
 
 def server_argv(export: Path, *, served_model_name: str, host: str, port: int, dtype: str | None = None,
                 max_model_len: int | None = None, max_num_seqs: int | None = None,
-                vllm_args: Sequence[str] = ()) -> list[str]:
+                shutdown_timeout: int | None = None, vllm_args: Sequence[str] = ()) -> list[str]:
     """The command line of vLLM's OpenAI server for `export`, ats serve's options in vLLM's spelling, then
     `vllm_args` (vLLM's own options, passed through last so they win). The API key goes in the environment
     (VLLM_API_KEY), not on a command line that every user of the machine can read."""
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", str(export), "--served-model-name", served_model_name,
             "--host", host, "--port", str(port), "--middleware", MIDDLEWARE]
-    for flag, value in (("--dtype", dtype), ("--max-model-len", max_model_len), ("--max-num-seqs", max_num_seqs)):
+    for flag, value in (("--dtype", dtype), ("--max-model-len", max_model_len), ("--max-num-seqs", max_num_seqs),
+                        ("--shutdown-timeout", shutdown_timeout)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + list(vllm_args)
@@ -98,7 +99,8 @@ def server_argv(export: Path, *, served_model_name: str, host: str, port: int, d
 def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_name: str, host: str, port: int,
                     api_key: str | None = None, dtype: str | None = None, revision: str | None = None,
                     max_model_len: int | None = None, max_num_seqs: int | None = None,
-                    vllm_args: Sequence[str] = (), export: str | Path | None = None) -> None:
+                    shutdown_timeout: int | None = None, vllm_args: Sequence[str] = (),
+                    export: str | Path | None = None) -> None:
     """Export (or reuse the export of) `model` with `calibrator`, then run vLLM's server on it until it exits.
 
     Args:
@@ -106,6 +108,8 @@ def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_n
         calibrator: a saved calibrator (folder, Hub id) or None / "none".
         served_model_name: the model id clients send.
         host, port, api_key, dtype, max_model_len, max_num_seqs: the server's options.
+        shutdown_timeout: the seconds requests in flight get to finish after SIGTERM (vLLM's --shutdown-timeout;
+            those still running then end with a 503 or a stream's error event, `shutdown.until_engine_stops`).
         revision: the Hub revision of `model`.
         vllm_args: vLLM's own server options, passed through.
         export: where to write the export (default: `export_cache`).
@@ -120,7 +124,8 @@ def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_n
     loaded = None if calibrator is None or str(calibrator) == "none" else load_calibrator(calibrator)
     folder = Path(export or export_cache(model, loaded))
     argv = server_argv(folder, served_model_name=served_model_name, host=host, port=port, dtype=dtype,
-                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, vllm_args=vllm_args)
+                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, shutdown_timeout=shutdown_timeout,
+                       vllm_args=vllm_args)
     options = given_options(argv[3:])
     check_setup(options)
     export_for_vllm(model, loaded, folder, revision=revision, overwrite=export is None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from .abstain import answer_entries
+from .abstain import answer_entries, finished_fields
 
 
 class StreamDecisions:
@@ -35,7 +35,8 @@ class StreamDecisions:
             if choice.get("logprobs") is not None:
                 tokens += answer_entries(choice["logprobs"])
             if choice.get("finish_reason") is not None:
-                choice["ats"] = {**self.decider.decide_tokens(tokens, choice["finish_reason"]), **self.fields}
+                choice["ats"] = {**self.decider.decide_tokens(tokens, choice["finish_reason"]),
+                                 **finished_fields(self.fields, choice["finish_reason"])}
                 if self.monitor is not None:
                     self.monitor.record(choice["ats"])
             if self.strip:

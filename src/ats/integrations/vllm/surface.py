@@ -117,15 +117,20 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(("vllm.platforms:current_platform",), "CPU settings only on CPUs", fields=("is_cpu",)),
     Internal(("vllm.envs:",), "the CPU settings `ats serve --engine vllm` makes",
              reads=("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")),
+    Internal(("vllm.entrypoints.launchers.api_server.app_state:",),
+             "where the middleware finds the engine client (the app's state)", reads=("state.engine_client = ",)),
+    Internal(("vllm.engine.protocol:EngineClient",),
+             "sees the engine stopped, to end the requests vLLM's shutdown leaves unanswered", fields=("errored",)),
     Internal(("vllm:LLM",), "shuts lm-eval's engines down before exit", fields=("llm_engine",)),
     Internal(("vllm.v1.engine.llm_engine:LLMEngine",), "the engine core to shut down", fields=("engine_core",)),
     Internal(("vllm.v1.engine.core_client:SyncMPClient",), "the engine core's shutdown and its output thread",
              fields=("shutdown",), reads=("EngineCoreOutputQueueThread",)),
 )
 
+# the dests of vLLM's server options that ats sets or reads
 SERVER_OPTIONS = ("middleware", "served_model_name", "host", "port", "dtype", "max_model_len", "max_num_seqs",
                   "tensor_parallel_size", "pipeline_parallel_size", "quantization", "runner", "enable_lora",
-                  "speculative_config", "spec_method", "kv_cache_memory_bytes")  # the dests ats sets or reads
+                  "speculative_config", "spec_method", "kv_cache_memory_bytes", "shutdown_timeout")
 
 
 def _error_line(error: Exception) -> str:
