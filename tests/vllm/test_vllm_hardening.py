@@ -130,6 +130,7 @@ def test_paged_head_needs_the_transformer_layout(tiny_models):
     (["-pp", "2"], "pipeline parallel size 2"),
     (["--runner", "pooling"], "runner 'pooling'"),
     (["--enable-lora"], "LoRA adapters"),
+    (["--api-server-count", "4"], "--api-server-count 4: ats serve --engine vllm runs vLLM's one-process server"),
     (["--bogus"], "unrecognized arguments: --bogus"),  # vLLM's parser's own error, in one line
     (["-tp", "two"], "argument --tensor-parallel-size/-tp: invalid int value: 'two'")])
 def test_serve_refuses_setups_in_one_line_before_exporting(tiny_models, tmp_path, capsys, monkeypatch, args,

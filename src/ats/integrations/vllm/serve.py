@@ -63,7 +63,14 @@ def given_options(argv: Sequence[str]) -> dict:
 
 
 def check_setup(options: dict) -> None:
-    """Refuse in one line an engine setup the calibrated model cannot serve (`compat.setup_refusal`)."""
+    """Refuse in one line an engine setup the calibrated model cannot serve (`compat.setup_refusal`), and vLLM
+    options that the one-process server `ats serve --engine vllm` runs would ignore."""
+    count = options.get("api_server_count")
+    if count is not None and count != 1:
+        raise ATSError(f"vLLM's options: --api-server-count {count}: ats serve --engine vllm runs vLLM's one-process "
+                       f"server ({SERVER_MODULE}), which would ignore it, and ats's layer (the decisions, their "
+                       f"monitor, the shutdown guard) lives in that process; run several servers behind a load "
+                       f"balancer")
     speculative = options.get("speculative_config") or {}
     reason = setup_refusal(
         speculative_method=options.get("spec_method") or (speculative.get("method")

@@ -130,7 +130,8 @@ INTERNALS: tuple[Internal, ...] = (
 # the dests of vLLM's server options that ats sets or reads
 SERVER_OPTIONS = ("middleware", "served_model_name", "host", "port", "dtype", "max_model_len", "max_num_seqs",
                   "tensor_parallel_size", "pipeline_parallel_size", "quantization", "runner", "enable_lora",
-                  "speculative_config", "spec_method", "kv_cache_memory_bytes", "shutdown_timeout")
+                  "speculative_config", "spec_method", "kv_cache_memory_bytes", "shutdown_timeout",
+                  "api_server_count")
 
 
 def _error_line(error: Exception) -> str:
