@@ -42,7 +42,7 @@ def test_requests_in_flight_finish_within_the_shutdown_timeout(serve):
     assert [c.finish_reason for c in requests.plain.choices] == ["length"] * 4
     assert requests.plain.usage.completion_tokens == 4 * LONG
     log = server.log.read_text()
-    assert "shutting down: 2 request(s) running or waiting get up to 120 s to finish" in log  # both were in flight
+    assert "shutting down: the requests in flight (5 sequence(s) running, 0 waiting) get up to 120 s" in log
     assert seconds < 110 and "Traceback" not in log
     with pytest.raises(httpx.TransportError):  # and it listens no more
         httpx.get(server.url + "/health", timeout=5)

@@ -6,6 +6,7 @@ own answer through when vLLM gives one (a 500, or a 200 whose finish_reason is "
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -23,22 +24,18 @@ LONG = 1000  # new tokens, within the tiny model's context of 1024: seconds of d
 
 @pytest.fixture()
 def serve(tiny_models, tmp_path):
-    """Start `ats serve --engine vllm` on the tiny Llama (uncalibrated) with a --shutdown-timeout; yields a starter."""
+    """Start `ats serve --engine vllm` on the tiny Llama (uncalibrated) with a --shutdown-timeout: (url, process)."""
     folder, _ = tiny_models["llama"]
     env = {key: value for key, value in os.environ.items() if not key.startswith("VLLM_CPU_")}
     env["ATS_CACHE"] = str(tmp_path / "cache")
-    with_servers = []
+    with contextlib.ExitStack() as servers:
 
-    def start(shutdown_timeout: int):
-        argv = ["--model", str(folder), "--calibrator", "none", "--served-model-name", "tiny",
-                "--shutdown-timeout", str(shutdown_timeout), "--", "--enforce-eager"]
-        server = ats_serve_vllm_process(argv, env, tmp_path / "server.log")
-        with_servers.append(server)
-        return server.__enter__()
+        def start(shutdown_timeout: int):
+            argv = ["--model", str(folder), "--calibrator", "none", "--served-model-name", "tiny",
+                    "--shutdown-timeout", str(shutdown_timeout), "--", "--enforce-eager"]
+            return servers.enter_context(ats_serve_vllm_process(argv, env, tmp_path / "server.log"))
 
-    yield start
-    for server in with_servers:
-        server.__exit__(None, None, None)
+        yield start
 
 
 def test_requests_in_flight_finish_within_the_shutdown_timeout(serve, tmp_path):

@@ -292,9 +292,9 @@ class Engine:
             if self._drain_deadline is None:
                 self._drain_deadline = time.monotonic() + max(0.0, float(timeout))
                 self._drain_timeout = float(timeout)
-                logger.info("shutting down: %d request(s) running or waiting get up to %g s to finish",
-                            len({s.job for s in self._rows} | {s.job for s in self._ready} | set(self._jobs)),
-                            timeout)
+                stats = self.stats()  # (counts only: the engine thread changes its queues as this runs)
+                logger.info("shutting down: the requests in flight (%d sequence(s) running, %d waiting) get up to %g "
+                            "s to finish", stats["running"], stats["waiting"], timeout)
             self._cond.notify()
 
     @property

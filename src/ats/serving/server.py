@@ -10,6 +10,7 @@ stops.
 
 from __future__ import annotations
 
+import math
 import socket
 
 import uvicorn
@@ -38,7 +39,7 @@ def run_server(app, engine: Engine, *, host: str, port: int, log_level: str, shu
         SystemExit: 3 if the server could not start (uvicorn has logged why), as `uvicorn.run` exits.
     """
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=int(shutdown_timeout + CLOSE_SECONDS + 0.999))
+                            timeout_graceful_shutdown=math.ceil(shutdown_timeout + CLOSE_SECONDS))
     server = DrainingServer(config, engine, shutdown_timeout)
     server.run()
     if not server.started:

@@ -89,5 +89,5 @@ async def until_engine_stops(app, scope, receive, send, tracker: SentTracker) ->
             handler.cancel()
             with suppress(asyncio.CancelledError):
                 await handler
-    await tracker.end_with(APIError(503, "the server shut down before this request finished (vLLM's engine stopped: "
-                                         "its --shutdown-timeout passed); send it again", code=SHUTTING_DOWN))
+    await tracker.end_with(APIError(503, "the server shut down before this request finished (vLLM's engine stopped); "
+                                         "send it again", code=SHUTTING_DOWN))
