@@ -448,6 +448,8 @@ def test_drain_fails_what_is_still_running_at_its_deadline_with_a_503(backbone, 
         assert running.started.wait(60)
         engine.drain(0)
         assert running.ended.wait(60) and waiting.ended.wait(60)
+        with pytest.raises(ShuttingDown, match="shut down before this request finished"):
+            engine.call(lambda: 1).result(60)  # the playground's rescoring, past the deadline: refused too
     finally:
         engine.stop()
     for events in (running, waiting):

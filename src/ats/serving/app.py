@@ -79,7 +79,7 @@ class Run:
         except QueueFull as err:
             raise APIError(503, f"the server is busy ({err}); try again later", code="overloaded") from None
         except ShuttingDown as err:
-            raise APIError(503, f"{err}; send the request again", code=SHUTTING_DOWN) from None
+            raise APIError(503, str(err), code=SHUTTING_DOWN) from None
         except ContextLengthExceeded as err:
             raise APIError(400, str(err), param=param, code="context_length_exceeded") from None
         except ATSError as err:

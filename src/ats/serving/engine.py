@@ -46,7 +46,11 @@ class QueueFull(RuntimeError):
 
 
 class ShuttingDown(RuntimeError):
-    """The engine is draining for shutdown and takes no new job (the server answers 503)."""
+    """The engine is draining for shutdown and takes no new job, or stopped before a call ran (the server answers
+    503)."""
+
+
+SHUTTING_DOWN_MESSAGE = "the server is shutting down; send the request again"
 
 
 @dataclass
@@ -221,7 +225,7 @@ class Engine:
         self.check(job)
         with self._cond:
             if self._drain_deadline is not None:
-                raise ShuttingDown("the server is shutting down")
+                raise ShuttingDown(SHUTTING_DOWN_MESSAGE)
             if len(self._jobs) >= self.max_queue:
                 raise QueueFull(f"{len(self._jobs)} requests are already waiting")
             self._jobs.append(job)
@@ -247,7 +251,7 @@ class Engine:
             fn: the work; it must not submit jobs and wait for them.
 
         Returns:
-            A future with `fn`'s result or exception (the exception is a `RuntimeError` if the engine stops first).
+            A future with `fn`'s result or exception (`ShuttingDown` if the engine stops, or its drain ends, first).
         """
         future: Future = Future()
         with self._cond:
@@ -311,7 +315,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        self._fail_all("the server is shutting down")
+        self._fail_all(SHUTTING_DOWN_MESSAGE)
 
     def _fail_all(self, message: str) -> None:
         """Fail every job the engine holds (running, ready or waiting) with status 503, and every pending call."""
@@ -322,7 +326,7 @@ class Engine:
             calls, self._calls = list(self._calls), deque()
         for _, future in calls:
             if future.set_running_or_notify_cancel():
-                future.set_exception(RuntimeError(message))
+                future.set_exception(ShuttingDown(message))
         self.decoder.reset()
         self._ready.clear()
         with self._cond:

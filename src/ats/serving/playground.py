@@ -32,7 +32,8 @@ from ..evaluation.threshold import CertifiedThreshold
 from ..fingerprint import FINGERPRINT_NAME
 from ..generation.decoder import eos_ids
 from ..io import read_json
-from .api_errors import APIError
+from .api_errors import SHUTTING_DOWN, APIError
+from .engine import ShuttingDown
 from .rescore import ServedCalibrator, rescore
 from .responses import summary
 from .saved_evaluation import SavedEvaluation
@@ -175,7 +176,10 @@ def add_playground_routes(app: FastAPI, service, playground: Playground) -> None
                                 f"{engine.max_model_len}", param="tokens", code="context_length_exceeded")
         work = engine.call(lambda: rescore(engine.backbone, served.calibration, body.prompt_tokens, body.tokens,
                                            k=body.top_logprobs, eos=eos, ignore_eos=body.ignore_eos))
-        records, raw_top = await asyncio.wrap_future(work)
+        try:
+            records, raw_top = await asyncio.wrap_future(work)
+        except ShuttingDown as err:
+            raise APIError(503, str(err), code=SHUTTING_DOWN) from None
         info = {"calibrator": served.calibration.label, "confidence_kind": served.calibration.confidence_kind}
         tokens = [{"id": r.token, "text": renderer.token(r.token), "logprob": r.logprob,
                    "uncalibrated_logprob": r.uncalibrated, "confidence": r.confidence, "tau": r.tau,
