@@ -33,6 +33,7 @@ from ..generation.limits import ContextLengthExceeded
 from ..generation.sampling import SamplingParams
 from .api_errors import SHUTTING_DOWN, APIError, validation_error
 from .engine import Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull, ShuttingDown
+from .metrics import ServingMetrics
 from .monitor import MONITOR_PATH, DecisionMonitor
 from .playground import PAGE_PATHS, Playground, add_playground_routes
 from .rescore import ServedCalibrator
@@ -69,11 +70,12 @@ class Run:
             context length).
     """
 
-    def __init__(self, engine: Engine, job: Job, param: str) -> None:
-        self.engine, self.job, self.finished = engine, job, False
+    def __init__(self, engine: Engine, job: Job, param: str, metrics: ServingMetrics) -> None:
+        self.engine, self.job, self.finished, self.metrics = engine, job, False, metrics
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         job.sink = lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self.submitted, self.first_tokens = time.monotonic(), True
         try:
             engine.submit(job)
         except QueueFull as err:
@@ -84,6 +86,7 @@ class Run:
             raise APIError(400, str(err), param=param, code="context_length_exceeded") from None
         except ATSError as err:
             raise APIError(400, str(err), param=param) from None
+        metrics.started(sum(len(prompt) for prompt in job.prompts))
 
     async def events(self):
         """The job's events in order, up to its end.
@@ -95,20 +98,30 @@ class Run:
         while True:
             event = await self.queue.get()
             if isinstance(event, JobDone):
-                self.finished = True
+                self._end("finished")
                 return
             if isinstance(event, JobFailed):
-                self.finished = True
+                self._end("shutting_down" if event.status == 503 else "failed")
                 raise APIError(event.status, event.message, code=SHUTTING_DOWN if event.status == 503 else None)
             if isinstance(event, _Gone):
                 raise APIError(499, "the client closed the request")
+            if isinstance(event, Generated):
+                first = self.first_tokens and bool(event.tokens)  # the request's first tokens
+                self.first_tokens = self.first_tokens and not first
+                self.metrics.generated(len(event.tokens), event.finish_reason, first, time.monotonic() - self.submitted)
             yield event
 
     def cancel(self) -> None:
         """Cancel the job in the engine, unless it has finished."""
         if not self.finished:
-            self.finished = True
+            self._end("cancelled")
             self.engine.cancel(self.job)
+
+    def _end(self, outcome: str) -> None:
+        """The run has ended with `outcome` (counted once)."""
+        if not self.finished:
+            self.finished = True
+            self.metrics.ended(outcome, time.monotonic() - self.submitted)
 
     async def collect(self, request: Request, collector: Collector) -> Collector:
         """Wait for every event (cancelling the job if the client disconnects first).
@@ -203,6 +216,9 @@ class Service:
         self.certificate = certificate
         source = None if certificate is None else certificate.path
         self.monitor = None if threshold is None else DecisionMonitor(threshold, source)
+        self.metrics = ServingMetrics(engine)  # GET /metrics, with the monitor's counts when a threshold is served
+        if self.monitor is not None:
+            self.metrics.registry.register(self.monitor.collector())
         self.renderer = Renderer(self.tok, model_name, {"calibrator": engine.calibration.label,
                                                         "confidence_kind": engine.calibration.confidence_kind},
                                  threshold, self.monitor)
@@ -325,8 +341,9 @@ def _add_info_routes(app: FastAPI, service: Service) -> None:
 
 
 def _add_monitor_routes(app: FastAPI, service: Service) -> None:
-    """GET /v1/ats/monitor (JSON) and GET /metrics (Prometheus, open without the API key as vLLM's is): the served
-    certificate's decisions, counted (`monitor.py`); 404 when no threshold is served."""
+    """GET /v1/ats/monitor (JSON): the served certificate's decisions, counted (`monitor.py`; 404 when no threshold
+    is served); GET /metrics (Prometheus, open without the API key as vLLM's is): the serving metrics
+    (`metrics.py`) and those counts."""
 
     def monitor() -> DecisionMonitor:
         if service.monitor is None:
@@ -340,11 +357,9 @@ def _add_monitor_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        registry = CollectorRegistry()
-        registry.register(monitor().collector())
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _add_tokenizer_routes(app: FastAPI, service: Service) -> None:
@@ -389,7 +404,7 @@ def _add_chat_route(app: FastAPI, service: Service) -> None:
         job = Job([ids], n=body.n, max_tokens=max_tokens, sampling=_sampling(body), stop=body.stops,
                   top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0, ignore_eos=body.ignore_eos,
                   min_tokens=body.min_tokens)
-        run = Run(engine, job, "messages")
+        run = Run(engine, job, "messages", service.metrics)
         renderer = service.renderer_for(body, chat=True, max_tokens=body.new_tokens)
         if body.stream:
             return _event_stream(_chat_stream(renderer, run, body, len(ids)))
@@ -437,7 +452,7 @@ def _add_completion_route(app: FastAPI, service: Service) -> None:
         job = Job([ids for _, ids in prompts], n=body.n, max_tokens=max_tokens,
                   sampling=_sampling(body), stop=body.stops, top_logprobs=body.logprobs or 0,
                   prompt_logprobs=body.echo and logprobs, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
-        run = Run(engine, job, "prompt")
+        run = Run(engine, job, "prompt", service.metrics)
         if body.stream:
             return _event_stream(_completion_stream(renderer, run, body, prompts))
         collected = await run.collect(request, Collector(len(prompts), body.n))
