@@ -4,11 +4,11 @@
     GET /health   POST /tokenize   POST /detokenize   GET /tokenizer_info   (the last three as vLLM's)
     GET /   the playground page, with its routes under /v1/playground (playground.py)
 
-Handlers run on the event loop and never compute: they validate, tokenize, submit a `Job` and wait for its events
-(`asyncio.Queue`, filled from the engine thread). A client that disconnects has its job cancelled: a stream's
-generator is closed by sse-starlette, a plain request is watched for `http.disconnect`. At shutdown a stream is not
-cut when the server gets the signal (sse-starlette's default): it runs as a plain request does, until the engine's
-drain ends it (`server.py`), and then its last event says so.
+Handlers run on the event loop and never compute there: they validate, tokenize (in a thread), submit a `Job`, wait
+for its events (`asyncio.Queue`, filled from the engine thread) and make the response body (in a thread). A client
+that disconnects has its job cancelled: a stream's generator is closed by sse-starlette, a plain request is watched
+for `http.disconnect`. At shutdown a stream is not cut when the server gets the signal (sse-starlette's default):
+it runs as a plain request does, until the engine's drain ends it (`server.py`), and then its last event says so.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -186,6 +187,12 @@ def _sampling(body: GenerationRequest) -> SamplingParams:
 
 def _data(obj) -> dict:
     return {"data": json.dumps(obj)}
+
+
+async def _json(make_body) -> JSONResponse:
+    """The JSON response of `make_body()`, made and encoded off the event loop (a request of thousands of prompts
+    would hold every other client, streams included, for the time it takes)."""
+    return await asyncio.to_thread(lambda: JSONResponse(make_body()))
 
 
 def _event_stream(events) -> EventSourceResponse:
@@ -399,7 +406,7 @@ def _add_chat_route(app: FastAPI, service: Service) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         service.check_model(body.model)
-        ids = service.chat_ids(body.messages)
+        ids = await asyncio.to_thread(service.chat_ids, body.messages)
         max_tokens = body.new_tokens if body.new_tokens is not None else max(1, engine.max_model_len - len(ids))
         job = Job([ids], n=body.n, max_tokens=max_tokens, sampling=_sampling(body), stop=body.stops,
                   top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0, ignore_eos=body.ignore_eos,
@@ -409,7 +416,7 @@ def _add_chat_route(app: FastAPI, service: Service) -> None:
         if body.stream:
             return _event_stream(_chat_stream(renderer, run, body, len(ids)))
         collected = await run.collect(request, Collector(1, body.n))
-        return renderer.chat(collected, logprobs=body.logprobs, prompt_tokens=len(ids))
+        return await _json(lambda: renderer.chat(collected, logprobs=body.logprobs, prompt_tokens=len(ids)))
 
 
 async def _chat_stream(renderer: Renderer, run: Run, body: ChatCompletionRequest, prompt_tokens: int):
@@ -445,7 +452,7 @@ def _add_completion_route(app: FastAPI, service: Service) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         service.check_model(body.model)
-        prompts = service.completion_prompts(body)  # (text, ids)
+        prompts = await asyncio.to_thread(service.completion_prompts, body)  # (text, ids)
         logprobs = body.logprobs is not None
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         renderer = service.renderer_for(body, chat=False, max_tokens=max_tokens)
@@ -456,11 +463,13 @@ def _add_completion_route(app: FastAPI, service: Service) -> None:
         if body.stream:
             return _event_stream(_completion_stream(renderer, run, body, prompts))
         collected = await run.collect(request, Collector(len(prompts), body.n))
-        offsets = None
-        if body.echo and logprobs:
-            offsets = await asyncio.to_thread(lambda: [renderer.prompt_offsets(ids) for _, ids in prompts])
-        return renderer.completion(collected, prompts=prompts, echo=body.echo, logprobs=logprobs,
-                                   prompt_offsets=offsets)
+
+        def body_of_response() -> dict:
+            offsets = [renderer.prompt_offsets(ids) for _, ids in prompts] if body.echo and logprobs else None
+            return renderer.completion(collected, prompts=prompts, echo=body.echo, logprobs=logprobs,
+                                       prompt_offsets=offsets)
+
+        return await _json(body_of_response)
 
 
 async def _completion_stream(renderer: Renderer, run: Run, body: CompletionRequest,
