@@ -28,6 +28,8 @@ def serve(tiny_models, tmp_path):
     folder, _ = tiny_models["llama"]
     env = {key: value for key, value in os.environ.items() if not key.startswith("VLLM_CPU_")}
     env["ATS_CACHE"] = str(tmp_path / "cache")
+    env["VLLM_LOGGING_LEVEL"] = "INFO"  # the shutdown lines read below are vLLM's INFO (an in-process `ats -q` of an
+    #                                     earlier test sets WARNING in this process's environment)
     with contextlib.ExitStack() as servers:
 
         def start(shutdown_timeout: int):
