@@ -1,9 +1,10 @@
 """Requests that vLLM's shutdown would leave waiting for ever, ended with `ats serve`'s shutdown error.
 
 On SIGTERM vLLM's server (0.32) drains its engine for `--shutdown-timeout` seconds (0: none), stops it, and then
-waits for its connections to close; but a request still running when the engine stopped is never answered (no
-abort reaches it: vllm-project/vllm#36964), so its client waits until its own timeout (the openai client's: 10
-minutes), and the server waits with it. `until_engine_stops` runs vLLM's handler of one generation request and
+waits for its connections to close. A request still running when the engine stopped gets, by a race in that
+shutdown, a 200 whose finish_reason is "abort", vLLM's 500, or no answer at all (no abort reaches it:
+vllm-project/vllm#36964): then its client waits until its own timeout (the openai client's: 10 minutes), and the
+server waits with it. `until_engine_stops` runs vLLM's handler of one generation request and
 watches the engine: once the engine has stopped, vLLM gets `GRACE` seconds to answer the request itself (an engine
 that died of an error fails its requests at once), and then the request ends as it does on `ats serve`: a 503 with
 code `shutting_down` if nothing was sent yet, else a stream's last event, an `error` (the openai client raises
