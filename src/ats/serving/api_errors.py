@@ -29,11 +29,19 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
+    def body(self) -> dict:
+        """OpenAI's error body: a response's, or a stream's last event's data."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
         """The JSON response: OpenAI's error body with `status` (and `WWW-Authenticate` on a 401)."""
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def shutdown_error(message: str) -> APIError:
+    """The 503 of a request that the server's shutdown refused or ended (code `SHUTTING_DOWN`; clients retry it)."""
+    return APIError(503, message, code=SHUTTING_DOWN)
 
 
 _NOT_AN_OBJECT = frozenset({"missing", "model_attributes_type", "model_type", "dict_type"})

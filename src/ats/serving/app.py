@@ -32,7 +32,7 @@ from ..errors import ATSError
 from ..evaluation.threshold import Certificate, CertifiedThreshold
 from ..generation.limits import ContextLengthExceeded
 from ..generation.sampling import SamplingParams
-from .api_errors import SHUTTING_DOWN, APIError, validation_error
+from .api_errors import APIError, shutdown_error, validation_error
 from .engine import Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull, ShuttingDown
 from .metrics import ServingMetrics
 from .monitor import MONITOR_PATH, DecisionMonitor
@@ -82,7 +82,7 @@ class Run:
         except QueueFull as err:
             raise APIError(503, f"the server is busy ({err}); try again later", code="overloaded") from None
         except ShuttingDown as err:
-            raise APIError(503, str(err), code=SHUTTING_DOWN) from None
+            raise shutdown_error(str(err)) from None
         except ContextLengthExceeded as err:
             raise APIError(400, str(err), param=param, code="context_length_exceeded") from None
         except ATSError as err:
@@ -102,8 +102,11 @@ class Run:
                 self._end("finished")
                 return
             if isinstance(event, JobFailed):
-                self._end("shutting_down" if event.status == 503 else "failed")
-                raise APIError(event.status, event.message, code=SHUTTING_DOWN if event.status == 503 else None)
+                if event.status == 503:  # the server's shutdown ended it
+                    self._end("shutting_down")
+                    raise shutdown_error(event.message)
+                self._end("failed")
+                raise APIError(event.status, event.message)
             if isinstance(event, _Gone):
                 raise APIError(499, "the client closed the request")
             if isinstance(event, Generated):
@@ -203,7 +206,7 @@ def _event_stream(events) -> EventSourceResponse:
 
 def _error_data(err: APIError) -> dict:
     """A stream's last event for `err`: OpenAI's error body (the status line went out with the first chunk)."""
-    return _data({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+    return _data(err.body())
 
 
 class Service:

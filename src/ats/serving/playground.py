@@ -32,7 +32,7 @@ from ..evaluation.threshold import CertifiedThreshold
 from ..fingerprint import FINGERPRINT_NAME
 from ..generation.decoder import eos_ids
 from ..io import read_json
-from .api_errors import SHUTTING_DOWN, APIError
+from .api_errors import APIError, shutdown_error
 from .engine import ShuttingDown
 from .rescore import ServedCalibrator, rescore
 from .responses import summary
@@ -179,7 +179,7 @@ def add_playground_routes(app: FastAPI, service, playground: Playground) -> None
         try:
             records, raw_top = await asyncio.wrap_future(work)
         except ShuttingDown as err:
-            raise APIError(503, str(err), code=SHUTTING_DOWN) from None
+            raise shutdown_error(str(err)) from None
         info = {"calibrator": served.calibration.label, "confidence_kind": served.calibration.confidence_kind}
         tokens = [{"id": r.token, "text": renderer.token(r.token), "logprob": r.logprob,
                    "uncalibrated_logprob": r.uncalibrated, "confidence": r.confidence, "tau": r.tau,

@@ -17,7 +17,7 @@ import asyncio
 import json
 from contextlib import suppress
 
-from ...serving.api_errors import SHUTTING_DOWN, APIError
+from ...serving.api_errors import APIError, shutdown_error
 
 POLL = 0.5  # seconds between two looks at the engine
 GRACE = 2.0  # seconds vLLM gets to answer a request itself once its engine has stopped
@@ -50,8 +50,7 @@ class SentTracker:
         last; a plain response cut after its start (none is: the decisions hold it whole) is only closed."""
         if self.complete:
             return
-        body = json.dumps({"error": {"message": error.message, "type": error.type, "param": error.param,
-                                     "code": error.code}}).encode()
+        body = json.dumps(error.body()).encode()
         if not self.started:
             await self.send({"type": "http.response.start", "status": error.status,
                              "headers": [(b"content-type", b"application/json"),
@@ -90,5 +89,5 @@ async def until_engine_stops(app, scope, receive, send, tracker: SentTracker) ->
             handler.cancel()
             with suppress(asyncio.CancelledError):
                 await handler
-    await tracker.end_with(APIError(503, "the server shut down before this request finished (vLLM's engine stopped); "
-                                         "send it again", code=SHUTTING_DOWN))
+    await tracker.end_with(shutdown_error("the server shut down before this request finished (vLLM's engine "
+                                          "stopped); send it again"))
