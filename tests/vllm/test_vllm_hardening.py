@@ -25,13 +25,15 @@ from ats.integrations.vllm.compat import (
     SUPPORTED,
     TOKEN_DRAFTERS,
     check_version,
+    cpu_attention_head_sizes,
+    head_size_refusal,
     setup_refusal,
     supported_range,
     unavailable_reason,
     version_refusal,
 )
 from ats.integrations.vllm.cpu import GIB, RUNTIME_BYTES, CPUSettings, check_memory, cpu_settings, weights_bytes
-from ats.integrations.vllm.export import export_for_vllm, head_route
+from ats.integrations.vllm.export import attention_head_sizes, export_for_vllm, head_route
 from ats.integrations.vllm.serve import check_setup, given_options
 
 ROOT = Path(__file__).parents[2]
@@ -234,6 +236,57 @@ def test_serve_refuses_a_start_memory_cannot_hold(tiny_models, tmp_path, capsys,
     assert last.startswith("ats: error: VLLM_CPU_KVCACHE_SPACE=100000: vLLM needs about ")
 
 
+# --- attention head sizes on CPUs -----------------------------------------------------------------------------------
+BASE, CALIBRATION = "the base model's attention", "the calibration layer's attention"
+
+
+def _sizes(config, calibrator) -> dict[str, int]:
+    """`attention_head_sizes` keyed by what each layer is, without the size's explanation."""
+    return {what.split(" (")[0]: size for what, size in attention_head_sizes(config, calibrator).items()}
+
+
+def test_attention_head_sizes_of_each_calibrated_layer(tiny_models):
+    from transformers import AutoConfig, LlamaConfig
+
+    folder, backbone = tiny_models["llama"]
+    config = AutoConfig.from_pretrained(folder)  # hidden 128, 4 heads
+    assert _sizes(config, None) == {BASE: 32}
+    assert _sizes(config, build_calibrator("temperature")) == {BASE: 32}
+    assert _sizes(config, ATSCalibrator.for_backbone(backbone, head_type="mlp")) == {BASE: 32}
+    assert _sizes(config, ATSCalibrator.for_backbone(backbone, head_type="transformer")) == {BASE: 32, CALIBRATION: 64}
+    assert _sizes(config, ATSCalibrator.for_backbone(backbone, head_type="transformer", num_heads=8)) == {
+        BASE: 32, CALIBRATION: 16}  # 128 / 8
+    assert _sizes(config, Thermometer(hidden_size=128)) == {BASE: 32, CALIBRATION: 64}  # one head of 2 x 32 bits
+    explicit = LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=80)  # head_dim set: not 128 / 4
+    assert _sizes(explicit, None) == {BASE: 80}
+    latent = LlamaConfig(hidden_size=128, num_attention_heads=4)
+    latent.kv_lora_rank = 16  # latent attention (MLA) runs on a backend of its own: not checked
+    assert _sizes(latent, None) == {}
+
+
+def test_head_sizes_vllms_cpu_attention_does_not_run_are_refused():
+    supported = cpu_attention_head_sizes()  # this machine is a CPU: vLLM's CPU attention's list
+    assert {32, 64, 128} <= set(supported) and 16 not in supported
+    assert head_size_refusal({"the base model's attention": 64, "the head's": 32}, supported) is None
+    line = head_size_refusal({"the base model's attention": 64, "the head's": 16}, supported)
+    assert line.startswith("the head's has head size 16, which vLLM's CPU attention does not run (it takes 32, 64")
+    assert "serve on a GPU or with `ats serve`" in line and "\n" not in line
+
+
+def test_serve_refuses_a_head_size_cpu_attention_cannot_run(tiny_models, tmp_path, capsys, monkeypatch):
+    """A transformer head of 8 heads on hidden 128 (head size 16): one line before vLLM starts, where vLLM would
+    start, pass its health check and die at the first request."""
+    _, backbone = tiny_models["llama"]
+    folder, _ = tiny_models["llama"]
+    saved = tmp_path / "head"
+    ATSCalibrator.for_backbone(backbone, head_type="transformer", num_heads=8).save_pretrained(saved)
+    monkeypatch.setenv("ATS_CACHE", str(tmp_path / "cache"))
+    assert main(["serve", "--engine", "vllm", "--model", str(folder), "--calibrator", str(saved)]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("ats: error: ") and ("the calibration layer's attention (8 head(s) over width 128) has "
+                                                "head size 16, which vLLM's CPU attention does not run") in last
+
+
 def test_thermometer_exports_refuse_an_fp8_kv_cache_and_the_triton_free_cpu_runner():
     assert "kv cache dtype 'fp8'" in setup_refusal(kv_cache_dtype="fp8", per_prompt=True)
     assert setup_refusal(kv_cache_dtype="fp8") is None and setup_refusal(kv_cache_dtype="bfloat16", per_prompt=True) \
@@ -260,6 +313,20 @@ def test_engine_refuses_a_setup_before_building_the_model(tiny_models, tmp_path)
     with pytest.raises(AssertionError, match=r"ATSError: .*export: LoRA adapters: the calibrator was trained"):
         run_vllm([{"model": str(export), "engine": {"enable_lora": True, "max_model_len": 512}, "rounds": []}],
                  tmp_path)
+
+
+@pytest.mark.slow
+def test_engine_refuses_a_head_size_cpu_attention_cannot_run(tiny_models, tmp_path):
+    """Plain vLLM on an export whose transformer head has head size 16: refused while the model is built (vLLM
+    itself would start and die at the first request: "Unsupported CPU attention configuration: head_dim=16")."""
+    from vllm_helpers import run_vllm
+
+    folder, backbone = tiny_models["llama"]
+    calibrator = ATSCalibrator.for_backbone(backbone, head_type="transformer", num_heads=8)
+    export = export_for_vllm(str(folder), calibrator, tmp_path / "export")
+    with pytest.raises(AssertionError, match=r"ATSError: .*export: the calibration layer's attention .* has head "
+                                             r"size 16, which vLLM's CPU attention does not run"):
+        run_vllm([{"model": str(export), "engine": {"max_model_len": 512}, "rounds": []}], tmp_path)
 
 
 def test_the_plugin_imports_no_model_runner():

@@ -14,7 +14,9 @@ model's hidden states carry tau as one more column), quantized base weights, pip
 runner and LoRA adapters; for an export holding one temperature per prompt (Thermometer), an fp8 KV cache (the
 temperature is kept in the cache as three pieces of its dtype: 24 bits in bfloat16, about 12 in fp8, which also
 cannot hold scales below 2^-9), and vLLM's Triton-free CPU runner (0.34 on non-x86 CPUs), which hands a model no
-prompt lengths. Speculative decoders that draft from tokens (n-gram, suffix, a draft model) are served:
+prompt lengths. On CPUs, attention head sizes vLLM's CPU attention does not run are refused too
+(`head_size_refusal`): vLLM checks none there, and the engine would die at its first request. Speculative decoders
+that draft from tokens (n-gram, suffix, a draft model) are served:
 the target's calibrated logits decide acceptance, so the output follows the calibrated distribution.
 """
 
@@ -160,6 +162,38 @@ def check_vllm_config(vllm_config) -> None:
         standalone_cpu_runner=bool(standalone and standalone()))
     if reason is not None:
         raise ATSError(f"{vllm_config.model_config.model}: {reason}")
+
+
+def cpu_attention_head_sizes() -> tuple[int, ...] | None:
+    """The attention head sizes vLLM's CPU attention runs (its `CPUAttentionBackend`'s list), or None off CPUs.
+
+    vLLM picks that backend for every non-MLA layer on a CPU, and checks no head size there: a model with another
+    size starts, passes its health check and kills the engine at its first request ("Unsupported CPU attention
+    configuration: head_dim=16"). On GPUs vLLM's backend selection checks the size itself.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return tuple(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def head_size_refusal(head_sizes: dict[str, int], supported: tuple[int, ...]) -> str | None:
+    """Why vLLM's CPU attention cannot run the calibrated model's attention layers (one line), or None.
+
+    Args:
+        head_sizes: what each layer is ("the base model's attention", "the calibration head's attention", with how
+            its size is made) -> its head size.
+        supported: `cpu_attention_head_sizes()`.
+    """
+    for what, size in head_sizes.items():
+        if size not in supported:
+            return (f"{what} has head size {size}, which vLLM's CPU attention does not run (it takes "
+                    f"{', '.join(map(str, supported))}; it would fail at the first request): serve on a GPU or with "
+                    f"`ats serve` (ats's own engine)")
+    return None
 
 
 @contextmanager

@@ -83,10 +83,13 @@ def kv_bytes_per_token(config, dtype_bytes: int, head_width: int = 0) -> int:
     """Bytes of KV cache one token takes: keys and values of every layer (plus the calibration head's layer,
     `head_width` wide, when it runs in the paged cache)."""
     text = config.get_text_config()
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return 2 * dtype_bytes * (text.num_hidden_layers * kv_heads * head_dim + head_width)
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return 2 * dtype_bytes * (text.num_hidden_layers * kv_heads * base_head_size(text) + head_width)
+
+
+def base_head_size(text_config) -> int:
+    """A transformers text config's attention head size: its `head_dim`, else hidden size / attention heads."""
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
 
 
 def cpu_settings(environ: dict[str, str], options: dict, *, folder: Path, config, dtype_bytes: int,

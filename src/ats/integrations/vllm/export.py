@@ -33,6 +33,7 @@ from ...io import atomic_dir, read_json, write_json
 from ...model.backbone import model_source, revision_of
 from . import ARCHITECTURE, CALIBRATOR_FOLDER, CONFIG_KEY
 from .compat import check_version, setup_refusal
+from .cpu import base_head_size
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,38 @@ def head_route(calibrator: Calibrator | None, what: str = "") -> str:
                        f"`reads_context` (whether tau attends over earlier positions), so vLLM cannot place it; "
                        f"serve it with `ats serve` (ats's own engine)")
     return "paged" if reads_context else "token"
+
+
+def calibration_attention(calibrator: Calibrator | None) -> tuple[int, int] | None:
+    """(heads, head size) of the attention layer `calibrator` adds to vLLM's paged KV cache: the transformer head's
+    decoder layer, or Thermometer's temperature layer (one head of `prompt_temperature.HEAD_SIZE`); None when it
+    adds none."""
+    route = head_route(calibrator)
+    if route == "paged":
+        head = calibrator.config_.head
+        return head.num_heads, head.hidden_size // head.num_heads
+    if route == "prompt":
+        from .prompt_temperature import HEAD_SIZE
+
+        return 1, HEAD_SIZE
+    return None
+
+
+def attention_head_sizes(config, calibrator: Calibrator | None) -> dict[str, int]:
+    """What each attention of the calibrated model is -> its head size: the base model's (`config`, its
+    transformers config; none for latent attention, MLA, which runs on a backend of its own) and the calibration
+    layer's (`calibration_attention`). `compat.head_size_refusal` reads it."""
+    text = config.get_text_config()
+    sizes = {}
+    if getattr(text, "kv_lora_rank", None) is None:
+        made = ("head_dim in config.json" if getattr(text, "head_dim", None)
+                else f"hidden size {text.hidden_size} / {text.num_attention_heads} heads")
+        sizes[f"the base model's attention ({made})"] = base_head_size(text)
+    added = calibration_attention(calibrator)
+    if added is not None:
+        heads, size = added
+        sizes[f"the calibration layer's attention ({heads} head(s) over width {heads * size})"] = size
+    return sizes
 
 
 def _check_base_architecture(architecture: str, where: Path) -> None:

@@ -44,8 +44,8 @@ from ...calibrators import Calibrator, load_calibrator
 from ...errors import ATSError
 from ...hub import resolve_folder
 from . import CONFIG_KEY
-from .compat import check_version, check_vllm_config
-from .export import check_engine_calibrator, head_route
+from .compat import check_version, check_vllm_config, cpu_attention_head_sizes, head_size_refusal
+from .export import attention_head_sizes, check_engine_calibrator, head_route
 
 
 @contextmanager
@@ -71,6 +71,17 @@ def _load_exported_calibrator(vllm_config: VllmConfig, record: dict) -> Calibrat
     return calibrator
 
 
+def _check_head_sizes(vllm_config: VllmConfig, calibrator: Calibrator | None) -> None:
+    """On CPUs, refuse attention head sizes vLLM's CPU attention does not run (`compat.head_size_refusal`), which
+    would otherwise kill the engine at its first request."""
+    supported = cpu_attention_head_sizes()
+    if not supported:
+        return
+    reason = head_size_refusal(attention_head_sizes(vllm_config.model_config.hf_config, calibrator), supported)
+    if reason is not None:
+        raise ATSError(f"{vllm_config.model_config.model}: {reason}")
+
+
 class ATSCalibratedForCausalLM(nn.Module):
     """A base model of any architecture vLLM supports with a calibrator inside (see the module docstring).
 
@@ -89,9 +100,11 @@ class ATSCalibratedForCausalLM(nn.Module):
         if not isinstance(record, dict) or "base_architecture" not in record:
             raise ATSError(f"{vllm_config.model_config.model}: config.json has no {CONFIG_KEY!r} record naming the "
                            f"base architecture; make the folder with `ats export --engine vllm`")
+        calibrator = _load_exported_calibrator(vllm_config, record)
+        _check_head_sizes(vllm_config, calibrator)
         base_class, _ = ModelRegistry.resolve_model_cls([record["base_architecture"]], vllm_config.model_config)
         self.base = base_class(vllm_config=vllm_config, prefix=prefix)
-        self.calibrator = _load_exported_calibrator(vllm_config, record)
+        self.calibrator = calibrator
         self.dtype = vllm_config.model_config.dtype
         self.head: nn.Module | None = None
         self.paged = False  # the head attends over earlier positions (the paper's transformer head)

@@ -10,7 +10,8 @@ refuses the chat roles `ats serve` refuses, and serves the playground page at `/
 
 Before anything starts: the vLLM version (`compat.check_version`), the engine setup read with vLLM's own parser
 (`compat.setup_refusal`: hidden-state speculative decoders, quantization, pipeline parallelism, the pooling
-runner, LoRA), and on CPUs the settings a shared machine needs and the memory they ask for (`cpu`).
+runner, LoRA), and on CPUs the attention head sizes (`compat.head_size_refusal`), the settings a shared machine
+needs and the memory they ask for (`cpu`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from ...errors import ATSError
 from ...evaluation.threshold import read_threshold
 from ...model.backbone import cache_dir
 from . import CALIBRATOR_FOLDER
-from .compat import check_version, setup_refusal
-from .export import export_for_vllm, head_route
+from .compat import check_version, cpu_attention_head_sizes, head_size_refusal, setup_refusal
+from .export import attention_head_sizes, calibration_attention, export_for_vllm
 from .middleware import EXPORT_ENV, MODEL_NAME_ENV
 
 logger = logging.getLogger(__name__)
@@ -157,10 +158,11 @@ def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_n
 
 def cpu_environment(folder: Path, calibrator: Calibrator | None, options: dict, environ: dict) -> dict[str, str]:
     """The settings vLLM's CPU backend gets that the user did not make (`cpu.cpu_settings`, each logged), after
-    checking that the memory available now holds the model, its KV cache and the engine (`cpu.check_memory`).
+    checking that vLLM's CPU attention runs the model's head sizes (`compat.head_size_refusal`) and that the memory
+    available now holds the model, its KV cache and the engine (`cpu.check_memory`).
 
     Raises:
-        ATSError: memory or cores short, in one line naming the setting.
+        ATSError: a head size, memory or cores short, in one line naming the setting.
     """
     from transformers import AutoConfig
 
@@ -173,12 +175,12 @@ def cpu_environment(folder: Path, calibrator: Calibrator | None, options: dict, 
     dtype_bytes = DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
     text = config.get_text_config()
     max_model_len = int(options.get("max_model_len") or getattr(text, "max_position_embeddings", None) or 2048)
-    route = head_route(calibrator)
-    head_width = calibrator.config_.head.hidden_size if route == "paged" else 0
-    if route == "prompt":  # Thermometer's layer: one head of HEAD_SIZE
-        from .prompt_temperature import HEAD_SIZE
-
-        head_width = HEAD_SIZE
+    supported = cpu_attention_head_sizes()
+    reason = head_size_refusal(attention_head_sizes(config, calibrator), supported) if supported else None
+    if reason is not None:
+        raise ATSError(f"{folder}: {reason}")
+    added = calibration_attention(calibrator)
+    head_width = 0 if added is None else added[0] * added[1]
     settings = cpu_settings(environ, options, folder=folder, config=config, dtype_bytes=dtype_bytes,
                             max_model_len=max_model_len, max_num_seqs=int(options.get("max_num_seqs", 256)),
                             tensor_parallel=int(options.get("tensor_parallel_size", 1)), head_width=head_width)
