@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import tempfile
@@ -49,9 +50,39 @@ from server_process import Server  # noqa: E402  (the tests' server process help
 ARMS = ("ats", "temperature", "uncalibrated")
 
 
-async def load(url: str, model: str, clients: int, per_client: int, new_tokens: int) -> dict:
-    """`clients` concurrent clients, each sending `per_client` requests back to back; wall time, latencies, errors."""
+async def load(url: str, model: str, clients: int, per_client: int, new_tokens: int, *, stream: bool = False,
+               expect_ats: bool = False) -> dict:
+    """`clients` concurrent clients, each sending `per_client` requests back to back; wall time, latencies, errors.
+
+    Args:
+        stream: each request streams (server-sent events, with the usage chunk); its latency ends at `[DONE]`.
+        expect_ats: a response whose choice carries no `ats` field (the decision) counts as an error.
+    """
     latencies, tokens, errors = [], 0, []
+
+    async def answer(http: httpx.AsyncClient, body: dict) -> tuple[int | None, bool, str]:
+        """(completion tokens or None, whether every choice carried the `ats` field, the failure's text)."""
+        if not stream:
+            response = await http.post(url + "/v1/chat/completions", json=body)
+            if response.status_code != 200:
+                return None, False, f"status {response.status_code}: {response.text[:200]}"
+            out = response.json()
+            return out["usage"]["completion_tokens"], all("ats" in c for c in out["choices"]), ""
+        usage, decided = None, False
+        async with http.stream("POST", url + "/v1/chat/completions",
+                               json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+            if response.status_code != 200:
+                return None, False, f"status {response.status_code}: {(await response.aread())[:200]!r}"
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    return (usage or {}).get("completion_tokens"), decided, ""
+                if line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return None, False, line[:200]
+                    usage = chunk.get("usage") or usage
+                    decided = decided or any("ats" in c for c in chunk.get("choices", []))
+        return None, False, "the stream ended without [DONE]"
 
     async def client(index: int, http: httpx.AsyncClient) -> None:
         nonlocal tokens
@@ -61,16 +92,15 @@ async def load(url: str, model: str, clients: int, per_client: int, new_tokens: 
                     "temperature": 0, "ignore_eos": True, "logprobs": True}
             t0 = time.perf_counter()
             try:
-                response = await http.post(url + "/v1/chat/completions", json=body)
-                got = response.json()["usage"]["completion_tokens"] if response.status_code == 200 else None
+                count, decided, failure = await answer(http, body)
             except (httpx.HTTPError, ValueError, KeyError) as err:
                 errors.append(f"{type(err).__name__}: {err}")
                 continue
-            if got != new_tokens:
-                errors.append(f"status {response.status_code}: {response.text[:200]}")
+            if count != new_tokens or (expect_ats and not decided):
+                errors.append(failure or f"{count} tokens{'' if decided or not expect_ats else ', no ats field'}")
                 continue
             latencies.append(time.perf_counter() - t0)
-            tokens += got
+            tokens += count
 
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as http:

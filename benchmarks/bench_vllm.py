@@ -14,6 +14,13 @@ temperature scaling has T = 1.3, Thermometer is of the default width with random
 (`tests/helpers.random_thermometer`: one temperature per prompt, computed from the prompt in vLLM's prompt
 layer). Start-up = launch to the first answer of /health.
 
+An arm is ENGINE:CALIBRATOR. ENGINE `vllm` is vLLM's server with ats's layer passing requests through (the layer is
+given no export, so it decides nothing), `bare` the same server without ats's layer, `served` the server as
+`ats serve --engine vllm` runs it (the layer deciding every choice against a threshold certified on made-up answers,
+`tests/helpers.certified_copy`; every response must carry the `ats` field) and `ats` is `ats serve`. `served:X /
+bare:X` is what ats's whole layer costs (the request checks, the decisions, their monitor); `--stream` measures
+it on streamed answers, where each event is rewritten.
+
 Each load also records CPU seconds (user + system) of the server (its process and children) and of the process
 that runs the model (vLLM's worker), tabled as tokens per worker CPU-second with --threads 1 (with more engine
 threads, OpenMP workers spin at barriers). Measured, this adds no resolution on vLLM 0.32: the worker spins while it
@@ -26,6 +33,8 @@ waits for the engine core (and the engine core while it waits for the worker), s
     python benchmarks/bench_vllm.py --arms vllm:none,vllm:none/b,vllm:thermometer --no-eager --repeats 6
     python benchmarks/bench_vllm.py --models smollm2-135m-instruct --arms vllm:none,vllm:none/b,vllm:ats,vllm:temperature \
         --no-eager --threads 1 --repeats 20 --requests-per-client 2 --new-tokens 64   # one engine thread
+    python benchmarks/bench_vllm.py --models smollm2-135m-instruct --arms bare:ats,served:ats,vllm:ats --no-eager \
+        --repeats 6 --requests-per-client 6 --new-tokens 64 [--stream]   # what ats's layer costs
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -56,16 +66,24 @@ from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "serving"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from ats.calibrators import load_calibrator
 from ats.calibrators.thermometer import Thermometer
 from ats.integrations.vllm.export import export_for_vllm
+from ats.integrations.vllm.middleware import EXPORT_ENV, MODEL_NAME_ENV
 from ats.integrations.vllm.serve import server_argv
 from ats.model.backbone import load_backbone
 
-from helpers import random_thermometer  # noqa: E402  (the tests' Thermometer with random weights)
+from helpers import certified_copy, random_thermometer  # noqa: E402  (the tests' Thermometer with random weights)
 from server_process import Server, free_port, server_env  # noqa: E402  (the tests' server process helper)
 
 ARMS = ("vllm:none", "vllm:ats", "vllm:temperature", "vllm:thermometer", "ats:none", "ats:ats", "ats:temperature",
-        "ats:thermometer")
+        "ats:thermometer")  # the default arms
+CALIBRATORS = ("none", "ats", "temperature", "thermometer")
+SERVERS = {  # an arm's engine -> what serves it
+    "vllm": "vLLM's server on the export with ats's layer passing requests through (no export named: no decisions)",
+    "bare": "vLLM's server on the export without ats's layer (what `vllm serve EXPORT` runs)",
+    "served": "what `ats serve --engine vllm` runs: ats's layer deciding every choice (a certified threshold)",
+    "ats": "`ats serve`"}
 PAIRS = {"vllm ats / vllm none": ("vllm:ats", "vllm:none"),
          "vllm temperature / vllm none": ("vllm:temperature", "vllm:none"),
          "vllm thermometer / vllm none": ("vllm:thermometer", "vllm:none"),
@@ -73,7 +91,9 @@ PAIRS = {"vllm ats / vllm none": ("vllm:ats", "vllm:none"),
          "vllm temperature / ats serve temperature": ("vllm:temperature", "ats:temperature"),
          "vllm thermometer / ats serve thermometer": ("vllm:thermometer", "ats:thermometer"),
          "vllm none / ats serve none": ("vllm:none", "ats:none"),
-         "vllm none/b / vllm none": ("vllm:none/b", "vllm:none")}  # two servers of one export: the instance effect
+         "vllm none/b / vllm none": ("vllm:none/b", "vllm:none"),  # two servers of one export: the instance effect
+         **{f"served {c} / bare {c}": (f"served:{c}", f"bare:{c}") for c in CALIBRATORS},  # ats's whole layer
+         **{f"vllm {c} / bare {c}": (f"vllm:{c}", f"bare:{c}") for c in CALIBRATORS}}  # the layer passing through
 
 
 def omp_bind(threads: int) -> str:
@@ -81,28 +101,40 @@ def omp_bind(threads: int) -> str:
     return f"0-{threads - 1}" if threads > 1 else "0"
 
 
-def cpu_seconds(process: subprocess.Popen) -> tuple[float, float]:
-    """(server, model) user + system CPU seconds so far: of a server's process and live children, and of the
-    processes that run the model (vLLM's "VLLM::Worker"; the engine core beside it spins while it waits for the
-    worker, so its CPU time is not work; an `ats serve` server runs its model in its own process)."""
+def cpu_seconds(process: subprocess.Popen) -> tuple[float, float, float]:
+    """(server, model, front end) user + system CPU seconds so far: of a server's process and live children, of
+    the processes that run the model (vLLM's "VLLM::Worker"; the engine core beside it spins while it waits for the
+    worker, so its CPU time is not work; an `ats serve` server runs its model in its own process), and of the
+    server's own process (vLLM's API server: HTTP, tokenizing, detokenizing and ats's layer)."""
     root = psutil.Process(process.pid)
     seconds = {p: sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)]}
     workers = [t for p, t in seconds.items() if p.name().startswith("VLLM::Worker")]
-    return sum(seconds.values()), sum(workers) if workers else sum(seconds.values())
+    return sum(seconds.values()), sum(workers) if workers else sum(seconds.values()), seconds[root]
 
 
 class VLLMServer:
-    """vLLM's OpenAI server (`ats.integrations.vllm.serve.server_argv`) on an export, on a free port."""
+    """vLLM's OpenAI server (`ats.integrations.vllm.serve.server_argv`) on an export, on a free port.
+
+    Args:
+        layer: "checks" (ats's layer without an export named: it checks requests and passes them through),
+            "none" (vLLM's server alone) or "decisions" (ats's layer deciding every choice from the export, as
+            `ats serve --engine vllm` runs it).
+    """
 
     def __init__(self, export: Path, name: str, log: Path, threads: int, eager: bool, max_batch: int,
-                 kv_gib: int) -> None:
+                 kv_gib: int, layer: str = "checks") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         extra = ["--enforce-eager"] if eager else []
         argv = server_argv(export, served_model_name=name, host="127.0.0.1", port=self.port, dtype="float32",
                            max_model_len=2048, max_num_seqs=max_batch, vllm_args=extra)
+        if layer == "none":
+            at = argv.index("--middleware")
+            del argv[at:at + 2]
         env = dict(server_env(), VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                    VLLM_CPU_OMP_THREADS_BIND=omp_bind(threads))
+        if layer == "decisions":
+            env.update({EXPORT_ENV: str(export), MODEL_NAME_ENV: name})
         self._log = log.open("w")
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
@@ -135,9 +167,10 @@ def start(arm: str, model: str, folders: dict, work: Path, args) -> tuple[object
     calibrator = calibrator.split("/")[0]  # "none/b": a second server of the same calibrator
     log = work / (arm.replace(":", "-").replace("/", "-") + ".log")
     t0 = time.perf_counter()
-    if engine == "vllm":
-        server = VLLMServer(folders[f"export:{calibrator}"], model, log,
-                            args.threads, args.eager, args.max_batch, args.kv_cache_gib)
+    if engine != "ats":
+        export = folders[f"certified-export:{calibrator}" if engine == "served" else f"export:{calibrator}"]
+        server = VLLMServer(export, model, log, args.threads, args.eager, args.max_batch, args.kv_cache_gib,
+                            layer={"vllm": "checks", "bare": "none", "served": "decisions"}[engine])
         server.wait(args.start_timeout)
     else:
         server = Server(["--model", model, "--calibrator", folders[calibrator], "--threads", str(args.threads),
@@ -168,16 +201,22 @@ def bench_model(model: str, args, clients: list[int], work: Path) -> dict:
     temperature_scaling().save_pretrained(folders["temperature"])
     random_thermometer(backbone.hidden_size, 0, mlp_hidden=Thermometer.Config(hidden_size=1).mlp_hidden).save_pretrained(
         folders["thermometer"])
-    for calibrator in {arm.split(":")[1].split("/")[0] for arm in arms if arm.startswith("vllm:")}:
+    for calibrator in {arm.split(":")[1].split("/")[0] for arm in arms if arm.split(":")[0] in ("vllm", "bare")}:
         folders[f"export:{calibrator}"] = export_for_vllm(model, None if calibrator == "none" else folders[calibrator],
                                                           work / f"export-{calibrator}")
+    for calibrator in {arm.split(":")[1].split("/")[0] for arm in arms if arm.startswith("served:")}:
+        loaded = None if calibrator == "none" else load_calibrator(folders[calibrator])
+        source = None if loaded is None else certified_copy(Path(folders[calibrator]), work / f"certified-{calibrator}",
+                                                            loaded, backbone, seed=0)
+        folders[f"certified-export:{calibrator}"] = export_for_vllm(model, source, work / f"certified-export-{calibrator}")
     del backbone
     runs = {arm: {str(c): [] for c in clients} for arm in arms}
     startup, servers = {}, {}
     try:
         for arm in arms:
             servers[arm], startup[arm] = start(arm, model, folders, work, args)
-            warm = asyncio.run(load(servers[arm].url, model, 4, 1, 8))
+            warm = asyncio.run(load(servers[arm].url, model, 4, 1, 8, stream=args.stream,
+                                    expect_ats=arm.startswith("served:")))
             if warm["errors"]:
                 raise SystemExit(f"{model} {arm} warm-up failed: {warm['error_messages']}")
             print(f"{model} {arm:17s} up in {startup[arm]:.0f} s", file=sys.stderr, flush=True)
@@ -185,10 +224,12 @@ def bench_model(model: str, args, clients: list[int], work: Path) -> dict:
             for c in clients:
                 shift = (r * len(clients) + clients.index(c)) % len(arms)
                 for arm in arms[shift:] + arms[:shift]:
-                    server_cpu, model_cpu = cpu_seconds(servers[arm].process)
-                    result = asyncio.run(load(servers[arm].url, model, c, args.requests_per_client, args.new_tokens))
-                    server_after, model_after = cpu_seconds(servers[arm].process)
+                    server_cpu, model_cpu, front_cpu = cpu_seconds(servers[arm].process)
+                    result = asyncio.run(load(servers[arm].url, model, c, args.requests_per_client, args.new_tokens,
+                                              stream=args.stream, expect_ats=arm.startswith("served:")))
+                    server_after, model_after, front_after = cpu_seconds(servers[arm].process)
                     result["server_cpu_s"], result["model_cpu_s"] = server_after - server_cpu, model_after - model_cpu
+                    result["front_cpu_ms_per_token"] = 1000 * (front_after - front_cpu) / max(1, result["tokens"])
                     result["tokens_per_cpu_s"] = result["tokens"] / result["model_cpu_s"]
                     runs[arm][str(c)].append(result)
                     print(f"{model} round {r + 1}/{args.repeats} {arm:17s} clients {c:3d} "
@@ -209,6 +250,9 @@ def bench_model(model: str, args, clients: list[int], work: Path) -> dict:
                      "ratios": {name: paired_ratio([x["tokens_per_s"] for x in runs[a][str(c)]],
                                                    [x["tokens_per_s"] for x in runs[b][str(c)]])
                                 for name, (a, b) in pairs.items()},
+                     "front_ratios": {name: paired_ratio([x["front_cpu_ms_per_token"] for x in runs[a][str(c)]],
+                                                         [x["front_cpu_ms_per_token"] for x in runs[b][str(c)]])
+                                      for name, (a, b) in pairs.items()},
                      "cpu_ratios": {name: paired_ratio([x["tokens_per_cpu_s"] for x in runs[a][str(c)]],
                                                        [x["tokens_per_cpu_s"] for x in runs[b][str(c)]])
                                     for name, (a, b) in pairs.items()},
@@ -224,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="rounds of load over the servers, which stay up")
     p.add_argument("--arms", default=",".join(ARMS),
-                   help=f"comma-separated, of {', '.join(ARMS)}; vllm:none/b: a second server of the same export, "
-                        f"a control for how much two servers of one model differ")
+                   help="comma-separated ENGINE:CALIBRATOR, ENGINE one of " + "; ".join(f"{k}: {v}" for k, v in
+                                                                                 SERVERS.items())
+                        + f"; CALIBRATOR one of {', '.join(CALIBRATORS)}; a '/b' after it (vllm:none/b): a second "
+                          f"server of the same export, a control for how much two servers of one model differ")
+    p.add_argument("--stream", action="store_true", help="clients stream their answers (server-sent events)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
@@ -238,8 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     command = command_line(argv)
     clients = [int(c) for c in args.clients.split(",") if c]
     args.arms = [a for a in args.arms.split(",") if a]
-    if unknown := [a for a in args.arms if a not in ARMS + ("vllm:none/b",)]:
-        p.error(f"--arms: unknown arm(s) {', '.join(unknown)}; choose among {', '.join(ARMS)}")
+    arm_pattern = re.compile(rf"({'|'.join(SERVERS)}):({'|'.join(CALIBRATORS)})(/b)?")
+    if unknown := [a for a in args.arms if not arm_pattern.fullmatch(a)]:
+        p.error(f"--arms: unknown arm(s) {', '.join(unknown)}; each is ENGINE:CALIBRATOR, ENGINE one of "
+                f"{', '.join(SERVERS)}, CALIBRATOR one of {', '.join(CALIBRATORS)} (/b: a second server)")
     work = Path(tempfile.mkdtemp(prefix="ats-bench-vllm-"))
     started = time.perf_counter()
     load_start = load_average()
@@ -249,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {**run_info(command, args.threads, load_start, load_average()), "clients": clients,
                   "requests_per_client": args.requests_per_client, "new_tokens": args.new_tokens,
                   "repeats": args.repeats, "arms": args.arms, "threads": args.threads, "max_batch": args.max_batch,
-                  "eager": args.eager,
+                  "eager": args.eager, "stream": args.stream, "servers": {e: SERVERS[e] for e in
+                                                                            {a.split(":")[0] for a in args.arms}},
                   "vllm_env": {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                                "VLLM_CPU_OMP_THREADS_BIND": omp_bind(args.threads)},
                   "wall_seconds": time.perf_counter() - started, "models": models}
@@ -283,6 +333,16 @@ def format_table(result: dict) -> str:
                 per_cpu = [statistics.median(x["tokens_per_cpu_s"] for x in row["runs"][a]) for a in arms]
                 lines.append(f"| {model['model']} | {row['clients']} | " + " | ".join(f"{v:.1f}" for v in per_cpu)
                              + " | " + " | ".join(_ratio(row["cpu_ratios"][n], ".3f") for n in names) + " |")
+    layer = [n for n in names if " / bare " in n]
+    if layer:  # what ats's layer costs the API server process, which runs it
+        lines += ["", "CPU milliseconds of the API server process per generated token (median over rounds; ratio: "
+                  "paired, as above):", "", "| model | clients | " + " | ".join(f"{a} (ms/token)" for a in arms)
+                  + " | " + " | ".join(layer) + " |", "|---|---:|" + "---:|" * (len(arms) + len(layer))]
+        for model in result["models"]:
+            for row in model["results"]:
+                front = [statistics.median(x["front_cpu_ms_per_token"] for x in row["runs"][a]) for a in arms]
+                lines.append(f"| {model['model']} | {row['clients']} | " + " | ".join(f"{v:.2f}" for v in front)
+                             + " | " + " | ".join(_ratio(row["front_ratios"][n], ".3f") for n in layer) + " |")
     lines += ["", "| model | " + " | ".join(f"start-up {a} (s)" for a in arms) + " |", "|---|" + "---:|" * len(arms)]
     for model in result["models"]:
         lines.append(f"| {model['model']} | " + " | ".join(f"{model['startup_s'][a]:.0f}" for a in arms) + " |")
@@ -294,7 +354,8 @@ def format_markdown(result: dict, table: str) -> str:
         *preamble(result, "Calibrated models inside vLLM: throughput against vLLM uncalibrated and against "
                   "`ats serve`", f"{result['machine']['torch_threads']} per server"),
         f"Load: N concurrent clients x {result['requests_per_client']} chat request(s) each, {result['new_tokens']} "
-        f"new tokens per request (greedy, ignore_eos, logprobs: true). The arms' servers stay up side by side and "
+        f"new tokens per request (greedy, ignore_eos, logprobs: true{', streamed' if result.get('stream') else ''}). "
+        f"Servers: " + "; ".join(f"{k}: {v}" for k, v in result.get("servers", {}).items()) + ". The arms' servers stay up side by side and "
         f"take the load in {result['repeats']} round(s), arms back to back in rotating order within each round (one "
         f"server works at a time). vLLM {'with --enforce-eager' if result['eager'] else 'compiled (its default)'}"
         f", float32, --max-num-seqs {result['max_batch']}; ats serve --max-batch {result['max_batch']}. Tokens/s = "
