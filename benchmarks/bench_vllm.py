@@ -91,7 +91,8 @@ PAIRS = {"vllm ats / vllm none": ("vllm:ats", "vllm:none"),
          "vllm temperature / ats serve temperature": ("vllm:temperature", "ats:temperature"),
          "vllm thermometer / ats serve thermometer": ("vllm:thermometer", "ats:thermometer"),
          "vllm none / ats serve none": ("vllm:none", "ats:none"),
-         "vllm none/b / vllm none": ("vllm:none/b", "vllm:none"),  # two servers of one export: the instance effect
+         **{f"{e} {c}/b / {e} {c}": (f"{e}:{c}/b", f"{e}:{c}") for e in ("vllm", "bare", "served", "ats")
+            for c in ("none", "ats")},  # two servers of one calibrator: the instance effect (the A/A control)
          **{f"served {c} / bare {c}": (f"served:{c}", f"bare:{c}") for c in CALIBRATORS},  # ats's whole layer
          **{f"vllm {c} / bare {c}": (f"vllm:{c}", f"bare:{c}") for c in CALIBRATORS}}  # the layer passing through
 
