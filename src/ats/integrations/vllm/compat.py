@@ -184,7 +184,7 @@ def head_size_refusal(head_sizes: dict[str, int], supported: tuple[int, ...]) ->
     """Why vLLM's CPU attention cannot run the calibrated model's attention layers (one line), or None.
 
     Args:
-        head_sizes: what each layer is ("the base model's attention", "the calibration head's attention", with how
+        head_sizes: what each layer is ("the base model's attention", "the calibration layer's attention", with how
             its size is made) -> its head size.
         supported: `cpu_attention_head_sizes()`.
     """
