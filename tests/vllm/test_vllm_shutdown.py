@@ -1,5 +1,6 @@
 """`ats serve --engine vllm` shut down with requests in flight (slow: a vLLM server per test). Within
---shutdown-timeout (vLLM's, which ats passes on) the requests finish; past it, vLLM 0.32 stops its engine and can leave
+--shutdown-timeout (vLLM's, which ats passes on) the requests finish, and /health and new requests get `ats serve`'s
+503 of a server shutting down (vLLM alone: 200 and a 500); past it, vLLM 0.32 stops its engine and can leave
 a request it was running unanswered, its client waiting until its own timeout and the server with it: ats's layer
 ends each such request as `ats serve` does (a 503 with code shutting_down, or a stream's error event), or lets vLLM's
 own answer through when vLLM gives one (a 500, or a 200 whose finish_reason is "abort"), and the server exits."""
@@ -8,10 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
+
+from ats.serving.api_errors import SHUTTING_DOWN_MESSAGE
 
 from vllm_helpers import ats_serve_vllm_process
 
@@ -40,12 +46,26 @@ def serve(tiny_models, tmp_path):
         yield start
 
 
-def test_requests_in_flight_finish_within_the_shutdown_timeout(serve, tmp_path):
+def test_a_drain_finishes_the_requests_in_flight_and_refuses_new_ones_as_ats_serve_does(serve, tmp_path):
     url, process = serve(120)
     requests = InFlight(url, "unused", "tiny", max_tokens=LONG)
-    seconds = terminate(process)
+    start = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    while (health := httpx.get(url + "/health", timeout=10)).status_code == 200 and time.monotonic() < start + 30:
+        time.sleep(0.05)
+    draining = all(thread.is_alive() for thread in requests.threads)  # both requests still run: vLLM drains
+    new = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4}, timeout=10)
     requests.join()
-    assert requests.stream_error is None and requests.plain_error is None
+    process.wait(150)
+    seconds = time.monotonic() - start
+    # while it drains, vLLM alone answers /health 200 and a new request 500 ("cannot schedule new futures after
+    # shutdown"); ats's layer answers as `ats serve` does
+    assert draining
+    assert health.status_code == 503 and health.json()["error"]["code"] == "shutting_down"
+    assert new.status_code == 503
+    assert new.json()["error"] == {"message": SHUTTING_DOWN_MESSAGE, "type": "server_error", "param": None,
+                                   "code": "shutting_down"}
+    assert requests.stream_error is None and requests.plain_error is None  # the requests in flight finish
     assert requests.chunks[-1].choices[0].finish_reason == "length"
     assert requests.plain.usage.completion_tokens == LONG
     log = (tmp_path / "server.log").read_text()

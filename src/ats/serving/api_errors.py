@@ -7,9 +7,13 @@ itself.
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # fastapi only where a response is made: the engine imports this module for its shutdown message
+    from fastapi.responses import JSONResponse
 
 SHUTTING_DOWN = "shutting_down"  # the code of a request that the server's shutdown refused or ended (503), both servers
+SHUTTING_DOWN_MESSAGE = "the server is shutting down; send the request again"  # a new request's, both servers
 
 
 class APIError(Exception):
@@ -35,6 +39,8 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """The JSON response: OpenAI's error body with `status` (and `WWW-Authenticate` on a 401)."""
+        from fastapi.responses import JSONResponse
+
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 

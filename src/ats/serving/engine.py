@@ -37,6 +37,7 @@ from ..generation.limits import check_prompts, context_length
 from ..generation.logprobs import TokenLogprob
 from ..generation.sampling import SamplingParams
 from ..model.backbone import Backbone
+from .api_errors import SHUTTING_DOWN_MESSAGE
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,6 @@ class QueueFull(RuntimeError):
 class ShuttingDown(RuntimeError):
     """The engine is draining for shutdown and takes no new job, or stopped before a call ran (the server answers
     503)."""
-
-
-SHUTTING_DOWN_MESSAGE = "the server is shutting down; send the request again"
 
 
 @dataclass

@@ -18,9 +18,10 @@ decision in each response, the request checks `ats serve` makes that vLLM does n
     GET  /v1/ats/monitor the served certificate's decisions, counted (`ats.serving.monitor`), with the API key; the
                         same counts join vLLM's own Prometheus metrics at its GET /metrics
 
-A request still running when vLLM's engine stops at shutdown ends with `ats serve`'s shutdown error if vLLM leaves it
-unanswered (`shutdown.until_engine_stops`); an answer vLLM cut short (finish_reason "abort") is outside the
-certified format (`abstain.finished_fields`).
+At shutdown, as on `ats serve`: while vLLM drains its engine, /health and each new POST get the 503 of a server
+shutting down (vLLM answers 200 and 500: `shutdown.engine_shutting_down`); a request still running when the engine
+stops ends with `ats serve`'s shutdown error if vLLM leaves it unanswered (`shutdown.until_engine_stops`); an answer
+vLLM cut short (finish_reason "abort") is outside the certified format (`abstain.finished_fields`).
 
 Completions that echo the prompt (their logprobs start with the prompt's) pass through unchanged. The export comes
 from $ATS_VLLM_EXPORT and the served model's name from $ATS_VLLM_MODEL_NAME, which `ats serve --engine vllm` sets. A
@@ -37,12 +38,12 @@ from pathlib import Path
 
 from pydantic import ConfigDict, ValidationError, create_model
 
-from ...serving.api_errors import APIError, validation_error
+from ...serving.api_errors import SHUTTING_DOWN_MESSAGE, APIError, shutdown_error, validation_error
 from ...serving.monitor import MONITOR_PATH, DecisionMonitor, report_in_default_registry
 from ...serving.request_options import steering_option
 from ...serving.schemas import UNICODE_ERROR, ChatMessage, lone_surrogate
 from .abstain import finished_fields
-from .shutdown import SentTracker, until_engine_stops
+from .shutdown import SentTracker, engine_shutting_down, until_engine_stops
 from .stream import StreamDecisions, StreamRewriter
 
 EXPORT_ENV = "ATS_VLLM_EXPORT"  # the export whose threshold and end tokens decide (set by `ats serve --engine vllm`)
@@ -150,6 +151,9 @@ class ATSMiddleware:
         self.key = os.environ.get("VLLM_API_KEY") or None
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (refusal := self._while_draining(scope)) is not None:
+            await refusal.response()(scope, receive, send)
+            return
         if scope["type"] == "http" and scope.get("method") == "GET" and self.export is not None:
             response = self._page(scope)
             if response is not None:
@@ -183,6 +187,19 @@ class ATSMiddleware:
         else:
             send = _Rewriter(tracker, lambda r: add_decisions(r, self.decider, strip, fields, self.monitor))
         await until_engine_stops(self.app, scope, _replay(raw, receive), send, tracker)
+
+    def _while_draining(self, scope) -> APIError | None:
+        """`ats serve`'s 503 for what vLLM's drain at shutdown would get wrong (`shutdown.engine_shutting_down`):
+        /health, which vLLM answers 200 until its engine stops, and a new POST with the API key, which vLLM answers
+        500; None for any other request, or while the engine is not shutting down."""
+        engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+        if engine is None or not engine_shutting_down(engine):
+            return None
+        if scope.get("path") == "/health":
+            return shutdown_error("the server is shutting down")
+        if scope.get("method") == "POST" and self._authorized(scope):
+            return shutdown_error(SHUTTING_DOWN_MESSAGE)
+        return None
 
     def _format_fields(self, body: dict, kind: str) -> dict:
         """The request's word on the certified format (`Certificate.format_fields`), {} without a certificate."""

@@ -9,6 +9,11 @@ watches the engine: once the engine has stopped, vLLM gets `GRACE` seconds to an
 that died of an error fails its requests at once), and then the request ends as it does on `ats serve`: a 503 with
 code `shutting_down` if nothing was sent yet, else a stream's last event, an `error` (the openai client raises
 both).
+
+From the signal until its engine stops vLLM keeps listening, though it takes nothing new: its /health says 200 and a
+new request gets a 500 ("cannot schedule new futures after shutdown": its tokenizer's threads are shut down first).
+`engine_shutting_down` sees that drain begin, so that the middleware answers as `ats serve` does: /health 503, so that
+a load balancer stops sending, and each new request `ats serve`'s 503 (code `shutting_down`), which clients retry.
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ GRACE = 2.0  # seconds vLLM gets to answer a request itself once its engine has 
 def engine_stopped(engine) -> bool:
     """Whether vLLM's engine client has stopped or died (`EngineClient.errored`: its output handler is done)."""
     return bool(getattr(engine, "errored", False))
+
+
+def engine_shutting_down(engine) -> bool:
+    """Whether vLLM's engine client has begun its shutdown: its engine core's `shutdown` detaches the finalizer it
+    holds (`weakref.finalize`, dead from then on). An engine that died of an error is not shutting down."""
+    finalizer = getattr(getattr(engine, "engine_core", None), "_finalizer", None)
+    return finalizer is not None and not finalizer.alive
 
 
 class SentTracker:
