@@ -19,7 +19,12 @@ after one untimed warm-up, variants interleaved with the order alternating per r
    route and on the exact route (`TrainingConfig(exact_loss=True)`);
 3. online head training: iterating `OnlineFeatures` batches (the backbone forward) vs `train_ats` on them;
 4. scoring synthetic questions: `score_letters` / `score_choices` with {uncalibrated} vs {uncalibrated, ats};
-5. decoding at batch 1 and 16: plain `model.generate` vs `generate_calibrated` (the head's KV cache), tokens/s.
+5. answers, the default route of `ats train` (`SyntheticQA`: TriviaQA's task on random words): plain
+   `model.generate` of its prompts vs the answer set (greedy answers by the generation core, one scoring forward,
+   the probe layers captured), then Thermometer trained on them and the correctness probe fitted, as `ats train`
+   calls each (`train_spec`);
+6. decoding at batch 1 and 16: plain `model.generate` vs `generate_calibrated` with the head (its KV cache),
+   Thermometer and the probe, tokens/s.
 
 Peak GPU memory (`torch.cuda.max_memory_allocated`, reset before each timed run) is recorded per variant, with the
 device, torch and transformers versions. Each step runs in its own try/except: a failure is recorded with the last
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import platform
 import statistics
@@ -57,22 +63,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generation import command_line, random_probe, randomised_calibrator, save_results  # noqa: E402
 
 from ats.calibrators.base import Uncalibrated  # noqa: E402
+from ats.calibrators.thermometer import Thermometer  # noqa: E402
+from ats.evaluation.answers import build_answer_set  # noqa: E402
 from ats.evaluation.tasks.scoring import ChoiceItem, LetterItem, score_choices, score_letters  # noqa: E402
+from ats.evaluation.tasks.triviaqa import TriviaQATask  # noqa: E402
 from ats.generation import encode_prompts, generate_calibrated  # noqa: E402
 from ats.model.backbone import Backbone  # noqa: E402
 from ats.model.labels import IGNORE_INDEX  # noqa: E402
+from ats.model.layers import candidate_layers, decoder_layers  # noqa: E402
 from ats.model.scale_summary import ScaleSummarySpec  # noqa: E402
 from ats.padding import pad_batch  # noqa: E402
-from ats.training.config import TrainingConfig  # noqa: E402
+from ats.training.answers import AnswerSet  # noqa: E402
+from ats.training.config import DEFAULT_ANSWER_LOSS, DEFAULT_ANSWER_METHOD, TrainingConfig  # noqa: E402
 from ats.training.data import TokenizedExample  # noqa: E402
 from ats.training.features import FeatureStore, _token_batches, extract_features, shard_plan  # noqa: E402
 from ats.training.online import OnlineFeatures  # noqa: E402
 from ats.training.trainer import train_ats  # noqa: E402
+from ats.workflows.answer_methods import train_spec  # noqa: E402
+from ats.workflows.answer_pool import AnswerPool  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_check"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0..3; the words w4 .. w{V-1} follow
 GIB = 1024 ** 3
-STEPS = ("extraction", "training_cached", "training_online", "scoring", "decoding")
+STEPS = ("extraction", "training_cached", "training_online", "scoring", "answers", "decoding")
 
 
 @dataclass(frozen=True)
@@ -120,12 +133,15 @@ class Sizes:
     prompt_tokens: int = 32  # decoding prompts
     new_tokens: int = 64
     decode_batches: tuple[int, ...] = (1, 16)
+    answer_questions: int = 32  # the answers step: questions, new tokens per greedy answer, questions per batch
+    answer_tokens: int = 16
+    answer_batch: int = 8
     repeats: int = 2
 
 
 TINY_SIZES = Sizes(sequences=8, seq_len=64, prompt_len=16, batch_tokens=1024, micro_batch=2, batch=4, questions=6,
                    question_tokens=32, choice_tokens=4, prompt_tokens=8, new_tokens=8, decode_batches=(1, 4),
-                   repeats=1)
+                   answer_questions=8, answer_tokens=4, answer_batch=4, repeats=1)
 
 
 # --- the device -------------------------------------------------------------------------------------------------------
@@ -240,6 +256,27 @@ def synthetic_questions(sizes: Sizes, vocab: int, seed: int = 1) -> tuple[list[L
         choice_items.append(ChoiceItem(context=random_ids(sizes.question_tokens // 2, vocab, g), choices=choices,
                                        answer=answer))
     return letter_items, choice_items
+
+
+class SyntheticQA(TriviaQATask):
+    """TriviaQA's generation task (few-shot "Q:/A:" prompts, greedy answers by the generation core, one scoring
+    forward) on questions of random words. Its judge calls every other answer right: random weights answer nothing
+    right, and a fit needs both kinds."""
+
+    name = "synthetic_qa"
+
+    def __init__(self, sizes: Sizes, vocab: int, *, seed: int = 3, n_shots: int = 2) -> None:
+        super().__init__(n_shots=n_shots, max_new_tokens=sizes.answer_tokens, batch_size=sizes.answer_batch)
+        g = torch.Generator().manual_seed(seed)
+        words = lambda n: " ".join(f"w{i}" for i in random_ids(n, vocab, g))  # noqa: E731
+        self._rows = [{"question": words(sizes.prompt_tokens), "value": words(2), "aliases": []}
+                      for _ in range(sizes.answer_questions + n_shots)]
+
+    def rows(self) -> list[dict]:
+        return self._rows
+
+    def judge_answers(self, texts: list[str]) -> tuple[list[bool], dict]:
+        return [i % 2 == 0 for i in range(len(texts))], {}
 
 
 def synthetic_prompts(count: int, tokens: int, vocab: int, seed: int = 2) -> list[str]:
@@ -411,26 +448,90 @@ def step_scoring(ctx: Context) -> list[dict]:
     return rows_from(measured, tokens, compare)
 
 
+def step_answers(ctx: Context) -> list[dict]:
+    """The default route of `ats train` (its calibrator learns from the model's own answers): plain `generate` of the
+    task's prompts vs the answer set (greedy answers by the generation core, one scoring forward, probe layers
+    captured), then Thermometer trained on those answers (one epoch) and the correctness probe fitted on them."""
+    task = SyntheticQA(ctx.sizes, ctx.backbone.vocab_size)
+    _, prompt_ids = task.prompts(ctx.backbone.tokenizer)
+    layers = candidate_layers(len(decoder_layers(ctx.backbone.model)))
+    n, batch = ctx.sizes.answer_tokens, ctx.sizes.answer_batch
+    held: dict[str, AnswerSet] = {}
+
+    def answers() -> AnswerSet:
+        held["answers"] = build_answer_set(ctx.backbone, task, batch_size=batch, probe_layers=tuple(layers),
+                                           progress=False)
+        return held["answers"]
+
+    def plain() -> int:
+        return sum(plain_generate_ids(ctx.backbone, prompt_ids[i:i + batch], n) for i in range(0, len(prompt_ids), batch))
+
+    def trained(kind: str) -> Callable[[], object]:  # `ats train`'s own call, as its defaults make it (one epoch)
+        config = TrainingConfig(loss_type=DEFAULT_ANSWER_LOSS, epochs=1, batch_size=4)
+
+        def train() -> object:
+            held[kind] = train_spec(ctx.backbone, [held["answers"]], AnswerPool(), kind=kind, tokens=False,
+                                    training=config, method=DEFAULT_ANSWER_METHOD)
+            return held[kind]
+
+        return train
+
+    measured = interleaved({"plain generate": plain, "answers + probe layers": answers}, ctx.device,
+                           ctx.sizes.repeats)
+    measured.update(interleaved({"train thermometer": trained("thermometer"), "fit probe": trained("probe")},
+                                ctx.device, ctx.sizes.repeats))
+    losses = [step["loss"] for step in held["thermometer"].training_history_["steps"]]
+    if not losses or not all(math.isfinite(loss) for loss in losses):
+        raise RuntimeError(f"Thermometer's training on the answers gave losses {losses[:4]}")
+    if not bool(torch.isfinite(held["probe"].weight).all()):
+        raise RuntimeError("the probe fitted on the answers has weights that are not finite")
+    questions = len(prompt_ids)  # training and fitting: no tokens/s (they read each question's stored states)
+    tokens = {"plain generate": questions * n, "answers + probe layers": questions * n, "train thermometer": 0,
+              "fit probe": 0}
+    return rows_from(measured, tokens, {"answers + probe layers": ["plain generate"]})
+
+
 def plain_generate(backbone: Backbone, prompts: list[str], new_tokens: int) -> int:
     """Plain greedy `generate` of exactly `new_tokens` tokens per prompt; returns the tokens generated."""
     ids, mask, _ = encode_prompts(backbone, prompts)
+    return generate_exactly(backbone, ids, mask, new_tokens)
+
+
+def plain_generate_ids(backbone: Backbone, prompts: list[list[int]], new_tokens: int) -> int:
+    """`plain_generate` of prompts given as token ids (left-padded)."""
+    enc = backbone.tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt")
+    return generate_exactly(backbone, enc["input_ids"].to(backbone.device), enc["attention_mask"].to(backbone.device),
+                            new_tokens)
+
+
+def generate_exactly(backbone: Backbone, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> int:
+    """Greedy `generate` of exactly `new_tokens` tokens after each row of `ids` (B, P); the tokens generated."""
     sequences = backbone.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                         min_new_tokens=new_tokens, do_sample=False,
                                         pad_token_id=backbone.tokenizer.pad_token_id)
     return int(sequences[:, ids.shape[1]:].numel())
 
 
+def random_thermometer(backbone: Backbone) -> Thermometer:
+    """Thermometer (`ats train`'s default) with its seeded initial weights, as if fitted: its cost (one temperature
+    per prompt from the prompt's last hidden state, kept across the steps) does not depend on them."""
+    thermometer = Thermometer(hidden_size=backbone.hidden_size, seed=0)
+    thermometer.fitted = True
+    return thermometer
+
+
 def step_decoding(ctx: Context) -> list[dict]:
-    """Plain `generate` vs `generate_calibrated` at each decoding batch size: the ATS head (its KV cache) and a
-    correctness probe (three layers captured during decoding; its P(correct) computed on the CPU)."""
-    calibrator = randomised_calibrator(ctx.backbone, "transformer")
-    probe = random_probe(ctx.backbone)
+    """Plain `generate` vs `generate_calibrated` at each decoding batch size: the ATS head (its KV cache),
+    Thermometer (one temperature per prompt) and a correctness probe (three layers captured during decoding; its
+    P(correct) computed on the CPU)."""
+    methods = {"calibrated": randomised_calibrator(ctx.backbone, "transformer"),
+               "thermometer": random_thermometer(ctx.backbone), "probe": random_probe(ctx.backbone)}
     n = ctx.sizes.new_tokens
     variants, tokens, compare = {}, {}, {}
     for b in ctx.sizes.decode_batches:
         prompts = synthetic_prompts(b, ctx.sizes.prompt_tokens, ctx.backbone.vocab_size, seed=b)
         variants[f"plain, batch {b}"] = lambda p=prompts: plain_generate(ctx.backbone, p, n)
-        for name, method in (("calibrated", calibrator), ("probe", probe)):
+        for name, method in methods.items():
             variants[f"{name}, batch {b}"] = lambda p=prompts, m=method: _generated(generate_calibrated(
                 ctx.backbone, m, p, max_new_tokens=n, min_new_tokens=n))
             tokens[f"{name}, batch {b}"] = b * n
@@ -450,7 +551,8 @@ def _generated(outputs: list) -> list:
 
 STEP_FUNCTIONS: dict[str, Callable[[Context], list[dict]]] = {
     "extraction": step_extraction, "training_cached": step_training_cached,
-    "training_online": step_training_online, "scoring": step_scoring, "decoding": step_decoding,
+    "training_online": step_training_online, "scoring": step_scoring, "answers": step_answers,
+    "decoding": step_decoding,
 }
 
 
@@ -508,7 +610,8 @@ class Run:
             return False
         for row in rows:
             ratios = ", ".join(f"{v:.2f}x {k}" for k, v in row["ratios"].items())
-            self.log(f"  {row['variant']:24s} {row['seconds']:8.3f} s {row['tokens_per_s']:10.0f} tok/s"
+            speed = f"{row['tokens_per_s']:10.0f} tok/s" if row["tokens"] else " " * 16
+            self.log(f"  {row['variant']:24s} {row['seconds']:8.3f} s {speed}"
                      + (f"  {ratios}" if ratios else "") + (f"  peak {row['peak_gib']:.1f} GiB"
                                                             if row["peak_gib"] is not None else ""))
         self.record(model, step, "ok", rows, time.perf_counter() - start)
@@ -576,8 +679,9 @@ def markdown(result: dict) -> str:
         for row in entry["rows"]:
             ratios = "; ".join(f"{v:.2f}x {k}" for k, v in row["ratios"].items())
             peak = "-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"
+            speed = f"{row['tokens_per_s']:.0f}" if row["tokens"] else "-"
             lines.append(f"| {entry['model']} | {entry['step']} | {entry['status']} | {row['variant']} | "
-                         f"{row['seconds']:.3f} | {row['tokens_per_s']:.0f} | {ratios} | {peak} |")
+                         f"{row['seconds']:.3f} | {speed} | {ratios} | {peak} |")
     return "\n".join(lines) + "\n"
 
 

@@ -17,10 +17,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 ABSENT = ("datasets", "fastapi", "uvicorn")  # not installed on the GPU machine
 SHAPES = ("llama-2-7b-shape", "qwen2.5-7b-shape")
-STEPS = ("build", "extraction", "training_cached", "training_online", "scoring", "decoding")
+STEPS = ("build", "extraction", "training_cached", "training_online", "scoring", "answers", "decoding")
 
 # the smoke sizes (TINY_SIZES) by hand: 8 sequences of 64, 62, ..., 50 tokens; 6 questions of 32 tokens, whose choice
-# rows are 4 x 16 context tokens + 4 + 5 + 6 + 7 choice tokens; 8 new tokens per decoded prompt, batches 1 and 4
+# rows are 4 x 16 context tokens + 4 + 5 + 6 + 7 choice tokens; 8 answered questions of 4 new tokens (training and
+# fitting on them count no tokens); 8 new tokens per decoded prompt, batches 1 and 4
 SEQUENCE_TOKENS = sum(64 - 2 * i for i in range(8))  # 456
 LETTER_TOKENS, CHOICE_TOKENS = 6 * 32, 6 * (4 * 16 + 4 + 5 + 6 + 7)
 EXPECTED_TOKENS = {
@@ -29,8 +30,9 @@ EXPECTED_TOKENS = {
     "training_online": dict.fromkeys(("online batches only", "train online"), SEQUENCE_TOKENS),
     "scoring": {"letters, uncalibrated": LETTER_TOKENS, "letters, + ats": LETTER_TOKENS,
                 "choices, uncalibrated": CHOICE_TOKENS, "choices, + ats": CHOICE_TOKENS},
-    "decoding": {"plain, batch 1": 8, "calibrated, batch 1": 8, "probe, batch 1": 8, "plain, batch 4": 32,
-                 "calibrated, batch 4": 32, "probe, batch 4": 32},
+    "answers": {"plain generate": 8 * 4, "answers + probe layers": 8 * 4, "train thermometer": 0, "fit probe": 0},
+    "decoding": {**{f"{name}, batch 1": 8 for name in ("plain", "calibrated", "thermometer", "probe")},
+                 **{f"{name}, batch 4": 32 for name in ("plain", "calibrated", "thermometer", "probe")}},
 }
 # variants that do strictly more work than the one named (the same data plus the head's training, or the extraction's
 # writing): tens of times more on these sizes, so the order holds whatever the machine's noise
@@ -38,6 +40,12 @@ COSTLIER = {("extraction", "extract + summary"): "forward only",
             ("training_cached", "train, summary route"): "batches only",
             ("training_cached", "train, exact route"): "batches only",
             ("training_online", "train online"): "online batches only"}
+
+def markdown_row(out: Path, model: str, variant: str) -> str:
+    """The results page's table row of one model's variant."""
+    return next(line for line in out.with_suffix(".md").read_text().splitlines()
+                if line.startswith(f"| {model} |") and f"| {variant} |" in line)
+
 
 RUN = """
 import runpy, sys
@@ -70,6 +78,7 @@ def test_tiny_cpu_run_reports_every_step(tmp_path):
         for name, row in rows.items():
             assert len(row["runs"]) == 1 and row["seconds"] == statistics.median(row["runs"]), (model, step, name)
             assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"], rel=1e-12)
+            assert (f"| {row['tokens_per_s']:.0f} |" if row["tokens"] else "| - |") in markdown_row(out, model, name)
             for other, ratio in row["ratios"].items():  # a ratio divides by the named variant's own median
                 assert ratio == pytest.approx(row["seconds"] / rows[other]["seconds"], rel=1e-12), (model, name)
         # every step is compared with the same step without the head
