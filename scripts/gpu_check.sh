@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issue 24 (benchmarks/gpu_check.py): random-weight Llama-2-7B- and Qwen2.5-7B-shaped models
+# The prepared GPU check (benchmarks/gpu_check.py): random-weight Llama-2-7B- and Qwen2.5-7B-shaped models
 # built on the GPU in bf16; extraction, head training (cached and online), scoring and calibrated decoding, each timed
 # against the same step without the head. Runs from the source tree alone (no install, no network), within a time limit.
 # transformers only: vLLM (docs/vllm.md) is not part of it, because the device machine has no network and takes 64 MiB
