@@ -46,6 +46,13 @@ def test_served_answers_are_those_of_the_serving_decoder_one_question_at_a_time(
     expected = [0.0 if not np.isfinite(g.answer_confidence) else g.answer_confidence for g in alone]
     np.testing.assert_allclose(got.confidence, expected, rtol=1e-5, atol=1e-7)
     assert got.correct.tolist() == [contains_match(g.text, q["aliases"]) for g, q in zip(alone, questions)]
+    # the raw model's served confidence of the same answers: what it reports answering them itself (scaling never
+    # changes a greedy answer)
+    raw = [generate_calibrated(tiny_backbone, None, [q["question"]], max_new_tokens=6)[0] for q in questions]
+    assert [g.text for g in raw] == got.text
+    np.testing.assert_allclose(got.uncalibrated, [g.answer_confidence if np.isfinite(g.answer_confidence) else 0.0
+                                                  for g in raw], rtol=1e-5, atol=1e-7)
+    assert not np.allclose(got.uncalibrated, got.confidence, atol=1e-4)  # the head moved them
     assert words[0] and got.correct[0] and not got.correct[1:].any()
     assert got.finish == [g.finish_reason for g in alone] and set(got.finish) <= {"eos", "length"}
     assert "<|im_start|>user\nwho lives in paris<|im_end|>" in alone[0].prompt_text  # through the chat template

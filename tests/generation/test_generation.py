@@ -18,6 +18,7 @@ from ats.generation import (
     generate_calibrated,
     print_stream,
 )
+from ats.generation.decoder import eos_ids
 
 from helpers import calibrator_for, random_thermometer
 
@@ -321,8 +322,11 @@ def test_any_calibrator_generates_the_model_text_with_its_own_probabilities(tiny
     p = q[0].softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(out.confidences), p, atol=1e-5, rtol=1e-4)
     mapped = p.double() if calibrator is None else torch.tensor(calibrator.map_confidence(p))
-    assert out.answer_confidence == pytest.approx(float(mapped.mean()), abs=1e-6)
+    answer = [i for i, t in enumerate(out.token_ids) if t not in eos_ids(tiny_backbone)]
+    assert out.answer_confidence == pytest.approx(float(mapped[answer].mean()), abs=1e-6)
     assert out.confidence_kind == ("mapped" if kind == "histogram" else "probability")
+    own = z[0].softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]  # the backbone's, never mapped
+    assert out.uncalibrated_answer_confidence == pytest.approx(float(own[answer].double().mean()), abs=1e-6)
 
 
 def test_cli_generate_with_calibrator_none_prints_the_model_own_text(smollm2, capsys, monkeypatch):

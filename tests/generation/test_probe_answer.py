@@ -49,6 +49,7 @@ def test_generated_answer_confidence_is_the_probes(tiny_backbone, probe):
     expected = float(probe.answer_confidence(views, [raw])[0])
     assert out.answer_confidence == pytest.approx(expected, abs=1e-5)
     assert not math.isclose(expected, raw, abs_tol=1e-3)  # the probe's, not the tokens' mean
+    assert out.uncalibrated_answer_confidence == pytest.approx(raw, abs=1e-6)  # the tokens' own mean, no probe
     # the tokens: the temperature's probabilities
     logits = model.logits[0, len(prompt) - 1:-1].float() / probe.temperature
     expected_tokens = torch.softmax(logits, -1).gather(1, torch.tensor(answer)[:, None])[:, 0]

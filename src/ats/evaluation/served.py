@@ -37,9 +37,12 @@ def answer_format(backbone, max_tokens: int = ANSWER_MAX_TOKENS) -> dict:
 
 @dataclass
 class ServedAnswers:
-    """Answers to questions, in order: confidence (N,), correct (N,) bool, text and finish reason per answer."""
+    """Answers to questions, in order: confidence (N,), correct (N,) bool, text and finish reason per answer, and
+    `uncalibrated` (N,): the backbone's own answer confidence of the same answers (a scaling calibrator never changes
+    the greedy answer, so this is the raw model's served confidence too; 0 where there is none)."""
 
     confidence: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    uncalibrated: np.ndarray = field(default_factory=lambda: np.zeros(0))
     correct: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     text: list[str] = field(default_factory=list)
     finish: list[str] = field(default_factory=list)
@@ -50,6 +53,7 @@ class ServedAnswers:
     def extend(self, other: "ServedAnswers") -> None:
         """Append `other`'s answers."""
         self.confidence = np.concatenate([self.confidence, other.confidence])
+        self.uncalibrated = np.concatenate([self.uncalibrated, other.uncalibrated])
         self.correct = np.concatenate([self.correct, other.correct])
         self.text += other.text
         self.finish += other.finish
@@ -73,14 +77,21 @@ def served_answers(backbone, calibrator, questions: list[dict], *, max_tokens: i
 
     out = ServedAnswers()
     conf: list[float] = []
+    raw: list[float] = []
     for start in range(0, len(questions), batch_size):
         batch = questions[start:start + batch_size]
         for q, gen in zip(batch, generate_calibrated(backbone, calibrator, [q["question"] for q in batch],
                                                      max_new_tokens=max_tokens, chat_template=True)):
-            value = gen.answer_confidence
-            conf.append(0.0 if value is None or not math.isfinite(value) else float(value))
+            conf.append(_probability(gen.answer_confidence))
+            raw.append(_probability(gen.uncalibrated_answer_confidence))
             out.text.append(gen.text)
             out.finish.append(gen.finish_reason)
     out.confidence = np.asarray(conf, dtype=np.float64)
+    out.uncalibrated = np.asarray(raw, dtype=np.float64)
     out.correct = np.asarray([contains_match(t, q["aliases"]) for t, q in zip(out.text, questions)], dtype=bool)
     return out
+
+
+def _probability(value: float | None) -> float:
+    """An answer's confidence as recorded: 0 for an answer without one (never answered)."""
+    return 0.0 if value is None or not math.isfinite(value) else float(value)

@@ -50,7 +50,7 @@ class CalibratedGeneration:
     are taken before the sampling warpers. `taus[i]` is the ATS head's tau (0 uncalibrated, NaN for calibrators
     without one). `answer_confidence` is the mean of the tokens' confidences through the calibrator's binning map
     when it has one (`confidence_kind` "mapped"), the end-of-sequence token left out: the number `ats eval`'s
-    generative tasks compute for an answer.
+    generative tasks compute for an answer; `uncalibrated_answer_confidence` is the backbone's own by the same rule.
     """
 
     prompt: str
@@ -63,6 +63,7 @@ class CalibratedGeneration:
     prompt_text: str = ""  # the prompt as given to the model (after the chat template)
     tokens: list[str] = field(default_factory=list)  # each token decoded on its own
     answer_confidence: float = float("nan")  # the answer's confidence as the evaluation tasks compute it
+    uncalibrated_answer_confidence: float = float("nan")  # the backbone's own, by the same rule, for the same answer
     confidence_kind: str = "probability"  # "mapped": through a binning calibrator's map
     answered: bool | None = None  # with a certified threshold: answer_confidence >= it (None: no threshold)
     threshold: float | None = None  # that threshold (None: none, or abstain always)
@@ -99,6 +100,7 @@ class CalibratedGeneration:
                 "uncalibrated": self.uncalibrated, "taus": self.taus, "mean_confidence": self.mean_confidence,
                 "product_confidence": self.product_confidence, "mean_uncalibrated": self.mean_uncalibrated,
                 "product_uncalibrated": self.product_uncalibrated, "answer_confidence": self.answer_confidence,
+                "uncalibrated_answer_confidence": self.uncalibrated_answer_confidence,
                 "confidence_kind": self.confidence_kind, "answered": self.answered, "threshold": self.threshold}
 
 
@@ -282,6 +284,7 @@ def _output(tok, row: Row, prompt: str, text_in: str, kind: str) -> CalibratedGe
                                 uncalibrated=[math.exp(r.uncalibrated) for r in recs],
                                 taus=[float("nan") if r.tau is None else r.tau for r in recs],
                                 finish_reason=row.finish or "length", answer_confidence=_nan(answer_confidence(recs)),
+                                uncalibrated_answer_confidence=_nan(answer_confidence(recs, uncalibrated=True)),
                                 confidence_kind=kind)
 
 

@@ -7,6 +7,7 @@ from one shared shift per row (`ats.model.numerics.token_log_probs`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -119,21 +120,24 @@ def prompt_logprobs(backbone, calibration: DecodingCalibration, hidden: Tensor, 
     return out
 
 
-def answer_confidence(tokens: list[TokenLogprob]) -> float | None:
+def answer_confidence(tokens: list[TokenLogprob], *, uncalibrated: bool = False) -> float | None:
     """A generated answer's confidence as the evaluation tasks compute it (`ats.confidence.mean_token_confidence`):
     the mean reported confidence of its tokens, the end-of-sequence token left out; None without any. A correctness
     probe's P(correct), carried by the answer's last token once it finished, replaces it.
 
     Args:
         tokens: the generated tokens.
+        uncalibrated: the backbone's own answer confidence instead, by the same rule (its tokens' own
+            probabilities; no probe, no binning map): the raw model's number for the same answer.
 
     Returns:
         The mean, or None.
     """
     probed = next((t.answer_probability for t in reversed(tokens) if t.answer_probability is not None), None)
-    if probed is not None:
+    if probed is not None and not uncalibrated:
         return probed
-    values = [t.confidence for t in tokens if t.answer and t.confidence is not None]
+    values = [(math.exp(t.uncalibrated) if uncalibrated else t.confidence) for t in tokens
+              if t.answer and (t.uncalibrated if uncalibrated else t.confidence) is not None]
     if not values:
         return None
     p = torch.tensor(values, dtype=torch.float64)
