@@ -43,7 +43,7 @@ from ...serving.monitor import MONITOR_PATH, DecisionMonitor, report_in_default_
 from ...serving.request_options import steering_option
 from ...serving.schemas import UNICODE_ERROR, ChatMessage, lone_surrogate
 from .abstain import finished_fields
-from .shutdown import SentTracker, engine_shutting_down, until_engine_stops
+from .shutdown import SentTracker, engine_client, engine_shutting_down, until_engine_stops
 from .stream import StreamDecisions, StreamRewriter
 
 EXPORT_ENV = "ATS_VLLM_EXPORT"  # the export whose threshold and end tokens decide (set by `ats serve --engine vllm`)
@@ -192,7 +192,7 @@ class ATSMiddleware:
         """`ats serve`'s 503 for what vLLM's drain at shutdown would get wrong (`shutdown.engine_shutting_down`):
         /health, which vLLM answers 200 until its engine stops, and a new POST with the API key, which vLLM answers
         500; None for any other request, or while the engine is not shutting down."""
-        engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+        engine = engine_client(scope)
         if engine is None or not engine_shutting_down(engine):
             return None
         if scope.get("path") == "/health":

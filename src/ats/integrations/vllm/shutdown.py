@@ -33,6 +33,11 @@ def engine_stopped(engine) -> bool:
     return bool(getattr(engine, "errored", False))
 
 
+def engine_client(scope):
+    """vLLM's engine client of the app that serves the ASGI call `scope` (its state's `engine_client`), or None."""
+    return getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+
+
 def engine_shutting_down(engine) -> bool:
     """Whether vLLM's engine client has begun its shutdown: its engine core's `shutdown` detaches the finalizer it
     holds (`weakref.finalize`, dead from then on). An engine that died of an error is not shutting down."""
@@ -83,7 +88,7 @@ async def until_engine_stops(app, scope, receive, send, tracker: SentTracker) ->
         send: the `send` the app gets (ats's rewriters, over `tracker`).
         tracker: the client's side of `send`, through which the error goes.
     """
-    engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+    engine = engine_client(scope)
     if engine is None:
         await app(scope, receive, send)
         return
