@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     previous = read_json(out.with_suffix(".json")) if out.with_suffix(".json").is_file() else {"models": {}}
-    models = previous["models"] if args.report else {}
+    models = previous["models"]  # a model run now replaces its own entry; the others stay
     for model in ([] if args.report else args.model or ["qwen2.5-coder-1.5b-instruct"]):
         models[model] = answer_all(model, Path(args.work) / model, args.size)
     for r in models.values():
