@@ -144,12 +144,12 @@ def _ci(d: dict) -> str:
 def markdown(result: dict) -> str:
     """The results page."""
     lines = ["# Certified thresholds on served answers: the default calibrator against the raw model", "",
-             f"Command: `{result['command']}`", "", f"Machine: {result['machine']['cpu']}, "
-             f"{result['machine']['cores']} cores.", ""]
+             f"Machine: {result['machine']['cpu']}, {result['machine']['cores']} cores. Method: the docstring of "
+             "`benchmarks/certify_served.py`.", ""]
     for model, r in result["models"].items():
         a = r["analysis"]
         sizes = ", ".join(f"{t} {d.get('limit')}" for t, d in r["made"]["sets"].items())
-        lines += [f"## {model}", "",
+        lines += [f"## {model}", "", f"Command: `{r['command']}`", "",
                   f"{a['n']} certification questions answered as served ({sizes}; {r['seconds']:.0f} s): accuracy "
                   f"{a['accuracy']:.3f} (" + ", ".join(f"{t} {v:.3f}" for t, v in a["per_task"].items())
                   + f"), {a['finish_length']:.0%} cut at the token limit. Thermometer - raw, paired bootstrap 95%: "
@@ -185,11 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = read_json(out.with_suffix(".json")) if out.with_suffix(".json").is_file() else {"models": {}}
     models = previous["models"]  # a model run now replaces its own entry; the others stay
     for model in ([] if args.report else args.model or ["qwen2.5-coder-1.5b-instruct"]):
-        models[model] = answer_all(model, Path(args.work) / model, args.size)
+        models[model] = {**answer_all(model, Path(args.work) / model, args.size), "command": command_line(argv)}
     for r in models.values():
         r["analysis"] = analyse(r)
-    result = {"command": previous.get("command") if args.report else command_line(argv), "machine": machine(),
-              "models": models}
+    result = {"machine": machine(), "models": models}
     save_results(out, result, markdown(result))
     print(out.with_suffix(".md").read_text())
     return 0
