@@ -13,10 +13,12 @@ Per model:
    the options that made it, checked on reuse), so a stopped run resumes.
 3. Per target risk (delta 0.1): the threshold `ats certify` would save on all of them (coverage, risk, its bound),
    the smallest certifiable target risk, and 200 seeded halvings (certify on one half, measure on the other, both
-   methods on the same split): how often the realised risk exceeds the target, mean coverage, and Thermometer's
+   methods on the same split): how often the realised risk exceeds the target (and how often its two-sided 95%
+   Clopper-Pearson interval lies entirely above it: a half answering a handful of questions exceeds by chance, and
+   the guarantee is about the risk, not one half's error rate), mean coverage, and Thermometer's
    coverage minus the raw model's on the same halves (mean and the 2.5-97.5% range over halvings). Ordering: AUROC
-   and PRR with paired bootstrap intervals (Thermometer - raw). Nothing is tuned here: every target risk listed is
-   reported.
+   and PRR with paired bootstrap intervals (Thermometer - raw), and the accuracy of the most confident answers,
+   where fixed-sequence testing starts. Nothing is tuned here: every target risk listed is reported.
 
     ATS_DATA_DIR=../shared/data python benchmarks/certify_served.py --model qwen2.5-coder-1.5b-instruct
     python benchmarks/certify_served.py --report          # the analysis again from OUT's answers, in seconds
@@ -50,6 +52,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "certify_served"
 TARGET_RISKS = (0.3, 0.4, 0.5, 0.6, 0.7)
 DELTA = 0.1
 HALVINGS = 200
+TOP = (10, 30, 60, 120)  # the most confident answers whose accuracy is reported (where a certificate starts)
 METHODS = {"uncalibrated": "uncalibrated", "thermometer": "confidence"}  # method -> the answers' field
 NAMES = {"auroc": "AUROC", "prr": "PRR", "ece": "ECE", "brier": "Brier"}
 
@@ -95,7 +98,7 @@ def answer_all(model: str, work: Path, size: int) -> dict:
 def halvings(conf: dict[str, np.ndarray], correct: np.ndarray, target: float) -> dict:
     """`HALVINGS` seeded random halvings, the same for every method: certify on one half, measure on the other."""
     rng = np.random.default_rng(0)
-    out = {m: {"exceed": 0, "certified": 0, "coverage": []} for m in conf}
+    out = {m: {"exceed": 0, "beyond_noise": 0, "certified": 0, "coverage": []} for m in conf}
     for _ in range(HALVINGS):
         order = rng.permutation(correct.size)
         a, b = order[: correct.size // 2], order[correct.size // 2:]
@@ -105,8 +108,10 @@ def halvings(conf: dict[str, np.ndarray], correct: np.ndarray, target: float) ->
             if d["risk"] is not None:
                 out[method]["certified"] += 1
                 out[method]["exceed"] += d["risk"] > target
+                out[method]["beyond_noise"] += d["risk_ci"][0] > target  # its 95% interval entirely above
     diff = np.asarray(out["thermometer"]["coverage"]) - np.asarray(out["uncalibrated"]["coverage"])
-    result = {m: {"exceed_rate": v["exceed"] / HALVINGS, "certified": v["certified"],
+    result = {m: {"exceed_rate": v["exceed"] / HALVINGS, "beyond_noise_rate": v["beyond_noise"] / HALVINGS,
+                  "certified": v["certified"],
                   "mean_coverage": float(np.mean(v["coverage"]))} for m, v in out.items()}
     result["coverage_diff"] = {"mean": float(diff.mean()), "range": [float(np.quantile(diff, 0.025)),
                                                                      float(np.quantile(diff, 0.975))]}
@@ -133,6 +138,8 @@ def analyse(answers: dict) -> dict:
                          for t in sorted({r["task"] for r in rows})},
             "finish_length": float(np.mean([r["finish"] == "length" for r in rows])),
             "prr": {m: prr(c, correct) for m, c in conf.items()},
+            "top_accuracy": {m: {str(k): float(correct[np.argsort(-c, kind="stable")[:k]].mean()) for k in TOP}
+                             for m, c in conf.items()},
             "smallest_risk": {m: smallest_certifiable_risk(c, correct, DELTA) for m, c in conf.items()},
             "paired": paired, "targets": per_target}
 
@@ -156,7 +163,9 @@ def markdown(result: dict) -> str:
                   + ", ".join(f"{NAMES[k]} {_ci(a['paired'][k])}" for k in a["paired"])
                   + ". Smallest certifiable target risk (delta 0.1): "
                   + ", ".join(f"{m} {'-' if v is None else f'{v:.3f}'}" for m, v in a["smallest_risk"].items())
-                  + ".", ""]
+                  + ". Accuracy of the most confident answers: "
+                  + "; ".join(f"{m} " + ", ".join(f"top {k} {v:.2f}" for k, v in tops.items())
+                              for m, tops in a["top_accuracy"].items()) + ".", ""]
         table = []
         for target, t in a["targets"].items():
             for m in METHODS:
@@ -164,11 +173,12 @@ def markdown(result: dict) -> str:
                 table.append([target, m, "-" if full["threshold"] is None else f"{full['threshold']:.4f}",
                               f"{full['coverage']:.3f}", "-" if full["risk"] is None else f"{full['risk']:.3f}",
                               f"{half['mean_coverage']:.3f}", f"{half['certified']}/{HALVINGS}",
-                              f"{half['exceed_rate']:.3f}",
+                              f"{half['exceed_rate']:.3f}", f"{half['beyond_noise_rate']:.3f}",
                               (lambda d: f"{d['mean']:+.3f} [{d['range'][0]:+.3f}, {d['range'][1]:+.3f}]")(
                                   t["halvings"]["coverage_diff"]) if m == "thermometer" else ""])
         lines += [markdown_table(["target risk", "method", "threshold (all)", "coverage (all)", "risk (all)",
                                   "coverage (halvings)", "halves certified", "halves over target",
+                                  "over beyond noise",
                                   "Thermometer - raw coverage (halvings)"], table), ""]
     return "\n".join(lines)
 
