@@ -24,14 +24,16 @@ def _answers(calibrated, n: int = 240, seed: int = 0) -> dict:
 def test_a_calibrator_that_keeps_the_order_certifies_the_same_decisions():
     result = analyse(_answers(np.sqrt))  # strictly increasing: the same order, other numbers
     for target in result["targets"].values():
-        full = target["all"]
-        assert full["thermometer"]["coverage"] == full["uncalibrated"]["coverage"]
-        assert full["thermometer"]["risk"] == full["uncalibrated"]["risk"]
-        assert target["halvings"]["coverage_diff"] == {"mean": 0.0, "range": [0.0, 0.0]}
-        assert target["halvings"]["thermometer"] == target["halvings"]["uncalibrated"]
+        for key in ("", "_started"):  # as `ats certify` does, and the sequence started at a fixed coverage
+            full = target[f"all{key}"]
+            assert full["thermometer"]["coverage"] == full["uncalibrated"]["coverage"]
+            assert full["thermometer"]["risk"] == full["uncalibrated"]["risk"]
+            assert target[f"halvings{key}"]["coverage_diff"] == {"mean": 0.0, "range": [0.0, 0.0]}
+            assert target[f"halvings{key}"]["thermometer"] == target[f"halvings{key}"]["uncalibrated"]
     assert result["paired"]["auroc"]["diff"] == pytest.approx(0.0, abs=1e-12)
     assert result["paired"]["prr"]["diff"] == pytest.approx(0.0, abs=1e-12)
     assert result["smallest_risk"]["thermometer"] == result["smallest_risk"]["uncalibrated"]
+    assert result["smallest_risk_started"]["thermometer"] == result["smallest_risk_started"]["uncalibrated"]
     assert result["n"] == 240 and set(result["per_task"]) == {"nq_open", "triviaqa_pool"}
 
 

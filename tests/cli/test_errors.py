@@ -84,6 +84,7 @@ def test_missing_calibrator_folder_and_bad_mc_file(tmp_path, capsys):
     (["eval", "--tasks", "mmlu", "--task-limit", "0"], "--task-limit: expected a positive integer, got 0"),
     (["ablate", "--task-limit", "-3"], "--task-limit: expected a positive integer, got -3"),
     (["certify", "--calibrator", ""], "--calibrator: expected a non-empty value, got ''"),
+    (["certify", "--calibrator", "x", "--start-coverage", "1"], "--start-coverage: expected a value in [0, 1), got 1"),
     (["train", "--device", "cuda:7"], "--device cuda:7: this torch is built without CUDA; use cpu"),
 ])
 def test_bad_options_fail_before_the_model_loads_and_write_nothing(tmp_path, capsys, monkeypatch, argv, message):

@@ -86,6 +86,23 @@ def test_thresholds_too_high_to_certify_are_not_tested_and_ties_go_together():
     assert shuffled == cert
 
 
+def test_a_start_coverage_keeps_a_few_wrong_answers_at_the_top_from_ending_the_sequence():
+    # alpha 0.5, delta 0.1: 4 answers are the fewest that can certify (0.5^4 <= 0.1 < 0.5^3). The 4 most confident
+    # answers are wrong, one per threshold: the first tested threshold, 0.96, has 4 of 4 wrong and ends the sequence.
+    # Started at half the answers, it first tests 0.9: 24 wrong of 100, bound Beta(0.9; 25, 76) <= 0.5, certified.
+    conf = [0.99, 0.98, 0.97, 0.96] + [0.9] * 96
+    correct = [0] * 4 + [1] * 76 + [0] * 20
+    assert certify_threshold(conf, correct, target_risk=0.5, delta=0.1).threshold is None
+    cert = certify_threshold(conf, correct, target_risk=0.5, delta=0.1, start_coverage=0.5)
+    assert cert.threshold == 0.9 and cert.coverage == 1.0 and cert.risk == pytest.approx(0.24)
+    assert cert.bound == pytest.approx(beta.ppf(0.9, 25, 76))
+    assert smallest_certifiable_risk(conf, correct, 0.1, start_coverage=0.5) == pytest.approx(beta.ppf(0.9, 25, 76))
+    assert certify_threshold(conf, correct, target_risk=0.5, delta=0.1, start_coverage=0.0) == certify_threshold(
+        conf, correct, target_risk=0.5, delta=0.1)
+    with pytest.raises(ATSError, match="start_coverage"):
+        certify_threshold(conf, correct, target_risk=0.5, delta=0.1, start_coverage=1.5)
+
+
 def test_record_round_trips_through_json_and_is_validated():
     cert = certify_threshold([0.9] * 40 + [0.5] * 10, [1] * 40 + [0] * 10, target_risk=0.1, delta=0.05)
     data = json.loads(json.dumps(cert.to_dict()))
@@ -120,7 +137,8 @@ def test_bad_targets_are_named(field, kwargs):
         certify_threshold([1.5], [1], target_risk=0.1, delta=0.1)
 
 
-def test_realised_risk_exceeds_alpha_in_about_delta_of_calibration_sets():
+@pytest.mark.parametrize("start_coverage", [0.0, 0.2])
+def test_realised_risk_exceeds_alpha_in_about_delta_of_calibration_sets(start_coverage):
     """200 seeded calibration sets of 500 answers from a known distribution: 40 confidence values (so ties), the
     probability of a wrong answer falling with the confidence except for a worse band (the risk is not monotone in
     the threshold). The exact risk R(t) = P(wrong | confidence >= t) at each certified threshold exceeds alpha in
@@ -142,12 +160,13 @@ def test_realised_risk_exceeds_alpha_in_about_delta_of_calibration_sets():
     for _ in range(200):
         idx = rng.choice(40, size=n, p=weight)
         conf, correct = values[idx], rng.uniform(size=n) >= p_wrong[idx]
-        cert = certify_threshold(conf, correct, target_risk=alpha, delta=delta)
+        cert = certify_threshold(conf, correct, target_risk=alpha, delta=delta, start_coverage=start_coverage)
         if cert.threshold is not None:
             certified += 1
             coverage.append(cert.coverage)
             exceeded += risk(cert.threshold) > alpha
             assert cert.answers(conf).mean() == cert.coverage and cert.bound <= alpha
+            assert cert.coverage >= start_coverage
         empirical_ok = [t for t in np.unique(conf) if np.mean(~correct[conf >= t]) <= alpha]
         naive_exceeded += bool(empirical_ok) and risk(min(empirical_ok)) > alpha
     assert exceeded <= binom.ppf(0.999, 200, delta) == 34
@@ -161,6 +180,16 @@ def test_min_certifiable_answers_is_the_first_zero_error_bound_at_or_below_the_t
     # (the Clopper-Pearson bound with 0 errors) crosses the target between n - 1 and n
     assert min_certifiable_answers(target, delta) == n == math.ceil(math.log(delta) / math.log(1 - target))
     assert beta.ppf(1 - delta, 1, n) <= target < beta.ppf(1 - delta, 1, n - 1)
+
+
+def test_a_start_coverage_above_what_a_perfect_ranking_keeps_is_unreachable_at_any_size():
+    # 80% wrong, target 0.7: at least (0.8 - 0.7) / 0.3 = 1/3 must be abstained from, so at most 400 of 600 answered;
+    # started at 5% (30 answers) that may pass, started at 80% (480 answers) it cannot, however many questions
+    assert abstention_floor(0.8, 0.7) == pytest.approx(1 / 3)
+    assert unreachable(0.8, 600, 0.7, 0.1, start_coverage=0.05) is None
+    why = unreachable(0.8, 600, 0.7, 0.1, start_coverage=0.8)
+    assert "leaving at most 400 answered, and certifying needs 480 answered" in why
+    assert "no size will do from a start coverage of 0.8" in why
 
 
 def test_abstention_floor_and_unreachable_targets_by_hand():

@@ -157,6 +157,17 @@ def test_certify_saves_the_threshold_of_the_served_answers_and_reuses_it(tiny_ba
                     overwrite=True, progress=False)
     assert not other.reused and other.threshold.target_risk == 0.5
     assert read_threshold(tmp_path / "head") == other.threshold
+    # a sequence started at half the answers: the library's certificate of the same answers, recorded and guarded
+    with pytest.raises(ATSError, match=r"threshold made with other options: .*start_coverage"):
+        certify(tiny_backbone, calibrator, tmp_path / "head", target_risk=0.5, delta=0.2, size=7, max_tokens=5,
+                start_coverage=0.5, progress=False)
+    started = certify(tiny_backbone, calibrator, tmp_path / "head", target_risk=0.9, delta=0.2, size=7,
+                      max_tokens=5, start_coverage=0.5, overwrite=True, progress=False)
+    answers = (np.concatenate(conf), np.concatenate(ok))
+    assert started.threshold == certify_threshold(*answers, target_risk=0.9, delta=0.2, start_coverage=0.5)
+    assert started.smallest_risk == smallest_certifiable_risk(*answers, 0.2, start_coverage=0.5)
+    assert started.threshold.threshold is None or started.threshold.coverage >= 0.5
+    assert json.loads((tmp_path / "head" / THRESHOLD_NAME).read_text())["reachable"]["start_coverage"] == 0.5
 
 
 def test_certify_says_early_when_the_target_cannot_be_reached(tiny_backbone, tmp_path, caplog):

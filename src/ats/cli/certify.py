@@ -46,6 +46,11 @@ def add_parser(sub) -> None:
     options.add_number(p, "--prior-error", float, UNIT, default=None,
                        help="the error rate expected, to say at once whether --target-risk is reachable (default: "
                             "estimated on the first answers)")
+    options.add_number(p, "--start-coverage", float, partial(check_number, low=0, high=1, high_open=True),
+                       default=0.0,
+                       help="start the certification sequence at the first threshold that answers at least this "
+                            "fraction of the questions, so that a few wrong answers among the most confident cannot "
+                            "end it; the guarantee is the same (default: 0, the fewest answers that can certify)")
     options.add_number(p, "--pool-size", int, check_positive_int, default=None,
                        help="only for a calibrator trained on answers before its record named its questions: the "
                             "--pool-size it was trained with")
@@ -76,7 +81,7 @@ def run(args) -> int:
     calibrator = options.load_calibrator_folder(folder, backbone)
     done = certify(backbone, calibrator, folder, target_risk=args.target_risk, delta=args.delta, size=args.size,
                    names=names, max_tokens=args.max_tokens, pool_size=args.pool_size, prior_error=args.prior_error,
-                   overwrite=args.overwrite, progress=not args.quiet)
+                   start_coverage=args.start_coverage, overwrite=args.overwrite, progress=not args.quiet)
     threshold = done.threshold
     where = folder / "threshold.json"
     if done.early is not None and done.reused:

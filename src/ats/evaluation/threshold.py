@@ -13,7 +13,10 @@ the calibration answers, R(returned threshold) <= alpha.
 
 Thresholds that answer so few questions that no outcome could certify them (u_t > alpha even with e_t = 0, i.e.
 n_t < ln(delta) / ln(1 - alpha): 22 at alpha = delta = 0.1) are not tested: they would end the sequence before it
-starts. That start, like the candidates, depends on the confidences only, never on the correctness.
+starts. That start, like the candidates, depends on the confidences only, never on the correctness. A start
+coverage s (`start_coverage`) moves it further, to the first threshold answering at least s x n: chosen before the
+answers are judged, it keeps the guarantee, and a few wrong answers among the very most confident can no longer end
+the sequence (at the price of never certifying a threshold answering fewer than that).
 
 Assumption: the calibration questions and the questions the threshold will be used on are exchangeable (drawn
 independently from one distribution, with the same calibrator). Learn-then-Test proves the guarantee for a grid of
@@ -162,7 +165,7 @@ class CertifiedThreshold(ConfigMixin):
 
 
 def certify_threshold(confidence, correct, *, target_risk: float | None = None, delta: float,
-                      alpha: float | None = None) -> CertifiedThreshold:
+                      alpha: float | None = None, start_coverage: float = 0.0) -> CertifiedThreshold:
     """The lowest confidence threshold certified to keep the selective risk <= `target_risk` with probability
     >= 1 - delta (the module docstring gives the method and its assumption).
 
@@ -172,6 +175,9 @@ def certify_threshold(confidence, correct, *, target_risk: float | None = None, 
         target_risk: the target risk alpha, in (0, 1).
         delta: the probability allowed that the risk at the returned threshold exceeds the target, in (0, 1).
         alpha: the old name of `target_risk` (deprecated).
+        start_coverage: the sequence starts at the first threshold answering at least this fraction of the answers
+            (and the Clopper-Pearson minimum), so that a few wrong answers at the very top cannot end it; fixed in
+            advance, like the order, it depends on no correctness and keeps the guarantee. 0: the minimum alone.
 
     Returns:
         The threshold with its coverage, empirical risk and bound on these answers; threshold None (abstain always)
@@ -184,9 +190,11 @@ def certify_threshold(confidence, correct, *, target_risk: float | None = None, 
         raise ATSError("certify_threshold: give target_risk (alpha is its deprecated name), exactly once")
     target_risk = check_number("target_risk", alpha if target_risk is None else target_risk, **_OPEN_UNIT)
     delta = check_number("delta", delta, **_OPEN_UNIT)
+    start_coverage = check_number("start_coverage", start_coverage, low=0.0, high=1.0)
     curve = risk_coverage(confidence, correct)
     bounds = clopper_pearson_upper(curve.errors, curve.answered, delta)  # (K,)
-    testable = curve.answered >= min_certifiable_answers(target_risk, delta)  # (K,)
+    fewest = max(min_certifiable_answers(target_risk, delta), int(np.ceil(start_coverage * curve.n - 1e-9)))
+    testable = curve.answered >= fewest  # (K,)
     start = int(np.argmax(testable)) if testable.any() else curve.answered.size  # answered grows down the curve
     failed = np.flatnonzero(bounds[start:] > target_risk)
     stop = start + (int(failed[0]) if failed.size else bounds.size - start)  # the first failure, or past the end
@@ -223,35 +231,42 @@ def abstention_floor(error_rate: float, target_risk: float) -> float:
     return max(0.0, (error_rate - target_risk) / (1.0 - target_risk))
 
 
-def unreachable(error_rate: float, n: int, target_risk: float, delta: float) -> str | None:
+def unreachable(error_rate: float, n: int, target_risk: float, delta: float, *,
+                start_coverage: float = 0.0) -> str | None:
     """Why `target_risk` cannot be certified at `delta` on `n` questions of which a fraction `error_rate` is
     answered wrong, or None when it may be: even with a perfect ranking at most n x (1 - `abstention_floor`) are
-    answered, and fewer than `min_certifiable_answers` certify nothing.
+    answered, and fewer than `min_certifiable_answers` (or a `start_coverage` of the n) certify nothing.
 
     Returns:
         A one-line reason naming the floor, the minimum and the size that would do, or None.
     """
     floor = abstention_floor(error_rate, target_risk)
-    need = min_certifiable_answers(target_risk, delta)
+    fewest = min_certifiable_answers(target_risk, delta)
+    need = max(fewest, int(np.ceil(start_coverage * n - 1e-9)))
     most = n * (1.0 - floor)
     if most >= need:
         return None
-    size = "no size will do" if floor >= 1.0 else f"at least {int(np.ceil(need / (1.0 - floor)))} questions"
+    if floor >= 1.0 or start_coverage > 1.0 - floor:
+        size = "no size will do" + (f" from a start coverage of {start_coverage:g}" if floor < 1.0 else "")
+    else:
+        size = f"at least {int(np.ceil(fewest / (1.0 - floor)))} questions"
     return (f"target risk {target_risk:g} cannot be certified at delta {delta:g} on {n} questions: with an error rate "
             f"of {error_rate:.3f} at least {100 * floor:.1f}% must be abstained from ((mu - alpha) / (1 - alpha)), "
             f"leaving at most {most:.0f} answered, and certifying needs {need} answered even with no error "
             f"(Clopper-Pearson); {size}, or a higher target risk")
 
 
-def smallest_certifiable_risk(confidence, correct, delta: float) -> float | None:
-    """The lowest target risk that `certify_threshold` would certify a threshold for on these answers at `delta`
-    (None: none below 1). Whether a target passes changes only where it crosses a bound of the risk-coverage curve
-    or the zero-error bound of an answered count, so those values are the candidates, each tried."""
+def smallest_certifiable_risk(confidence, correct, delta: float, *, start_coverage: float = 0.0) -> float | None:
+    """The lowest target risk that `certify_threshold` (with `start_coverage`) would certify a threshold for on these
+    answers at `delta` (None: none below 1). Whether a target passes changes only where it crosses a bound of the
+    risk-coverage curve or the zero-error bound of an answered count, so those values are the candidates, each
+    tried."""
     curve = risk_coverage(confidence, correct)
     zero = clopper_pearson_upper(np.zeros_like(curve.answered), curve.answered, delta)
     candidates = np.unique(np.concatenate([clopper_pearson_upper(curve.errors, curve.answered, delta), zero]))
     for value in candidates[(candidates > 0) & (candidates < 1)]:  # increasing
-        if certify_threshold(confidence, correct, target_risk=float(value), delta=delta).threshold is not None:
+        if certify_threshold(confidence, correct, target_risk=float(value), delta=delta,
+                             start_coverage=start_coverage).threshold is not None:
             return float(value)
     return None
 

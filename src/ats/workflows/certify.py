@@ -91,7 +91,8 @@ def interleaved_order(questions: dict[str, list]) -> list[tuple[str, int]]:
 
 def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, delta: float, size: int = 300,
             names: tuple[str, ...] = FREE_FORM, max_tokens: int = ANSWER_MAX_TOKENS, pool_size: int | None = None,
-            prior_error: float | None = None, overwrite: bool = False, progress: bool = True) -> Certification:
+            prior_error: float | None = None, start_coverage: float = 0.0, overwrite: bool = False,
+            progress: bool = True) -> Certification:
     """Certify `calibrator`'s threshold on `size` held-out questions of each free-form pool task in `names`,
     answered as served, and save it in `folder` (threshold.json); reuse the saved one when it was made the same way.
 
@@ -106,6 +107,8 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
         max_tokens: new tokens at most per answer (the served format's).
         pool_size: for a calibrator trained on answers before its record named its questions: its pool size.
         prior_error: the error rate expected, for the early word (None: estimated on the first answers).
+        start_coverage: the fraction of the answers the certification sequence starts at
+            (`certify_threshold`); 0: the fewest that can certify.
         overwrite: replace a threshold made otherwise instead of refusing.
         progress: show progress bars.
 
@@ -127,7 +130,9 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
               "calibrator": None if calibrator is None else calibrator.digest()}
     sets = [{"name": f"{name}_held_out", **task_range(task.describe()).describe(), "n": len(questions[name])}
             for name, task in tasks.items()]  # positions of the data's seeded permutation (`answer_pool`)
-    fingerprint = make_fingerprint("threshold", served=served, target_risk=target_risk, delta=delta, sets=sets)
+    started = {"start_coverage": start_coverage} if start_coverage else {}  # thresholds made before it: reused
+    fingerprint = make_fingerprint("threshold", served=served, target_risk=target_risk, delta=delta, sets=sets,
+                                   **started)
     path = folder / THRESHOLD_NAME
     if path.is_file():
         stored = read_json(path)
@@ -146,13 +151,14 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
         if not said and (prior_error is not None or len(answers) >= min(ESTIMATE, n)):
             said = True
             error = prior_error if prior_error is not None else float(1 - answers.correct.mean())
-            early = unreachable(error, n, target_risk, delta)
+            early = unreachable(error, n, target_risk, delta, start_coverage=start_coverage)
             if early is not None:
                 basis = "given" if prior_error is not None else f"estimated on the first {len(answers)} answers"
                 early = f"{early} (error rate {basis})"
                 logger.warning("%s", early)
-    threshold = certify_threshold(answers.confidence, answers.correct, target_risk=target_risk, delta=delta)
-    smallest = smallest_certifiable_risk(answers.confidence, answers.correct, delta)
+    threshold = certify_threshold(answers.confidence, answers.correct, target_risk=target_risk, delta=delta,
+                                  start_coverage=start_coverage)
+    smallest = smallest_certifiable_risk(answers.confidence, answers.correct, delta, start_coverage=start_coverage)
     per_task = {}
     for name in questions:
         pick = np.asarray([t == name for t, _ in order])
@@ -162,7 +168,8 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
             "n": int(conf.size), "accuracy": float(ok.mean()), "coverage": float(answered.mean()),
             "risk": float(1 - ok[answered].mean()) if answered.any() else None, "ece": summarize(conf, ok)["ece"],
             "cut_by_max_tokens": float(np.mean([f == "length" for f, p in zip(answers.finish, pick) if p]))}
-    reach = {"early": early, "error_rate": float(1 - answers.correct.mean()), "smallest_target_risk": smallest}
+    reach = {"early": early, "error_rate": float(1 - answers.correct.mean()), "smallest_target_risk": smallest,
+             **started}
     write_json(path, {"threshold": threshold.to_dict(), "served": served, "sets": sets, "tasks": per_task,
                       "reachable": reach, "fingerprint": fingerprint})
     logger.info("certified threshold %s on %d held-out served answers (target risk %g, delta %g): saved to %s",
