@@ -188,7 +188,7 @@ def test_a_start_coverage_above_what_a_perfect_ranking_keeps_is_unreachable_at_a
     assert abstention_floor(0.8, 0.7) == pytest.approx(1 / 3)
     assert unreachable(0.8, 600, 0.7, 0.1, start_coverage=0.05) is None
     why = unreachable(0.8, 600, 0.7, 0.1, start_coverage=0.8)
-    assert "leaving at most 400 answered, and certifying needs 480 answered" in why
+    assert "leaving at most 400 answered, and certifying needs 480 answered (the start coverage)" in why
     assert "no size will do from a start coverage of 0.8" in why
 
 

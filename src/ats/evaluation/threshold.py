@@ -252,8 +252,9 @@ def unreachable(error_rate: float, n: int, target_risk: float, delta: float, *,
         size = f"at least {int(np.ceil(fewest / (1.0 - floor)))} questions"
     return (f"target risk {target_risk:g} cannot be certified at delta {delta:g} on {n} questions: with an error rate "
             f"of {error_rate:.3f} at least {100 * floor:.1f}% must be abstained from ((mu - alpha) / (1 - alpha)), "
-            f"leaving at most {most:.0f} answered, and certifying needs {need} answered even with no error "
-            f"(Clopper-Pearson); {size}, or a higher target risk")
+            f"leaving at most {most:.0f} answered, and certifying needs {need} answered "
+            + ("(the start coverage)" if need > fewest else "even with no error (Clopper-Pearson)")
+            + f"; {size}, or a higher target risk")
 
 
 def smallest_certifiable_risk(confidence, correct, delta: float, *, start_coverage: float = 0.0) -> float | None:
