@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_generation import command_line, machine, save_results
-from selective import decide
+from selective import decide, paired_halvings
 
 from ats.calibrators import load_calibrator
 from ats.evaluation.metrics import paired_differences
@@ -99,21 +99,9 @@ def answer_all(model: str, work: Path, size: int) -> dict:
 
 
 def halvings(conf: dict[str, np.ndarray], correct: np.ndarray, target: float, start: float = 0.0) -> dict:
-    """`HALVINGS` seeded random halvings, the same for every method: certify on one half (the sequence started at
-    coverage `start`), measure on the other."""
-    rng = np.random.default_rng(0)
-    out = {m: {"exceed": 0, "beyond_noise": 0, "certified": 0, "coverage": []} for m in conf}
-    for _ in range(HALVINGS):
-        order = rng.permutation(correct.size)
-        a, b = order[: correct.size // 2], order[correct.size // 2:]
-        for method, c in conf.items():
-            certified = certify_threshold(c[a], correct[a], target_risk=target, delta=DELTA, start_coverage=start)
-            d = decide(certified, c[b], correct[b])
-            out[method]["coverage"].append(d["coverage"])
-            if d["risk"] is not None:
-                out[method]["certified"] += 1
-                out[method]["exceed"] += d["risk"] > target
-                out[method]["beyond_noise"] += d["risk_ci"][0] > target  # its 95% interval entirely above
+    """`HALVINGS` seeded random halvings, the same for every method (`selective.paired_halvings`, the sequence
+    started at coverage `start`), and Thermometer's coverage minus the raw model's over the same splits."""
+    out = paired_halvings(conf, correct, target, repeats=HALVINGS, start_coverage=start)
     diff = np.asarray(out["thermometer"]["coverage"]) - np.asarray(out["uncalibrated"]["coverage"])
     result = {m: {"exceed_rate": v["exceed"] / HALVINGS, "beyond_noise_rate": v["beyond_noise"] / HALVINGS,
                   "certified": v["certified"],

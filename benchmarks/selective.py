@@ -114,19 +114,31 @@ def paired_coverage(a: np.ndarray, b: np.ndarray, resamples: int = 1000) -> dict
 
 def halvings(conf: np.ndarray, correct: np.ndarray, alpha: float, repeats: int = 200) -> dict:
     """Certify on a random half, measure on the other: how often the realised risk exceeds alpha."""
+    got = paired_halvings({"method": conf}, correct, alpha, repeats=repeats)["method"]
+    return {"repeats": repeats, "certified": got["certified"], "exceed": got["exceed"],
+            "exceed_rate": got["exceed"] / repeats, "mean_coverage": float(np.mean(got["coverage"]))}
+
+
+def paired_halvings(conf: dict[str, np.ndarray], correct: np.ndarray, alpha: float, *, repeats: int = 200,
+                    start_coverage: float = 0.0) -> dict[str, dict]:
+    """`repeats` seeded random halvings, the same split for every method: certify on one half (`certify_threshold`
+    with `start_coverage`), measure on the other. Per method: halvings certified, those whose other half's error
+    rate exceeds alpha (`exceed`) and whose 95% interval lies entirely above it (`beyond_noise`), and the other
+    half's coverage per halving (`coverage`, in split order: paired across methods)."""
     rng = np.random.default_rng(0)
-    exceed, answered_any, coverage = 0, 0, []
+    out = {m: {"certified": 0, "exceed": 0, "beyond_noise": 0, "coverage": []} for m in conf}
     for _ in range(repeats):
-        order = rng.permutation(conf.size)
-        a, b = order[: conf.size // 2], order[conf.size // 2:]
-        t = certify_threshold(conf[a], correct[a], target_risk=alpha, delta=DELTA)
-        d = decide(t, conf[b], correct[b])
-        coverage.append(d["coverage"])
-        if d["risk"] is not None:
-            answered_any += 1
-            exceed += d["risk"] > alpha
-    return {"repeats": repeats, "certified": answered_any, "exceed": exceed,
-            "exceed_rate": exceed / repeats, "mean_coverage": float(np.mean(coverage))}
+        order = rng.permutation(correct.size)
+        a, b = order[: correct.size // 2], order[correct.size // 2:]
+        for method, c in conf.items():
+            t = certify_threshold(c[a], correct[a], target_risk=alpha, delta=DELTA, start_coverage=start_coverage)
+            d = decide(t, c[b], correct[b])
+            out[method]["coverage"].append(d["coverage"])
+            if d["risk"] is not None:
+                out[method]["certified"] += 1
+                out[method]["exceed"] += d["risk"] > alpha
+                out[method]["beyond_noise"] += d["risk_ci"][0] > alpha
+    return out
 
 
 KINDS = {  # certification set per kind of answer: the held-out pool answers of that kind
