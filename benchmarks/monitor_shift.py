@@ -132,7 +132,8 @@ def replay(args, sets: dict) -> list[dict]:
     cert = sets["certification"]
     out = []
     for risk in args.target_risks:
-        threshold = certify_threshold(cert["confidence"], cert["correct"], target_risk=risk, delta=DELTA)
+        threshold = certify_threshold(cert["confidence"], cert["correct"], target_risk=risk, delta=DELTA,
+                                      start_coverage=0.0)  # from the fewest answers, as when these results were made
         if threshold.threshold is None:
             out.append({"threshold": threshold.to_dict()})
             continue

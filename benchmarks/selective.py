@@ -217,7 +217,7 @@ def analyse(scored: dict, *, repeats: int = 200, bootstrap: int = 500, methods: 
             cert_conf, cert_ok = pooled(method, certify_on)
             rows = {}
             for alpha in ALPHAS:
-                threshold = certify_threshold(cert_conf, cert_ok, target_risk=alpha, delta=DELTA)
+                threshold = certify_threshold(cert_conf, cert_ok, target_risk=alpha, delta=DELTA, start_coverage=0.0)
                 row = {"threshold": threshold.to_dict(), "halvings": halvings(cert_conf, cert_ok, alpha, repeats),
                        "tasks": {}}
                 for name in names:
@@ -225,7 +225,7 @@ def analyse(scored: dict, *, repeats: int = 200, bootstrap: int = 500, methods: 
                     rule = threshold
                     if name in certify_on:  # left out: certified on the other sets of this kind
                         rule = certify_threshold(*pooled(method, [n for n in certify_on if n != name]),
-                                                 target_risk=alpha, delta=DELTA)
+                                                 target_risk=alpha, delta=DELTA, start_coverage=0.0)
                     d = decide(rule, conf, ok)
                     d["exceeds"] = d["risk"] is not None and d["risk"] > alpha
                     row["tasks"][name] = d

@@ -153,7 +153,8 @@ def write_fingerprint(directory: str | Path, fingerprint: dict) -> None:
     write_json(Path(directory) / FINGERPRINT_NAME, fingerprint)
 
 
-def refusal(where: str | Path, what: str, old: dict | None, new: dict) -> ATSError:
+def refusal(where: str | Path, what: str, old: dict | None, new: dict, *,
+            keep: str = "choose another --out") -> ATSError:
     """The one-line error for a result made with other options.
 
     Args:
@@ -161,16 +162,18 @@ def refusal(where: str | Path, what: str, old: dict | None, new: dict) -> ATSErr
         what: what the result is ("features", "head", ...).
         old: the stored fingerprint, or None for a result made before fingerprints were stored.
         new: the fingerprint asked for.
+        keep: the way to keep the stored result, said after --overwrite.
 
     Returns:
-        The error (not raised), naming the differing options and the ways out (--overwrite, another --out).
+        The error (not raised), naming the differing options and the ways out (--overwrite, `keep`).
     """
     why = "no record of the options that made it (an older version)" if old is None else \
         f"made with other options: {differences(old, new)}"
-    return ATSError(f"{where}: {what} {why}; rerun with --overwrite to replace it, or choose another --out")
+    return ATSError(f"{where}: {what} {why}; rerun with --overwrite to replace it, or {keep}")
 
 
-def check_reuse(where: str | Path, what: str, old: dict | None, new: dict, *, overwrite: bool) -> bool:
+def check_reuse(where: str | Path, what: str, old: dict | None, new: dict, *, overwrite: bool,
+                keep: str = "choose another --out") -> bool:
     """True: reuse the result at `where` (same fingerprint; said in one line). False: recompute (overwrite).
     Raises the refusal when the fingerprints differ and `overwrite` is False.
 
@@ -180,6 +183,7 @@ def check_reuse(where: str | Path, what: str, old: dict | None, new: dict, *, ov
         old: the stored fingerprint, or None when none is stored.
         new: the fingerprint asked for.
         overwrite: replace a result made with other options instead of refusing.
+        keep: the way to keep the stored result, said in the refusal.
 
     Returns:
         True to reuse the stored result, False to recompute it.
@@ -194,4 +198,4 @@ def check_reuse(where: str | Path, what: str, old: dict | None, new: dict, *, ov
         logger.info("replacing %s in %s (--overwrite; it was %s)", what, where,
                     "unrecorded" if old is None else differences(old, new))
         return False
-    raise refusal(where, what, old, new)
+    raise refusal(where, what, old, new, keep=keep)

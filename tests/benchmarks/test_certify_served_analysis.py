@@ -49,7 +49,7 @@ def test_halvings_certify_on_one_half_and_measure_on_the_other_with_one_split_fo
         order = rng.permutation(correct.size)
         a, b = order[: correct.size // 2], order[correct.size // 2:]
         for m, c in conf.items():
-            threshold = certify_threshold(c[a], correct[a], target_risk=0.5, delta=0.1)
+            threshold = certify_threshold(c[a], correct[a], target_risk=0.5, delta=0.1, start_coverage=0.0)
             coverage[m].append(float(threshold.answers(c[b]).mean()))
     for m in conf:
         assert got[m]["mean_coverage"] == pytest.approx(np.mean(coverage[m]), abs=1e-12)

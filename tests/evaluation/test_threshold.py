@@ -14,6 +14,7 @@ from scipy.stats import beta, binom, binomtest
 
 from ats.errors import ATSError
 from ats.evaluation.threshold import (
+    DEFAULT_START_COVERAGE,
     THRESHOLD_NAME,
     CertifiedThreshold,
     abstention_floor,
@@ -25,6 +26,8 @@ from ats.evaluation.threshold import (
     unreachable,
 )
 from ats.io import write_json
+
+FROM_FEWEST = {"start_coverage": 0.0}  # the sequence from the fewest answers that can certify: the method's own start
 
 
 @pytest.mark.parametrize("delta", [0.05, 0.1, 0.3])
@@ -49,14 +52,14 @@ def test_all_right_needs_enough_answers_and_all_wrong_abstains():
     # n = 21 gives 0.1038, so nothing is certified.
     assert 1 - 0.1 ** (1 / 22) < 0.1 < 1 - 0.1 ** (1 / 21)
     conf = np.linspace(0.5, 0.9, 22)
-    cert = certify_threshold(conf, np.ones(22), target_risk=0.1, delta=0.1)
+    cert = certify_threshold(conf, np.ones(22), target_risk=0.1, delta=0.1, **FROM_FEWEST)
     assert cert.threshold == 0.5 and cert.coverage == 1.0 and cert.risk == 0.0 and cert.n == 22
     assert cert.bound == pytest.approx(1 - 0.1 ** (1 / 22))
-    none = certify_threshold(conf[1:], np.ones(21), target_risk=0.1, delta=0.1)
+    none = certify_threshold(conf[1:], np.ones(21), target_risk=0.1, delta=0.1, **FROM_FEWEST)
     assert none == CertifiedThreshold(threshold=None, target_risk=0.1, delta=0.1, n=21, coverage=0.0, risk=None,
                                       bound=None)
     assert not none.answers([1.0, 0.0]).any()
-    wrong = certify_threshold(np.linspace(0.1, 1.0, 500), np.zeros(500), target_risk=0.3, delta=0.1)
+    wrong = certify_threshold(np.linspace(0.1, 1.0, 500), np.zeros(500), target_risk=0.3, delta=0.1, **FROM_FEWEST)
     assert wrong.threshold is None and wrong.coverage == 0.0
 
 
@@ -66,10 +69,30 @@ def test_the_sequence_stops_at_the_first_failure():
     conf = [0.9] * 40 + [0.8] * 10 + [0.7] * 400
     correct = [1] * 40 + [0] * 10 + [1] * 400
     assert clopper_pearson_upper([10], [50], 0.1)[0] > 0.1 >= clopper_pearson_upper([10], [450], 0.1)[0]
-    cert = certify_threshold(conf, correct, target_risk=0.1, delta=0.1)
+    cert = certify_threshold(conf, correct, target_risk=0.1, delta=0.1, **FROM_FEWEST)
     assert cert.threshold == 0.9 and cert.coverage == pytest.approx(40 / 450) and cert.risk == 0.0
     assert cert.bound == pytest.approx(1 - 0.1 ** (1 / 40))
     assert cert.answers(conf).sum() == 40  # the tie group at 0.9 is answered whole, the 0.8 group not at all
+
+
+def test_by_default_the_sequence_starts_at_30_percent_and_passes_over_a_wrong_band_above_it():
+    # The case above: 0.9 answers 40 of 450 (9%), 0.8 answers 50 (11%), both below 30% (135), so the default start
+    # is the first threshold answering at least 135: 0.7, all 450 with 10 wrong, bound 0.034 <= 0.1.
+    conf = [0.9] * 40 + [0.8] * 10 + [0.7] * 400
+    correct = [1] * 40 + [0] * 10 + [1] * 400
+    assert DEFAULT_START_COVERAGE == 0.3
+    cert = certify_threshold(conf, correct, target_risk=0.1, delta=0.1)
+    assert cert == certify_threshold(conf, correct, target_risk=0.1, delta=0.1, start_coverage=0.3)
+    assert cert.threshold == 0.7 and cert.coverage == 1.0 and cert.risk == pytest.approx(10 / 450)
+    assert cert.bound == pytest.approx(beta.ppf(0.9, 11, 440))
+    assert smallest_certifiable_risk(conf, correct, 0.1) == pytest.approx(beta.ppf(0.9, 11, 440))
+    # a perfect ranking that only its top 20% can meet: the default start certifies nothing, the fewest does
+    top = [1] * 40 + [0] * 160
+    assert certify_threshold(np.linspace(1, 0, 200), top, target_risk=0.1, delta=0.1).threshold is None
+    fewest = certify_threshold(np.linspace(1, 0, 200), top, target_risk=0.1, delta=0.1, **FROM_FEWEST)
+    assert fewest.coverage == 41 / 200  # the 40 right and 1 wrong: bound 0.092; 2 wrong of 42 fail (0.125)
+    assert beta.ppf(0.9, 2, 40) <= 0.1 < beta.ppf(0.9, 3, 40)
+    assert unreachable(0.8, 200, 0.1, 0.1) is not None and unreachable(0.8, 200, 0.1, 0.1, **FROM_FEWEST) is None
 
 
 def test_thresholds_too_high_to_certify_are_not_tested_and_ties_go_together():
@@ -78,11 +101,11 @@ def test_thresholds_too_high_to_certify_are_not_tested_and_ties_go_together():
     # ones: 1 wrong of 32, bound = Beta(0.9; 2, 31) quantile. The tie group at 0.8 (20 answers, 8 wrong) then fails.
     conf = [0.99, 0.98] + [0.9] * 30 + [0.8] * 20 + [0.7] * 300
     correct = [0, 1] + [1] * 30 + [1] * 12 + [0] * 8 + [1] * 300
-    cert = certify_threshold(conf, correct, target_risk=0.15, delta=0.1)
+    cert = certify_threshold(conf, correct, target_risk=0.15, delta=0.1, **FROM_FEWEST)
     assert cert.threshold == 0.9 and cert.risk == pytest.approx(1 / 32)
     assert cert.coverage == pytest.approx(32 / 352) and cert.bound == pytest.approx(beta.ppf(0.9, 2, 31))
     # the 0.8 group is rejected whole (no order among equals), whatever the order of its rows
-    shuffled = certify_threshold(conf[::-1], correct[::-1], target_risk=0.15, delta=0.1)
+    shuffled = certify_threshold(conf[::-1], correct[::-1], target_risk=0.15, delta=0.1, **FROM_FEWEST)
     assert shuffled == cert
 
 
@@ -92,19 +115,18 @@ def test_a_start_coverage_keeps_a_few_wrong_answers_at_the_top_from_ending_the_s
     # Started at half the answers, it first tests 0.9: 24 wrong of 100, bound Beta(0.9; 25, 76) <= 0.5, certified.
     conf = [0.99, 0.98, 0.97, 0.96] + [0.9] * 96
     correct = [0] * 4 + [1] * 76 + [0] * 20
-    assert certify_threshold(conf, correct, target_risk=0.5, delta=0.1).threshold is None
+    assert certify_threshold(conf, correct, target_risk=0.5, delta=0.1, **FROM_FEWEST).threshold is None
     cert = certify_threshold(conf, correct, target_risk=0.5, delta=0.1, start_coverage=0.5)
     assert cert.threshold == 0.9 and cert.coverage == 1.0 and cert.risk == pytest.approx(0.24)
     assert cert.bound == pytest.approx(beta.ppf(0.9, 25, 76))
     assert smallest_certifiable_risk(conf, correct, 0.1, start_coverage=0.5) == pytest.approx(beta.ppf(0.9, 25, 76))
-    assert certify_threshold(conf, correct, target_risk=0.5, delta=0.1, start_coverage=0.0) == certify_threshold(
-        conf, correct, target_risk=0.5, delta=0.1)
+    assert certify_threshold(conf, correct, target_risk=0.5, delta=0.1) == cert  # the default start, 30%, too
     with pytest.raises(ATSError, match="start_coverage"):
         certify_threshold(conf, correct, target_risk=0.5, delta=0.1, start_coverage=1.5)
 
 
 def test_record_round_trips_through_json_and_is_validated():
-    cert = certify_threshold([0.9] * 40 + [0.5] * 10, [1] * 40 + [0] * 10, target_risk=0.1, delta=0.05)
+    cert = certify_threshold([0.9] * 40 + [0.5] * 10, [1] * 40 + [0] * 10, target_risk=0.1, delta=0.05, **FROM_FEWEST)
     data = json.loads(json.dumps(cert.to_dict()))
     assert CertifiedThreshold.from_dict(data) == cert
     assert set(data) == {"threshold", "target_risk", "delta", "n", "coverage", "risk", "bound"}
@@ -196,33 +218,35 @@ def test_abstention_floor_and_unreachable_targets_by_hand():
     assert abstention_floor(0.4, 0.1) == pytest.approx(1 / 3)  # (0.4 - 0.1) / 0.9
     assert abstention_floor(0.05, 0.1) == 0.0 and abstention_floor(1.0, 0.1) == 1.0
     # 100 questions, 40% wrong, target 0.1: at most 100 x 2/3 = 66.7 answered >= 22, so it may be reachable
-    assert unreachable(0.4, 100, 0.1, 0.1) is None
+    assert unreachable(0.4, 100, 0.1, 0.1, **FROM_FEWEST) is None
     # 30 questions: at most 20 answered < 22; ceil(22 / (2/3)) = 33 questions would do
-    why = unreachable(0.4, 30, 0.1, 0.1)
+    why = unreachable(0.4, 30, 0.1, 0.1, **FROM_FEWEST)
     assert "33.3% must be abstained from" in why and "at most 20 answered" in why and "needs 22" in why
     assert "at least 33 questions" in why
-    assert "no size will do" in unreachable(1.0, 1000, 0.1, 0.1)
-    assert unreachable(0.0, 22, 0.1, 0.1) is None and unreachable(0.0, 21, 0.1, 0.1) is not None
+    assert "no size will do" in unreachable(1.0, 1000, 0.1, 0.1, **FROM_FEWEST)
+    assert unreachable(0.0, 22, 0.1, 0.1, **FROM_FEWEST) is None
+    assert unreachable(0.0, 21, 0.1, 0.1, **FROM_FEWEST) is not None
 
 
 def test_smallest_certifiable_risk_by_hand_and_by_search():
     # 40 right at 0.9 then 10 wrong at 0.5: the bound of the 40 (0 errors) is 1 - 0.1^(1/40) = 0.0559; a lower
     # target needs more than 40 answers without error, which these answers do not have
     conf, correct = [0.9] * 40 + [0.5] * 10, [1] * 40 + [0] * 10
-    best = smallest_certifiable_risk(conf, correct, 0.1)
+    best = smallest_certifiable_risk(conf, correct, 0.1, **FROM_FEWEST)
     assert best == pytest.approx(1 - 0.1 ** (1 / 40))
-    assert certify_threshold(conf, correct, target_risk=best, delta=0.1).threshold == 0.9
-    assert certify_threshold(conf, correct, target_risk=best * (1 - 1e-9), delta=0.1).threshold is None
+    assert certify_threshold(conf, correct, target_risk=best, delta=0.1, **FROM_FEWEST).threshold == 0.9
+    assert certify_threshold(conf, correct, target_risk=best * (1 - 1e-9), delta=0.1, **FROM_FEWEST).threshold is None
     # random answers: no target on a fine grid below the result passes, the result does
     rng = np.random.default_rng(1)
     conf = rng.uniform(size=300)
     correct = rng.uniform(size=300) < conf
-    best = smallest_certifiable_risk(conf, correct, 0.2)
-    assert certify_threshold(conf, correct, target_risk=best, delta=0.2).threshold is not None
+    best = smallest_certifiable_risk(conf, correct, 0.2, **FROM_FEWEST)
+    assert certify_threshold(conf, correct, target_risk=best, delta=0.2, **FROM_FEWEST).threshold is not None
     grid = np.linspace(1e-4, best, 400, endpoint=False)
-    assert all(certify_threshold(conf, correct, target_risk=a, delta=0.2).threshold is None for a in grid)
-    assert smallest_certifiable_risk([0.5] * 5, [1] * 5, 0.1) == pytest.approx(1 - 0.1 ** (1 / 5))
-    assert smallest_certifiable_risk([0.5] * 5, [0] * 5, 0.1) is None  # all wrong: nothing below 1
+    assert all(certify_threshold(conf, correct, target_risk=a, delta=0.2, **FROM_FEWEST).threshold is None
+               for a in grid)
+    assert smallest_certifiable_risk([0.5] * 5, [1] * 5, 0.1, **FROM_FEWEST) == pytest.approx(1 - 0.1 ** (1 / 5))
+    assert smallest_certifiable_risk([0.5] * 5, [0] * 5, 0.1, **FROM_FEWEST) is None  # all wrong: nothing below 1
 
 
 CERT = CertifiedThreshold(threshold=0.6, target_risk=0.2, delta=0.1, n=400, coverage=0.5, risk=0.12, bound=0.18)

@@ -168,6 +168,15 @@ def test_certify_saves_the_threshold_of_the_served_answers_and_reuses_it(tiny_ba
     assert started.smallest_risk == smallest_certifiable_risk(*answers, 0.2, start_coverage=0.5)
     assert started.threshold.threshold is None or started.threshold.coverage >= 0.5
     assert json.loads((tmp_path / "head" / THRESHOLD_NAME).read_text())["reachable"]["start_coverage"] == 0.5
+    # from the fewest answers (the start before the default): recorded without the key, as thresholds made before
+    # the option were, so those are reused with --start-coverage 0 and refused by the default with that way out
+    fewest = certify(tiny_backbone, calibrator, tmp_path / "head", target_risk=0.9, delta=0.2, size=7, max_tokens=5,
+                     start_coverage=0.0, overwrite=True, progress=False)
+    assert fewest.threshold == certify_threshold(*answers, target_risk=0.9, delta=0.2, start_coverage=0.0)
+    assert "start_coverage" not in json.loads((tmp_path / "head" / THRESHOLD_NAME).read_text())["reachable"]
+    with pytest.raises(ATSError, match=r"start_coverage '<unset>' -> 0.3; .* --start-coverage 0\)$"):
+        certify(tiny_backbone, calibrator, tmp_path / "head", target_risk=0.9, delta=0.2, size=7, max_tokens=5,
+                progress=False)
 
 
 def test_certify_says_early_when_the_target_cannot_be_reached(tiny_backbone, tmp_path, caplog):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..checks import check_number, check_positive_int
 from ..confidence import ANSWER_MAX_TOKENS
+from ..evaluation.start_coverage import DEFAULT_START_COVERAGE
 from . import options
 
 UNIT = partial(check_number, low=0, high=1, low_open=True, high_open=True)
@@ -47,10 +48,12 @@ def add_parser(sub) -> None:
                        help="the error rate expected, to say at once whether --target-risk is reachable (default: "
                             "estimated on the first answers)")
     options.add_number(p, "--start-coverage", float, partial(check_number, low=0, high=1, high_open=True),
-                       default=0.0,
+                       default=DEFAULT_START_COVERAGE,
                        help="start the certification sequence at the first threshold that answers at least this "
                             "fraction of the questions, so that a few wrong answers among the most confident cannot "
-                            "end it; the guarantee is the same (default: 0, the fewest answers that can certify)")
+                            "end it; the guarantee is the same, and no threshold answering fewer is certified "
+                            f"(default: {DEFAULT_START_COVERAGE:g}, chosen on served answers never reported; 0: from "
+                            "the fewest answers that can certify)")
     options.add_number(p, "--pool-size", int, check_positive_int, default=None,
                        help="only for a calibrator trained on answers before its record named its questions: the "
                             "--pool-size it was trained with")

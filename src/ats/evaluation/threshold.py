@@ -16,7 +16,9 @@ n_t < ln(delta) / ln(1 - alpha): 22 at alpha = delta = 0.1) are not tested: they
 starts. That start, like the candidates, depends on the confidences only, never on the correctness. A start
 coverage s (`start_coverage`) moves it further, to the first threshold answering at least s x n: chosen before the
 answers are judged, it keeps the guarantee, and a few wrong answers among the very most confident can no longer end
-the sequence (at the price of never certifying a threshold answering fewer than that).
+the sequence (at the price of never certifying a threshold answering fewer than that). The default s,
+`DEFAULT_START_COVERAGE` = 0.3, was chosen on served answers that are never reported (`start_coverage` module); 0
+starts at the Clopper-Pearson minimum alone.
 
 Assumption: the calibration questions and the questions the threshold will be used on are exchangeable (drawn
 independently from one distribution, with the same calibrator). Learn-then-Test proves the guarantee for a grid of
@@ -46,6 +48,7 @@ from ..config import ConfigMixin, option
 from ..errors import ATSError
 from .inputs import to_array
 from .selective import risk_coverage
+from .start_coverage import DEFAULT_START_COVERAGE
 
 _UNIT = {"low": 0.0, "high": 1.0}
 _OPEN_UNIT = {"low": 0.0, "high": 1.0, "low_open": True, "high_open": True}
@@ -165,7 +168,8 @@ class CertifiedThreshold(ConfigMixin):
 
 
 def certify_threshold(confidence, correct, *, target_risk: float | None = None, delta: float,
-                      alpha: float | None = None, start_coverage: float = 0.0) -> CertifiedThreshold:
+                      alpha: float | None = None,
+                      start_coverage: float = DEFAULT_START_COVERAGE) -> CertifiedThreshold:
     """The lowest confidence threshold certified to keep the selective risk <= `target_risk` with probability
     >= 1 - delta (the module docstring gives the method and its assumption).
 
@@ -178,6 +182,7 @@ def certify_threshold(confidence, correct, *, target_risk: float | None = None, 
         start_coverage: the sequence starts at the first threshold answering at least this fraction of the answers
             (and the Clopper-Pearson minimum), so that a few wrong answers at the very top cannot end it; fixed in
             advance, like the order, it depends on no correctness and keeps the guarantee. 0: the minimum alone.
+            Default `DEFAULT_START_COVERAGE`.
 
     Returns:
         The threshold with its coverage, empirical risk and bound on these answers; threshold None (abstain always)
@@ -232,7 +237,7 @@ def abstention_floor(error_rate: float, target_risk: float) -> float:
 
 
 def unreachable(error_rate: float, n: int, target_risk: float, delta: float, *,
-                start_coverage: float = 0.0) -> str | None:
+                start_coverage: float = DEFAULT_START_COVERAGE) -> str | None:
     """Why `target_risk` cannot be certified at `delta` on `n` questions of which a fraction `error_rate` is
     answered wrong, or None when it may be: even with a perfect ranking at most n x (1 - `abstention_floor`) are
     answered, and fewer than `min_certifiable_answers` (or a `start_coverage` of the n) certify nothing.
@@ -257,7 +262,8 @@ def unreachable(error_rate: float, n: int, target_risk: float, delta: float, *,
             + f"; {size}, or a higher target risk")
 
 
-def smallest_certifiable_risk(confidence, correct, delta: float, *, start_coverage: float = 0.0) -> float | None:
+def smallest_certifiable_risk(confidence, correct, delta: float, *,
+                              start_coverage: float = DEFAULT_START_COVERAGE) -> float | None:
     """The lowest target risk that `certify_threshold` (with `start_coverage`) would certify a threshold for on these
     answers at `delta` (None: none below 1). Whether a target passes changes only where it crosses a bound of the
     risk-coverage curve or the zero-error bound of an answered count, so those values are the candidates, each

@@ -42,6 +42,7 @@ from ..evaluation.metrics import summarize
 from ..evaluation.served import ServedAnswers, answer_format, served_answers
 from ..evaluation.tasks.base import chunks, progress_bar
 from ..evaluation.threshold import (
+    DEFAULT_START_COVERAGE,
     THRESHOLD_NAME,
     CertifiedThreshold,
     backbone_identity,
@@ -91,7 +92,7 @@ def interleaved_order(questions: dict[str, list]) -> list[tuple[str, int]]:
 
 def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, delta: float, size: int = 300,
             names: tuple[str, ...] = FREE_FORM, max_tokens: int = ANSWER_MAX_TOKENS, pool_size: int | None = None,
-            prior_error: float | None = None, start_coverage: float = 0.0, overwrite: bool = False,
+            prior_error: float | None = None, start_coverage: float = DEFAULT_START_COVERAGE, overwrite: bool = False,
             progress: bool = True) -> Certification:
     """Certify `calibrator`'s threshold on `size` held-out questions of each free-form pool task in `names`,
     answered as served, and save it in `folder` (threshold.json); reuse the saved one when it was made the same way.
@@ -108,7 +109,7 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
         pool_size: for a calibrator trained on answers before its record named its questions: its pool size.
         prior_error: the error rate expected, for the early word (None: estimated on the first answers).
         start_coverage: the fraction of the answers the certification sequence starts at
-            (`certify_threshold`); 0: the fewest that can certify.
+            (`certify_threshold`; default `DEFAULT_START_COVERAGE`); 0: the fewest that can certify.
         overwrite: replace a threshold made otherwise instead of refusing.
         progress: show progress bars.
 
@@ -130,14 +131,15 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
               "calibrator": None if calibrator is None else calibrator.digest()}
     sets = [{"name": f"{name}_held_out", **task_range(task.describe()).describe(), "n": len(questions[name])}
             for name, task in tasks.items()]  # positions of the data's seeded permutation (`answer_pool`)
-    started = {"start_coverage": start_coverage} if start_coverage else {}  # thresholds made before it: reused
+    started = {"start_coverage": start_coverage} if start_coverage else {}  # 0 unrecorded, as before the option
     fingerprint = make_fingerprint("threshold", served=served, target_risk=target_risk, delta=delta, sets=sets,
                                    **started)
     path = folder / THRESHOLD_NAME
     if path.is_file():
         stored = read_json(path)
         if check_reuse(path, "threshold", stored.get("fingerprint") if isinstance(stored, dict) else None,
-                       fingerprint, overwrite=overwrite):
+                       fingerprint, overwrite=overwrite, keep="give the options that made it (a threshold certified "
+                       f"before the start coverage's default became {DEFAULT_START_COVERAGE:g}: --start-coverage 0)"):
             reach = stored.get("reachable") or {}
             return Certification(CertifiedThreshold.from_dict(stored["threshold"], where=f"{path}: threshold"),
                                  True, reach.get("early"), reach.get("smallest_target_risk"))
