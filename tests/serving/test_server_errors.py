@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from ats.cli.main import main
+from ats.serving.api_errors import MAX_REQUEST_BYTES
 
 from server_process import API_KEY, MODEL_NAME
 
@@ -140,6 +141,27 @@ def test_api_key_is_required_but_health_is_open(server):
         client.models.list()
 
 
+def test_a_body_over_the_limit_is_a_413_before_it_is_read_whole_and_the_server_keeps_serving(server):
+    limit = MAX_REQUEST_BYTES  # the shared server runs with the default
+    padding = json.dumps({**CHAT, "user": "x" * limit})  # a valid request, one field long
+    assert len(padding) > limit
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    # declared (Content-Length): refused at once
+    err = error(httpx.post(server.url + "/v1/chat/completions", content=padding, headers=headers, timeout=60), 413)
+    assert err["code"] == "request_too_large" and f"limit of {limit} bytes" in err["message"]
+
+    def chunked():  # no Content-Length: refused when the bytes received pass the limit
+        for start in range(0, len(padding), 2**20):
+            yield padding[start:start + 2**20].encode()
+
+    err = error(httpx.post(server.url + "/v1/completions", content=chunked(), headers=headers, timeout=60), 413)
+    assert err["code"] == "request_too_large" and err["message"].startswith("POST /v1/completions: ")
+    # the key is checked first: without it, a 401 whatever the size
+    assert error(post(server, "/v1/chat/completions", content=padding, key=None), 401)["code"] == "invalid_api_key"
+    body = post(server, "/v1/chat/completions", CHAT).json()  # the same request within the limit is served
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
 def test_openai_client_sees_typed_errors_and_server_keeps_serving(client, server):
     with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist") as raised:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
@@ -200,6 +222,7 @@ def test_slow_reader_does_not_block_others(client, server):
     (["--host", "0.0.0.0"], "without --api-key"),
     (["--max-batch", "0"], "--max-batch: expected a positive integer"),
     (["--port", "70000"], "--port: expected a value in [1, 65535]"),
+    (["--max-request-bytes", "0"], "--max-request-bytes: expected a positive integer"),
     (["--calibrator", "/no/such/head"], "/no/such/head"),
 ])
 def test_serve_refuses_bad_options_before_loading(model_dir, head_dir, capsys, monkeypatch, args, words):

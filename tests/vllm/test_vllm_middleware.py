@@ -23,7 +23,13 @@ from test_vllm_abstain import CERTIFIED
 from ats.evaluation.threshold import Certificate
 from ats.integrations.vllm import CONFIG_KEY, shutdown
 from ats.integrations.vllm.abstain import CUT_SHORT, AnswerDecider
-from ats.integrations.vllm.middleware import EXPORT_ENV, MODEL_NAME_ENV, ATSMiddleware, add_decisions
+from ats.integrations.vllm.middleware import (
+    EXPORT_ENV,
+    MAX_REQUEST_BYTES_ENV,
+    MODEL_NAME_ENV,
+    ATSMiddleware,
+    add_decisions,
+)
 from ats.integrations.vllm.stream import StreamDecisions
 from ats.serving.api_errors import SHUTTING_DOWN
 from ats.serving.playground import STATIC, page_file
@@ -236,6 +242,27 @@ def test_requests_without_the_key_pass_through(monkeypatch):
     assert all("ats" not in c["choices"][0] for c in unkeyed[:-1]) and seen[-1] == {**CHAT, "stream": True}
     assert client.post("/v1/chat/completions", json=bad, headers={"Authorization": "Bearer k"}).status_code == 400
     assert json.loads(json.dumps(seen))  # the stand-in saw JSON bodies throughout
+
+
+def test_a_body_over_the_limit_gets_ats_serves_413_and_never_reaches_vllm(monkeypatch):
+    seen: list = []
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    monkeypatch.setenv(MAX_REQUEST_BYTES_ENV, "1000")
+    client = TestClient(ATSMiddleware(stand_in(seen), decider=AnswerDecider(CERTIFIED, frozenset({"<eos>"}))))
+    key = {"Authorization": "Bearer k", "Content-Type": "application/json"}
+    big = json.dumps({**CHAT, "user": "x" * 1000}).encode()
+    expected = {"error": {"message": "the request body is over this server's limit of 1000 bytes (ats serve "
+                                     "--max-request-bytes)", "type": "invalid_request_error", "param": None,
+                          "code": "request_too_large"}}
+    declared = client.post("/v1/chat/completions", content=big, headers=key)  # Content-Length: refused at once
+    assert (declared.status_code, declared.json()) == (413, expected)
+    chunked = client.post("/v1/completions", content=iter([big[:600], big[600:]]), headers=key)  # when it passes
+    assert (chunked.status_code, chunked.json()) == (413, expected)
+    assert seen == []
+    unkeyed = client.post("/v1/chat/completions", content=big, headers={"Content-Type": "application/json"})
+    assert unkeyed.status_code == 200 and len(seen) == 1  # to vLLM's auth (its 401 there), whatever the size
+    within = client.post("/v1/chat/completions", json=CHAT, headers=key)
+    assert within.json()["choices"][0]["ats"] == DECISION
 
 
 def test_the_monitor_counts_each_decision_and_joins_vllms_metrics(monkeypatch, tmp_path):

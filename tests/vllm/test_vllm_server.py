@@ -24,6 +24,7 @@ from ats.generation.api import encode_prompts
 from ats.integrations.vllm import CALIBRATOR_FOLDER
 from ats.integrations.vllm.abstain import AnswerDecider
 from ats.integrations.vllm.page import NO_TRAINING_RECORD, UNAVAILABLE
+from ats.serving.api_errors import MAX_REQUEST_BYTES
 
 from helpers import write_certificate
 from vllm_helpers import ats_serve_vllm, calibrators, max_difference, reference
@@ -123,6 +124,11 @@ def test_the_openai_client_gets_calibrated_logprobs_and_the_decision(vllm_server
     assert wizard.status_code == 400
     assert wizard.json()["error"]["message"].startswith("messages.0.role: Input should be 'system'")
     assert vllm_server.post("/v1/chat/completions", CHAT, key=None).status_code == 401
+    # a body over ats serve's default limit: its 413, with the key (none: vLLM's 401, whatever the size)
+    big = vllm_server.post("/v1/chat/completions", {**CHAT, "user": "x" * MAX_REQUEST_BYTES})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    assert vllm_server.post("/v1/chat/completions", {**CHAT, "user": "x" * MAX_REQUEST_BYTES}, key=None).status_code \
+        == 401
     log = vllm_server.log.read_text()
     for setting in ("VLLM_CPU_NUM_OF_RESERVED_CPU=0", "VLLM_CPU_OMP_THREADS_BIND=", "VLLM_CPU_KVCACHE_SPACE=1"):
         assert f"vLLM on CPU: {setting}" in log

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..checks import check_number, check_positive_int
 from ..errors import ATSError
+from ..serving.api_errors import MAX_REQUEST_BYTES
 from . import options
 
 logger = logging.getLogger("ats.cli.serve")
@@ -57,6 +58,10 @@ def add_parser(sub) -> None:
                        help="on SIGTERM or Ctrl-C, the seconds requests in flight (plain and streamed) get to finish; "
                             "those still running then end with a 503 or a stream's error event (keep it below your "
                             "orchestrator's kill timeout: Kubernetes's is 30 s)")
+    options.add_number(p, "--max-request-bytes", int, check_positive_int, default=MAX_REQUEST_BYTES,
+                       metavar="BYTES",
+                       help="the largest request body accepted; a larger one gets a 413 before it is read whole "
+                            f"(default: {MAX_REQUEST_BYTES}, 16 MiB)")
     options.add_number(p, "--threads", int, check_positive_int, default=None,
                        help="torch CPU threads (default: torch's; --engine ats)")
     p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
@@ -127,7 +132,7 @@ def run(args) -> int:
     playground = _playground(engine, backbone, calibrator, [(folder, threshold)] + compared, evaluation)
     playground.model = args.model
     app = create_app(engine, model_name=name, api_key=key, threshold=threshold, playground=playground,
-                     certificate=certificate)
+                     certificate=certificate, max_request_bytes=args.max_request_bytes)
     logger.info("serving %s (%s) on http://%s:%d/v1", name, engine.calibration.label, args.host, args.port)
     run_server(app, engine, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
                shutdown_timeout=args.shutdown_timeout)
@@ -174,5 +179,6 @@ def _run_vllm(args, calibrator, key: str | None) -> int:
     serve_with_vllm(args.model, calibrator, served_model_name=args.served_model_name or args.model, host=args.host,
                     port=args.port, api_key=key, dtype=args.dtype, revision=args.revision,
                     max_model_len=args.max_model_len, max_num_seqs=args.max_batch,
-                    shutdown_timeout=args.shutdown_timeout, vllm_args=args.vllm_args)
+                    shutdown_timeout=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
+                    vllm_args=args.vllm_args)
     return 0  # not reached: this process became vLLM's server

@@ -1,8 +1,8 @@
 """Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status.
 
 400 a bad field (malformed JSON, a value out of range, a prompt over the context), 401 a missing or wrong API key,
-404 an unknown model or route, 503 a full queue or a server shutting down, 500 only for a failure of the server
-itself.
+404 an unknown model or route, 413 a body over the server's limit (`body_limit`), 503 a full queue or a server
+shutting down, 500 only for a failure of the server itself.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ if TYPE_CHECKING:  # fastapi only where a response is made: the engine imports t
 
 SHUTTING_DOWN = "shutting_down"  # the code of a request that the server's shutdown refused or ended (503), both servers
 SHUTTING_DOWN_MESSAGE = "the server is shutting down; send the request again"  # a new request's, both servers
+MAX_REQUEST_BYTES = 16 * 2**20  # the largest request body `ats serve` accepts by default (--max-request-bytes)
+TOO_LARGE = "request_too_large"  # the code of a body over that limit (413), both servers
 
 
 class APIError(Exception):

@@ -32,7 +32,8 @@ from ..errors import ATSError
 from ..evaluation.threshold import Certificate, CertifiedThreshold
 from ..generation.limits import ContextLengthExceeded
 from ..generation.sampling import SamplingParams
-from .api_errors import APIError, shutdown_error, validation_error
+from .api_errors import MAX_REQUEST_BYTES, TOO_LARGE, APIError, shutdown_error, validation_error
+from .body_limit import BodyLimit
 from .engine import Engine, Generated, Job, JobDone, JobFailed, PromptScored, QueueFull, ShuttingDown
 from .metrics import ServingMetrics
 from .monitor import MONITOR_PATH, DecisionMonitor
@@ -316,7 +317,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: TOO_LARGE}.get(err.status_code)
         return APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", code=code).response()
 
     @app.exception_handler(Exception)
@@ -521,7 +522,7 @@ async def _completion_stream(renderer: Renderer, run: Run, body: CompletionReque
 
 def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
                threshold: CertifiedThreshold | None = None, playground: Playground | None = None,
-               certificate: Certificate | None = None) -> FastAPI:
+               certificate: Certificate | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The app serving `engine` as model `model_name`; with `api_key`, every route but `OPEN_PATHS` needs it.
 
     Args:
@@ -534,13 +535,15 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
             evaluation; None: the served calibrator only, no evaluation.
         certificate: what `threshold` certifies (`read_certificate`): every decision then says whether its request
             is made as the certified answers were (`certified_format`, `outside_certificate`); None: it does not.
+        max_request_bytes: the largest request body accepted (`body_limit`; a larger one gets a 413).
 
     Returns:
         The FastAPI app.
     """
     service = Service(engine, model_name, threshold, certificate)
     app = FastAPI(title="ats: calibrated OpenAI-compatible server", lifespan=_lifespan(engine))
-    if api_key:
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key:  # added last, so checked first: a request without the key gets its 401 whatever its size
         app.add_middleware(BearerAuth, key=api_key)
     _add_error_handlers(app)
     _add_info_routes(app, service)  # in the order of the OpenAPI listing: info, tokenizer, chat, completions

@@ -23,6 +23,9 @@ shutting down (vLLM answers 200 and 500: `shutdown.engine_shutting_down`); a req
 stops ends with `ats serve`'s shutdown error if vLLM leaves it unanswered (`shutdown.until_engine_stops`); an answer
 vLLM cut short (finish_reason "abort") is outside the certified format (`abstain.finished_fields`).
 
+Every request with the API key has its body limited as on `ats serve` (`serving.body_limit`: a 413 over
+$ATS_MAX_REQUEST_BYTES, 16 MiB unless `--max-request-bytes` says; vLLM sets no limit).
+
 Completions that echo the prompt (their logprobs start with the prompt's) pass through unchanged. The export comes
 from $ATS_VLLM_EXPORT and the served model's name from $ATS_VLLM_MODEL_NAME, which `ats serve --engine vllm` sets. A
 plain ASGI middleware: vLLM adds it outside its own, so requests without the server's API key ($VLLM_API_KEY) pass
@@ -38,7 +41,8 @@ from pathlib import Path
 
 from pydantic import ConfigDict, ValidationError, create_model
 
-from ...serving.api_errors import SHUTTING_DOWN_MESSAGE, APIError, shutdown_error, validation_error
+from ...serving.api_errors import MAX_REQUEST_BYTES, SHUTTING_DOWN_MESSAGE, APIError, shutdown_error, validation_error
+from ...serving.body_limit import BodyLimit
 from ...serving.monitor import MONITOR_PATH, DecisionMonitor, report_in_default_registry
 from ...serving.request_options import steering_option
 from ...serving.schemas import UNICODE_ERROR, ChatMessage, lone_surrogate
@@ -48,6 +52,7 @@ from .stream import StreamDecisions, StreamRewriter
 
 EXPORT_ENV = "ATS_VLLM_EXPORT"  # the export whose threshold and end tokens decide (set by `ats serve --engine vllm`)
 MODEL_NAME_ENV = "ATS_VLLM_MODEL_NAME"  # the model id clients send (--served-model-name), for the page
+MAX_REQUEST_BYTES_ENV = "ATS_MAX_REQUEST_BYTES"  # the largest request body (--max-request-bytes; `body_limit`)
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 _ROLE = create_model("MessageRole", __config__=ConfigDict(extra="ignore"),
                      role=(ChatMessage.model_fields["role"].annotation, ...))  # `ats serve`'s roles, its schema's
@@ -149,8 +154,16 @@ class ATSMiddleware:
         report_in_default_registry(self.monitor)  # vLLM's /metrics
         self.defaults = vllm_defaults(self.export)
         self.key = os.environ.get("VLLM_API_KEY") or None
+        self.limited = BodyLimit(self.handle, int(os.environ.get(MAX_REQUEST_BYTES_ENV) or MAX_REQUEST_BYTES))
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and not self._authorized(scope):
+            await self.handle(scope, receive, send)  # vLLM's 401 (or the page's), whatever the body's size
+            return
+        await self.limited(scope, receive, send)
+
+    async def handle(self, scope, receive, send) -> None:
+        """Every request, its body within the limit (`__call__`; the module docstring says what is done)."""
         if scope["type"] == "http" and (refusal := self._while_draining(scope)) is not None:
             await refusal.response()(scope, receive, send)
             return

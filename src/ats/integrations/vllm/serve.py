@@ -27,10 +27,11 @@ from ...calibrators import Calibrator, load_calibrator
 from ...errors import ATSError
 from ...evaluation.threshold import read_threshold
 from ...model.backbone import cache_dir
+from ...serving.api_errors import MAX_REQUEST_BYTES
 from . import CALIBRATOR_FOLDER
 from .compat import check_version, cpu_attention_head_sizes, head_size_refusal, setup_refusal
 from .export import attention_head_sizes, calibration_attention, export_for_vllm
-from .middleware import EXPORT_ENV, MODEL_NAME_ENV
+from .middleware import EXPORT_ENV, MAX_REQUEST_BYTES_ENV, MODEL_NAME_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,8 @@ def server_argv(export: Path, *, served_model_name: str, host: str, port: int, d
 def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_name: str, host: str, port: int,
                     api_key: str | None = None, dtype: str | None = None, revision: str | None = None,
                     max_model_len: int | None = None, max_num_seqs: int | None = None,
-                    shutdown_timeout: int | None = None, vllm_args: Sequence[str] = (),
-                    export: str | Path | None = None) -> None:
+                    shutdown_timeout: int | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+                    vllm_args: Sequence[str] = (), export: str | Path | None = None) -> None:
     """Export (or reuse the export of) `model` with `calibrator`, then run vLLM's server on it until it exits.
 
     Args:
@@ -118,6 +119,7 @@ def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_n
         host, port, api_key, dtype, max_model_len, max_num_seqs: the server's options.
         shutdown_timeout: the seconds requests in flight get to finish after SIGTERM (vLLM's --shutdown-timeout;
             those still running then end with a 503 or a stream's error event, `shutdown.until_engine_stops`).
+        max_request_bytes: the largest request body accepted (ats's middleware, `serving.body_limit`).
         revision: the Hub revision of `model`.
         vllm_args: vLLM's own server options, passed through.
         export: where to write the export (default: `export_cache`).
@@ -139,7 +141,8 @@ def serve_with_vllm(model: str, calibrator: str | Path | None, *, served_model_n
     export_for_vllm(model, loaded, folder, revision=revision, overwrite=export is None,
                     threshold_from=None if loaded is None else calibrator)
     env = dict(os.environ, **({"VLLM_API_KEY": api_key} if api_key else {}),
-               **{EXPORT_ENV: str(folder), MODEL_NAME_ENV: served_model_name})
+               **{EXPORT_ENV: str(folder), MODEL_NAME_ENV: served_model_name,
+                  MAX_REQUEST_BYTES_ENV: str(max_request_bytes)})
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
