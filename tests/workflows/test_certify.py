@@ -239,6 +239,7 @@ def test_certify_command_and_generate_read_the_saved_threshold_and_refuse_anothe
     out = capsys.readouterr().out
     assert "saved to" in out and str(tmp_path / "head" / THRESHOLD_NAME) in out
     assert "the smallest target risk these answers certify" in out or "no target risk below 1" in out
+    assert ", the sequence started at 30% of them (--start-coverage 0.3)\n" in out  # the default start, said
     assert main(argv) == 0 and "reused" in capsys.readouterr().out
     threshold = read_threshold(tmp_path / "head")
     assert main(["generate", "--model", str(model), "--calibrator", str(tmp_path / "head"), "--max-new-tokens", "3",

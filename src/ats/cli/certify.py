@@ -89,10 +89,14 @@ def run(args) -> int:
     where = folder / "threshold.json"
     if done.early is not None and done.reused:
         print(done.early)
+    start = (f"the sequence started at {100 * args.start_coverage:g}% of them (--start-coverage "
+             f"{args.start_coverage:g})" if args.start_coverage else
+             "the sequence started at the fewest answers that can certify (--start-coverage 0)")
     if threshold.threshold is None:
-        print(f"no threshold certified: on {threshold.n} held-out served answers no confidence level keeps the error "
-              f"rate <= {threshold.target_risk:g} with probability >= {1 - threshold.delta:g}; the calibrator "
-              f"abstains always ({'reused' if done.reused else 'saved to'} {where})")
+        print(f"no threshold certified: on {threshold.n} held-out served answers, {start}, the first threshold tested "
+              f"does not keep the error rate <= {threshold.target_risk:g} with probability >= "
+              f"{1 - threshold.delta:g}; the calibrator abstains always ({'reused' if done.reused else 'saved to'} "
+              f"{where})")
     else:
         print(f"answer when the confidence is >= {threshold.threshold:.4f}: on {threshold.n} held-out served answers "
               f"it answers {100 * threshold.coverage:.1f}% with error rate {threshold.risk:.3f} (upper "
@@ -101,5 +105,5 @@ def run(args) -> int:
     smallest = ("no target risk below 1" if done.smallest_risk is None else
                 f"the smallest target risk these answers certify at delta {threshold.delta:g} is "
                 f"{done.smallest_risk:.4f}")
-    print(smallest)
+    print(f"{smallest}, {start}")
     return 0
