@@ -93,10 +93,10 @@ def run(args) -> int:
              f"{args.start_coverage:g})" if args.start_coverage else
              "the sequence started at the fewest answers that can certify (--start-coverage 0)")
     if threshold.threshold is None:
-        print(f"no threshold certified: on {threshold.n} held-out served answers, {start}, the first threshold tested "
-              f"does not keep the error rate <= {threshold.target_risk:g} with probability >= "
-              f"{1 - threshold.delta:g}; the calibrator abstains always ({'reused' if done.reused else 'saved to'} "
-              f"{where})")
+        print(f"no threshold certified: on {threshold.n} held-out served answers, {start}, no threshold passed the "
+              f"test of an error rate <= {threshold.target_risk:g} with probability >= {1 - threshold.delta:g} "
+              f"before the first that failed; the calibrator abstains always "
+              f"({'reused' if done.reused else 'saved to'} {where})")
     else:
         print(f"answer when the confidence is >= {threshold.threshold:.4f}: on {threshold.n} held-out served answers "
               f"it answers {100 * threshold.coverage:.1f}% with error rate {threshold.risk:.3f} (upper "
