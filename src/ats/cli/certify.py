@@ -93,9 +93,9 @@ def run(args) -> int:
              f"{args.start_coverage:g})" if args.start_coverage else
              "the sequence started at the fewest answers that can certify (--start-coverage 0)")
     if threshold.threshold is None:
-        print(f"no threshold certified: on {threshold.n} held-out served answers, {start}, no threshold passed the "
-              f"test of an error rate <= {threshold.target_risk:g} with probability >= {1 - threshold.delta:g} "
-              f"before the first that failed; the calibrator abstains always "
+        print(f"no threshold certified: on {threshold.n} held-out served answers, {start}, fixed-sequence testing "
+              f"certifies no threshold keeping the error rate <= {threshold.target_risk:g} with probability >= "
+              f"{1 - threshold.delta:g}; the calibrator abstains always "
               f"({'reused' if done.reused else 'saved to'} {where})")
     else:
         print(f"answer when the confidence is >= {threshold.threshold:.4f}: on {threshold.n} held-out served answers "
