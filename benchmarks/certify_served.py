@@ -118,11 +118,16 @@ def halvings(conf: dict[str, np.ndarray], correct: np.ndarray, target: float, st
     return result
 
 
+def arrays(rows: list[dict]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Each method's confidences (N,) and the correctness (N,) of saved answer rows."""
+    correct = np.asarray([r["correct"] for r in rows], dtype=bool)
+    return {m: np.asarray([r[f] for r in rows], dtype=np.float64) for m, f in METHODS.items()}, correct
+
+
 def analyse(answers: dict) -> dict:
     """Every number of the report from the served answers (module docstring, step 3)."""
     rows = answers["rows"]
-    correct = np.asarray([r["correct"] for r in rows], dtype=bool)
-    conf = {m: np.asarray([r[field] for r in rows], dtype=np.float64) for m, field in METHODS.items()}
+    conf, correct = arrays(rows)
     per_target = {}
     for target in TARGET_RISKS:
         entry = {}

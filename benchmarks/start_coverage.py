@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_generation import command_line, machine, save_results
-from certify_served import DELTA, METHODS, answer_all
+from certify_served import DELTA, METHODS, answer_all, arrays
 from selective import decide, paired_halvings
 
 from ats.evaluation.report import markdown_table
@@ -50,12 +50,6 @@ TARGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # every target risk a u
 HALVINGS = 200
 RESAMPLES = 1000
 SELECTED_ON = "thermometer"  # the default calibrator's confidence chooses the default
-
-
-def arrays(rows: list[dict]) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Each method's confidences (N,) and the correctness (N,) of saved answer rows."""
-    correct = np.asarray([r["correct"] for r in rows], dtype=bool)
-    return {m: np.asarray([r[f] for r in rows], dtype=np.float64) for m, f in METHODS.items()}, correct
 
 
 def held_out_coverage(conf: dict[str, np.ndarray], correct: np.ndarray, start: float,
