@@ -44,6 +44,7 @@ from protocols.answers import baselines_on_answers
 from ats.calibrators import load_calibrator
 from ats.evaluation.metrics import paired_differences
 from ats.evaluation.selective import aurc, prr
+from ats.evaluation.start_choice import halves
 from ats.evaluation.tasks import MMLUTask, TriviaQATask, TruthfulQAGenTask, TruthfulQAMC1Task
 from ats.evaluation.threshold import certify_threshold, clopper_pearson_upper
 from ats.io import write_json
@@ -125,11 +126,8 @@ def paired_halvings(conf: dict[str, np.ndarray], correct: np.ndarray, alpha: flo
     with `start_coverage`), measure on the other. Per method: halvings certified, those whose other half's error
     rate exceeds alpha (`exceed`) and whose 95% interval lies entirely above it (`beyond_noise`), and the other
     half's coverage per halving (`coverage`, in split order: paired across methods)."""
-    rng = np.random.default_rng(0)
     out = {m: {"certified": 0, "exceed": 0, "beyond_noise": 0, "coverage": []} for m in conf}
-    for _ in range(repeats):
-        order = rng.permutation(correct.size)
-        a, b = order[: correct.size // 2], order[correct.size // 2:]
+    for a, b in halves(correct.size, repeats):
         for method, c in conf.items():
             t = certify_threshold(c[a], correct[a], target_risk=alpha, delta=DELTA, start_coverage=start_coverage)
             d = decide(t, c[b], correct[b])

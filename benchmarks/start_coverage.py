@@ -23,9 +23,15 @@ so it is chosen here once, on some answers, and the choice is then measured on o
    certified both ways); the held-out coverage on the same 200 halvings (mean, 2.5-97.5% range of the difference,
    how often a half's realised risk exceeds the target and how often beyond its 95% interval); and the smallest
    certifiable target risk.
+3. **Per target** (added after the default was chosen): what `ats certify --start-coverage choose` does with these
+   answers, whose selection set is exactly the one it would answer (the `--size` questions per task after the
+   certification ones, in the same order): at each target risk, the start `start_choice.choose_start` picks on the
+   selection answers at that target alone (ties to the default), then the coverage certified on the test answers
+   from it against the default 0.3, with a 95% paired bootstrap interval over the test questions (the choice is
+   fixed before the test answers are used, as in `ats certify`).
 
     ATS_DATA_DIR=../shared/data python benchmarks/start_coverage.py   # selection and test answers, cached
-    python benchmarks/start_coverage.py --report     # the analysis again from OUT.json's answers, in seconds
+    python benchmarks/start_coverage.py --report     # the analysis again from OUT.json's answers, in minutes
 
 Writes benchmarks/results/start_coverage.md and .json (every answer's two confidences and correctness).
 """
@@ -41,13 +47,14 @@ from certify_served import DELTA, METHODS, answer_all, arrays
 from selective import decide, paired_halvings
 
 from ats.evaluation.report import markdown_table
+from ats.evaluation.start_choice import HALVINGS, START_GRID, choose_start
+from ats.evaluation.start_coverage import DEFAULT_START_COVERAGE
 from ats.evaluation.threshold import certify_threshold, smallest_certifiable_risk
 from ats.io import read_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "start_coverage"
-GRID = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3)  # start coverages tried, fixed before any answer was read
+GRID = START_GRID  # start coverages tried, fixed before any answer was read
 TARGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # every target risk a user may pick, weighted alike
-HALVINGS = 200
 RESAMPLES = 1000
 SELECTED_ON = "thermometer"  # the default calibrator's confidence chooses the default
 
@@ -66,16 +73,16 @@ def held_out_coverage(conf: dict[str, np.ndarray], correct: np.ndarray, start: f
 
 
 def select(conf: dict[str, np.ndarray], correct: np.ndarray, halvings: int = HALVINGS) -> dict:
-    """Step 1: every start's score per method (mean held-out coverage over halvings and targets) and the chosen
-    start (the highest `SELECTED_ON` score, the smallest start on a tie)."""
-    scores = {}
-    for start in GRID:
-        cov = held_out_coverage(conf, correct, start, halvings)
-        scores[str(start)] = {m: {"score": float(np.mean([np.mean(t["coverage"]) for t in per.values()])),
-                                  "per_target": {k: float(np.mean(t["coverage"])) for k, t in per.items()}}
-                              for m, per in cov.items()}
-    best = max(GRID, key=lambda s: (round(scores[str(s)][SELECTED_ON]["score"], 12), -s))
-    return {"scores": scores, "chosen": best}
+    """Step 1: every start's score per method (mean held-out coverage over halvings and targets:
+    `start_choice.choose_start`, the rule `ats certify --start-coverage choose` applies) and the chosen start (the
+    highest `SELECTED_ON` score; on a tie the default at the time, 0)."""
+    choices = {m: choose_start(c, correct, target_risks=TARGETS, delta=DELTA, grid=GRID, halvings=halvings,
+                               prefer=0.0) for m, c in conf.items()}
+    scores = {str(start): {m: {"score": ch.score(start),
+                               "per_target": {str(t): v for t, v in ch.coverage[start].items()}}
+                           for m, ch in choices.items()}
+              for start in GRID}
+    return {"scores": scores, "chosen": choices[SELECTED_ON].start}
 
 
 def certified_coverage(conf: np.ndarray, correct: np.ndarray, target: float, start: float) -> float:
@@ -85,19 +92,40 @@ def certified_coverage(conf: np.ndarray, correct: np.ndarray, target: float, sta
 
 
 def paired_bootstrap(conf: np.ndarray, correct: np.ndarray, target: float, start: float,
-                     resamples: int = RESAMPLES) -> dict:
-    """Certified coverage started at `start` minus started at 0 on these answers, with a 95% paired bootstrap interval
-    (each resample of the questions certified both ways) and the fractions of resamples where it is above and below
-    0 (a certificate is all or nothing, so the resampled differences pile up at 0 and far from it)."""
+                     resamples: int = RESAMPLES, *, against: float = 0.0) -> dict:
+    """Certified coverage started at `start` minus started at `against` on these answers, with a 95% paired bootstrap
+    interval (each resample of the questions certified both ways) and the fractions of resamples where it is above
+    and below 0 (a certificate is all or nothing, so the resampled differences pile up at 0 and far from it)."""
     rng = np.random.default_rng(0)
     diffs = []
     for _ in range(resamples):
         idx = rng.integers(0, correct.size, correct.size)
         diffs.append(certified_coverage(conf[idx], correct[idx], target, start)
-                     - certified_coverage(conf[idx], correct[idx], target, 0.0))
-    diff = certified_coverage(conf, correct, target, start) - certified_coverage(conf, correct, target, 0.0)
+                     - certified_coverage(conf[idx], correct[idx], target, against))
+    diff = certified_coverage(conf, correct, target, start) - certified_coverage(conf, correct, target, against)
     return {"diff": diff, "ci": [float(np.quantile(diffs, 0.025)), float(np.quantile(diffs, 0.975))],
             "above": float(np.mean(np.asarray(diffs) > 0)), "below": float(np.mean(np.asarray(diffs) < 0))}
+
+
+def choose_per_target(select_conf: dict[str, np.ndarray], select_correct: np.ndarray, conf: dict[str, np.ndarray],
+                      correct: np.ndarray, halvings: int = HALVINGS, resamples: int = RESAMPLES) -> dict:
+    """Step 3, what `ats certify --start-coverage choose` does at each target risk: the start chosen on the
+    selection answers at that target alone (`choose_start`, ties to the default), then certified on the test
+    answers, against the default start on the same answers (paired bootstrap over the test questions; the choice is
+    fixed, as it is before certification)."""
+    out = {}
+    for m in conf:
+        per = {}
+        for target in TARGETS:
+            start = choose_start(select_conf[m], select_correct, target_risks=(target,), delta=DELTA, grid=GRID,
+                                 halvings=halvings).start
+            per[str(target)] = {"start": start,
+                                "coverage": certified_coverage(conf[m], correct, target, start),
+                                "default": certified_coverage(conf[m], correct, target, DEFAULT_START_COVERAGE),
+                                "paired": paired_bootstrap(conf[m], correct, target, start, resamples,
+                                                           against=DEFAULT_START_COVERAGE)}
+        out[m] = {"targets": per}
+    return out
 
 
 def test(conf: dict[str, np.ndarray], correct: np.ndarray, start: float, halvings: int = HALVINGS,
@@ -129,10 +157,11 @@ def test(conf: dict[str, np.ndarray], correct: np.ndarray, start: float, halving
 
 def analyse(select_rows: list[dict], test_rows: list[dict], *, halvings: int = HALVINGS,
             resamples: int = RESAMPLES) -> dict:
-    """Both steps from the saved answers."""
+    """The three steps from the saved answers."""
     chosen = select(*arrays(select_rows), halvings)
     conf, correct = arrays(test_rows)
     return {"selection": chosen, "test": test(conf, correct, chosen["chosen"], halvings, resamples),
+            "choose": choose_per_target(*arrays(select_rows), conf, correct, halvings, resamples),
             "accuracy": {"selection": float(np.mean([r["correct"] for r in select_rows])),
                          "test": float(correct.mean())}}
 
@@ -161,7 +190,7 @@ def markdown(result: dict) -> str:
     lines += [f"## Test: {result['test']} ({len(result['answers']['test'])} served answers, accuracy "
               f"{a['accuracy']['test']:.3f})", ""]
     if not a["test"]:
-        return "\n".join(lines + ["The chosen start is 0, the current default: nothing to test.", ""])
+        lines += ["The chosen start is 0, the current default: nothing to test.", ""]
     for m, t in a["test"].items():
         sm = t["smallest_risk"]
         lines += [f"### {m}: start {chosen:g} against 0", "",
@@ -183,6 +212,16 @@ def markdown(result: dict) -> str:
                                   f"coverage (halvings, {chosen:g})",
                                   "coverage (halvings, 0)", "difference [2.5-97.5% of halvings]",
                                   f"halves over target / certified, beyond noise ({chosen:g})"], rows), ""]
+    lines += [f"## `ats certify --start-coverage choose`: the start chosen per target risk on the selection answers, "
+              f"certified on the test answers, against the default {DEFAULT_START_COVERAGE:g}", ""]
+    for m, t in a.get("choose", {}).items():
+        rows = [[target, f"{v['start']:g}", f"{v['coverage']:.3f}", f"{v['default']:.3f}",
+                 f"{v['paired']['diff']:+.3f} [{v['paired']['ci'][0]:+.3f}, {v['paired']['ci'][1]:+.3f}]",
+                 f"{v['paired']['above']:.3f} / {v['paired']['below']:.3f}"] for target, v in t["targets"].items()]
+        lines += [f"### {m}", "", markdown_table(["target risk", "chosen start", "coverage (chosen)",
+                                                  f"coverage ({DEFAULT_START_COVERAGE:g})",
+                                                  "difference [95% paired bootstrap]", "resamples above / below 0"],
+                                                 rows), ""]
     return "\n".join(lines)
 
 

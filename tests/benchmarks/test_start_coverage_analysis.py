@@ -74,3 +74,26 @@ def test_the_paired_bootstrap_of_a_start_against_itself_is_zero():
     conf, correct = _wrong_top(n=120, wrong=2)
     same = paired_bootstrap(conf, correct, 0.3, 0.0, resamples=50)
     assert same == {"diff": 0.0, "ci": [0.0, 0.0], "above": 0.0, "below": 0.0}
+
+
+def _strong_top(n: int = 400, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A model whose 15% most confident answers are all right and the rest right half the time: only the top meets
+    a target risk of 0.1, so a start at 0.3 certifies nothing there and an earlier one does."""
+    rng = np.random.default_rng(seed)
+    conf = np.linspace(0.99, 0.01, n)
+    correct = np.where(np.arange(n) < int(0.15 * n), True, rng.random(n) < 0.5)
+    return conf, correct
+
+
+def test_choosing_per_target_picks_an_earlier_start_where_only_the_top_meets_the_target():
+    select_conf, select_correct = _strong_top(seed=1)
+    conf, correct = _strong_top(seed=2)
+    assert certify_threshold(conf, correct, target_risk=0.1, delta=0.1, start_coverage=0.3).threshold is None
+    result = analyse(_rows(select_conf, select_correct), _rows(conf, correct), halvings=20, resamples=100)
+    at = result["choose"]["thermometer"]["targets"]["0.1"]
+    assert at["start"] < 0.15 and at["default"] == 0.0  # chosen on the selection answers alone
+    by_hand = certify_threshold(conf, correct, target_risk=0.1, delta=0.1, start_coverage=at["start"])
+    assert at["coverage"] == by_hand.coverage > 0.05 and at["paired"]["diff"] == at["coverage"]
+    assert at["paired"]["below"] == 0.0  # the default never certifies more here
+    ties = result["choose"]["thermometer"]["targets"]["0.9"]  # everything certifies from any start: the default
+    assert ties["start"] == 0.3 and ties["coverage"] == ties["default"] == 1.0
