@@ -40,6 +40,13 @@ ARGUMENT_ERRORS = [
     (["eval", "--calibrator", "platt", "--out", "x"], 2, None),
     (["eval", "--tasks", "mmlu,bogus", "--out", "x"], 2, None),
     (["generate", "--calibrator", "no/such/folder/x", "hi"], 2, None),
+    (["certify", "--calibrator", "x", "--start-coverage", "chose"], 2,
+     "ats certify: error: argument --start-coverage: invalid 'choose' or number value: 'chose' (see ats certify "
+     "--help)"),
+    (["certify", "--calibrator", "x", "--start-coverage", "1"], 2,
+     "ats: error: --start-coverage: expected a value in [0, 1), got 1.0"),
+    (["certify", "--calibrator", "x", "--selection-size", "2"], 2,
+     "ats: error: --selection-size 2: only with --start-coverage choose (selection questions choose the start)"),
     (["calibration-report", "no/such/samples.jsonl"], 2, "ats: error: no/such/samples.jsonl: no such file or folder"),
 ]
 

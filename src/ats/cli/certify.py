@@ -15,6 +15,20 @@ from ..evaluation.start_coverage import DEFAULT_START_COVERAGE
 from . import options
 
 UNIT = partial(check_number, low=0, high=1, low_open=True, high_open=True)
+CHOOSE = "choose"  # --start-coverage choose: chosen on selection answers
+
+
+def start_or_choose(text: str) -> float | None:
+    """--start-coverage's text: None for `CHOOSE`, else the number."""
+    return None if text == CHOOSE else float(text)
+
+
+start_or_choose.__name__ = f"'{CHOOSE}' or number"  # argparse's "invalid 'choose' or number value: 'x'"
+
+
+def check_start(flag: str, value: float | None) -> float | None:
+    """A start coverage in [0, 1), or None (chosen)."""
+    return None if value is None else check_number(flag, value, low=0, high=1, high_open=True)
 
 
 def add_parser(sub) -> None:
@@ -47,13 +61,17 @@ def add_parser(sub) -> None:
     options.add_number(p, "--prior-error", float, UNIT, default=None,
                        help="the error rate expected, to say at once whether --target-risk is reachable (default: "
                             "estimated on the first answers)")
-    options.add_number(p, "--start-coverage", float, partial(check_number, low=0, high=1, high_open=True),
-                       default=DEFAULT_START_COVERAGE,
+    options.add_number(p, "--start-coverage", start_or_choose, check_start, default=DEFAULT_START_COVERAGE,
                        help="start the certification sequence at the first threshold that answers at least this "
                             "fraction of the questions, so that a few wrong answers among the most confident cannot "
                             "end it; the guarantee is the same, and no threshold answering fewer is certified "
-                            f"(default: {DEFAULT_START_COVERAGE:g}, chosen on served answers never reported; 0: from "
-                            "the fewest answers that can certify)")
+                            f"(default: {DEFAULT_START_COVERAGE:g}, chosen on one model's served answers, never "
+                            f"reported; 0: from the fewest answers that can certify; {CHOOSE}: chosen for this "
+                            "calibrator and --target-risk on its served answers to other held-out questions, "
+                            "--selection-size per task, before any certification answer is judged)")
+    options.add_number(p, "--selection-size", int, check_positive_int, default=None,
+                       help=f"with --start-coverage {CHOOSE}: selection questions per task, after the certification "
+                            "ones (default: --size)")
     options.add_number(p, "--pool-size", int, check_positive_int, default=None,
                        help="only for a calibrator trained on answers before its record named its questions: the "
                             "--pool-size it was trained with")
@@ -67,6 +85,9 @@ def run(args) -> int:
     from ..hub import is_repo_id
     from ..workflows.answer_pool import FREE_FORM
 
+    if args.selection_size is not None and args.start_coverage is not None:
+        raise ATSError(f"--selection-size {args.selection_size}: only with --start-coverage {CHOOSE} (selection "
+                       "questions choose the start)")
     options.check_model(args.model)
     if is_repo_id(args.calibrator) and not Path(args.calibrator).exists():
         raise ATSError(f"--calibrator {args.calibrator}: a Hub id; the threshold is saved in the calibrator's folder, "
@@ -84,14 +105,17 @@ def run(args) -> int:
     calibrator = options.load_calibrator_folder(folder, backbone)
     done = certify(backbone, calibrator, folder, target_risk=args.target_risk, delta=args.delta, size=args.size,
                    names=names, max_tokens=args.max_tokens, pool_size=args.pool_size, prior_error=args.prior_error,
-                   start_coverage=args.start_coverage, overwrite=args.overwrite, progress=not args.quiet)
+                   start_coverage=args.start_coverage, selection_size=args.selection_size, overwrite=args.overwrite,
+                   progress=not args.quiet)
     threshold = done.threshold
     where = folder / "threshold.json"
     if done.early is not None and done.reused:
         print(done.early)
-    start = (f"the sequence started at {100 * args.start_coverage:g}% of them (--start-coverage "
-             f"{args.start_coverage:g})" if args.start_coverage else
-             "the sequence started at the fewest answers that can certify (--start-coverage 0)")
+    at = (f"at {100 * done.start_coverage:g}% of them" if done.start_coverage else
+          "at the fewest answers that can certify")
+    how = (f"chosen on served answers to other questions: --start-coverage {CHOOSE}" if done.start_chosen else
+           f"--start-coverage {done.start_coverage:g}")
+    start = f"the sequence started {at} ({how})"
     if threshold.threshold is None:
         print(f"no threshold certified: on {threshold.n} held-out served answers, {start}, fixed-sequence testing "
               f"certifies no threshold keeping the error rate <= {threshold.target_risk:g} with probability >= "

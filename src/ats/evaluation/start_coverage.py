@@ -9,7 +9,7 @@ the guarantee (s depends on no correctness) and never certifies a threshold answ
 s = 0.3 was chosen once by benchmarks/start_coverage.py on served answers that are never reported (the 1.5B model's
 answers to 600 other certification questions: the highest held-out coverage averaged over target risks 0.1-0.9)
 and then measured on the reported ones (benchmarks/results/start_coverage.md). Its price: a target risk that only
-fewer than 30% of the answers can meet is not certified; `--start-coverage 0` (or a value chosen on other answers)
+fewer than 30% of the answers can meet is not certified; `--start-coverage 0` (or `choose`: chosen on other answers)
 is the choice there. Nothing heavy is imported, so the command line reads it at once.
 """
 

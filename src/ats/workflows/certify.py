@@ -16,6 +16,12 @@ Disjoint by construction. A calibrator trained on answers records the tasks it t
 in its training record (`training.questions`); the certification sets start after them (`answer_pool
 .certification_tasks`) and any overlap is refused (`answer_pool.check_disjoint`).
 
+Where the sequence starts. Fixed-sequence testing starts at `start_coverage` of the answers (0.3 by default,
+`evaluation.start_coverage`), or, with `start_coverage=None` (`--start-coverage choose`), at the start that
+`start_choice.choose_start` picks at this target risk on the served answers to other questions: `selection_size` per
+task after the certification sets (`selection_sets`), disjoint from them and from training by the same
+construction. The start is then fixed before any certification answer is judged, so the guarantee is unchanged.
+
 Early word. Before the full run, the first `ESTIMATE` answers (spread over the tasks) estimate the error rate, or
 `prior_error` gives it; when even a perfect ranking could not certify the target risk at this size and delta (the
 abstention floor and the Clopper-Pearson minimum, `threshold.unreachable`) it is said at once. After certifying,
@@ -40,6 +46,7 @@ from ..confidence import ANSWER_MAX_TOKENS
 from ..errors import ATSError
 from ..evaluation.metrics import summarize
 from ..evaluation.served import ServedAnswers, answer_format, served_answers
+from ..evaluation.start_choice import HALVINGS, START_GRID, choose_start
 from ..evaluation.tasks.base import chunks, progress_bar
 from ..evaluation.threshold import (
     DEFAULT_START_COVERAGE,
@@ -63,12 +70,15 @@ BATCH = 16  # questions decoded together
 @dataclass(frozen=True)
 class Certification:
     """What `certify` made: the threshold, whether it was reused, the early word on reachability (None: nothing
-    to say), and the smallest target risk these answers would have certified (None: none below 1)."""
+    to say), the smallest target risk these answers would have certified (None: none below 1), where the sequence
+    started, and whether that start was chosen on selection answers (`start_coverage=None`)."""
 
     threshold: CertifiedThreshold
     reused: bool
     early: str | None
     smallest_risk: float | None
+    start_coverage: float
+    start_chosen: bool = False
 
 
 def certification_sets(calibrator, size: int, *, names: tuple[str, ...] = FREE_FORM, where: str = "calibrator",
@@ -83,6 +93,41 @@ def certification_sets(calibrator, size: int, *, names: tuple[str, ...] = FREE_F
     return certification_tasks(trained_ranges(record, where=where, pool_size=pool_size), size, names=names)
 
 
+def selection_sets(calibrator, certification: dict, size: int, *, names: tuple[str, ...] = FREE_FORM,
+                   where: str = "calibrator", pool_size: int | None = None) -> dict:
+    """name -> task of the questions that choose where the sequence starts (`start_coverage=None`): `size` per
+    free-form pool task in `names` after the certification sets `certification` (`certification_sets`) and what the
+    calibrator trained on, so disjoint from both by construction (checked as the certification sets are).
+
+    Raises:
+        ATSError: as `certification_sets`.
+    """
+    record = {} if calibrator is None else saved_training_record({"type": calibrator.name, **calibrator.config()})
+    taken = trained_ranges(record, where=where, pool_size=pool_size)
+    taken += [task_range(task.describe()) for task in certification.values()]
+    return certification_tasks(taken, size, names=names)
+
+
+def load_questions(tasks: dict, what: str) -> dict[str, list]:
+    """name -> question rows of each task in `tasks`.
+
+    Raises:
+        ATSError: if a task has no questions left (`what`: "certification" or "selection", named in the error).
+    """
+    questions = {name: task.load()[1] for name, task in tasks.items()}
+    empty = [name for name, rows in questions.items() if not rows]
+    if empty:
+        raise ATSError(f"{what} set {empty[0]}: no questions left after what the calibrator trained on "
+                       f"({tasks[empty[0]].describe()})")
+    return questions
+
+
+def _described(tasks: dict, questions: dict[str, list], suffix: str) -> list[dict]:
+    """The sets as the threshold records them: positions of the data's seeded permutation (`answer_pool`)."""
+    return [{"name": f"{name}_{suffix}", **task_range(task.describe()).describe(), "n": len(questions[name])}
+            for name, task in tasks.items()]
+
+
 def interleaved_order(questions: dict[str, list]) -> list[tuple[str, int]]:
     """(task, index) of every question, the tasks taken in turn, so any prefix spreads over them: the order the
     certification answers are made in (benchmarks/monitor_shift.py replays traffic in it)."""
@@ -92,8 +137,8 @@ def interleaved_order(questions: dict[str, list]) -> list[tuple[str, int]]:
 
 def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, delta: float, size: int = 300,
             names: tuple[str, ...] = FREE_FORM, max_tokens: int = ANSWER_MAX_TOKENS, pool_size: int | None = None,
-            prior_error: float | None = None, start_coverage: float = DEFAULT_START_COVERAGE, overwrite: bool = False,
-            progress: bool = True) -> Certification:
+            prior_error: float | None = None, start_coverage: float | None = DEFAULT_START_COVERAGE,
+            selection_size: int | None = None, overwrite: bool = False, progress: bool = True) -> Certification:
     """Certify `calibrator`'s threshold on `size` held-out questions of each free-form pool task in `names`,
     answered as served, and save it in `folder` (threshold.json); reuse the saved one when it was made the same way.
 
@@ -107,9 +152,12 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
         names: the free-form pool tasks to certify on.
         max_tokens: new tokens at most per answer (the served format's).
         pool_size: for a calibrator trained on answers before its record named its questions: its pool size.
-        prior_error: the error rate expected, for the early word (None: estimated on the first answers).
+        prior_error: the error rate expected, for the early word (None: estimated on the selection answers, or
+            else on the first certification answers).
         start_coverage: the fraction of the answers the certification sequence starts at
-            (`certify_threshold`; default `DEFAULT_START_COVERAGE`); 0: the fewest that can certify.
+            (`certify_threshold`; default `DEFAULT_START_COVERAGE`); 0: the fewest that can certify; None: chosen
+            at `target_risk` by `start_choice.choose_start` on the served answers to `selection_sets`.
+        selection_size: with `start_coverage=None`, the selection questions per task (None: `size`).
         overwrite: replace a threshold made otherwise instead of refusing.
         progress: show progress bars.
 
@@ -118,20 +166,29 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
 
     Raises:
         ATSError: if a saved threshold was made otherwise (without `overwrite`), the tasks are unknown, the sets
-            would overlap the calibrator's training questions, or a set is empty.
+            would overlap the calibrator's training questions (or, selection sets, the certification ones), or a
+            set is empty.
     """
+    if selection_size is not None and start_coverage is not None:
+        raise ATSError(f"selection_size {selection_size}: selection questions choose the start coverage; give "
+                       f"start_coverage=None (--start-coverage choose) or drop it")
     folder = Path(folder)
-    tasks = certification_sets(calibrator, size, names=names, where=str(folder / CONFIG_NAME), pool_size=pool_size)
-    questions = {name: task.load()[1] for name, task in tasks.items()}
-    empty = [name for name, rows in questions.items() if not rows]
-    if empty:
-        raise ATSError(f"certification set {empty[0]}: no questions left after what the calibrator trained on "
-                       f"({tasks[empty[0]].describe()})")
+    where = str(folder / CONFIG_NAME)
+    tasks = certification_sets(calibrator, size, names=names, where=where, pool_size=pool_size)
+    questions = load_questions(tasks, "certification")
     served = {"format": answer_format(backbone, max_tokens), "backbone": backbone_identity(backbone),
               "calibrator": None if calibrator is None else calibrator.digest()}
-    sets = [{"name": f"{name}_held_out", **task_range(task.describe()).describe(), "n": len(questions[name])}
-            for name, task in tasks.items()]  # positions of the data's seeded permutation (`answer_pool`)
-    started = {"start_coverage": start_coverage} if start_coverage else {}  # 0 unrecorded, as before the option
+    sets = _described(tasks, questions, "held_out")
+    choosing = start_coverage is None
+    if choosing:
+        selection_tasks = selection_sets(calibrator, tasks, selection_size or size, names=names, where=where,
+                                pool_size=pool_size)
+        selection_questions = load_questions(selection_tasks, "selection")
+        started = {"start_coverage": "choose", "start_choice": {
+            "sets": _described(selection_tasks, selection_questions, "selection"), "grid": list(START_GRID),
+            "halvings": HALVINGS}}
+    else:
+        started = {"start_coverage": start_coverage} if start_coverage else {}  # 0 unrecorded, as before the option
     fingerprint = make_fingerprint("threshold", served=served, target_risk=target_risk, delta=delta, sets=sets,
                                    **started)
     path = folder / THRESHOLD_NAME
@@ -142,22 +199,40 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
                        f"before the start coverage's default became {DEFAULT_START_COVERAGE:g}: --start-coverage 0)"):
             reach = stored.get("reachable") or {}
             return Certification(CertifiedThreshold.from_dict(stored["threshold"], where=f"{path}: threshold"),
-                                 True, reach.get("early"), reach.get("smallest_target_risk"))
+                                 True, reach.get("early"), reach.get("smallest_target_risk"),
+                                 float(reach.get("start_coverage", 0.0)), choosing)
+    choice, error = None, prior_error
+    if choosing:
+        selection = _answer(backbone, calibrator, selection_questions, max_tokens=max_tokens, progress=progress,
+                         desc="selection answers")
+        choice = choose_start(selection.confidence, selection.correct, target_risks=(target_risk,), delta=delta)
+        start_coverage = choice.start
+        logger.info("start coverage %g chosen on %d selection answers (held-out coverage %.3f, against %.3f from "
+                    "%g)", start_coverage, len(selection), choice.score(start_coverage),
+                    choice.score(DEFAULT_START_COVERAGE), DEFAULT_START_COVERAGE)
+        if error is None:
+            error = float(1 - selection.correct.mean())
     order = interleaved_order(questions)
     n = len(order)
-    answers = ServedAnswers()
     early, said = None, False
-    for batch in progress_bar(chunks(order, BATCH), enabled=progress, desc="certification answers"):
-        answers.extend(served_answers(backbone, calibrator, [questions[t][i] for t, i in batch],
-                                      max_tokens=max_tokens, batch_size=BATCH))
-        if not said and (prior_error is not None or len(answers) >= min(ESTIMATE, n)):
-            said = True
-            error = prior_error if prior_error is not None else float(1 - answers.correct.mean())
-            early = unreachable(error, n, target_risk, delta, start_coverage=start_coverage)
-            if early is not None:
-                basis = "given" if prior_error is not None else f"estimated on the first {len(answers)} answers"
-                early = f"{early} (error rate {basis})"
-                logger.warning("%s", early)
+
+    def say_early(answers: ServedAnswers) -> None:
+        """The early word, once: from the given or selection error rate at once, else after `ESTIMATE` answers."""
+        nonlocal early, said
+        if said or (error is None and len(answers) < min(ESTIMATE, n)):
+            return
+        said = True
+        rate = error if error is not None else float(1 - answers.correct.mean())
+        early = unreachable(rate, n, target_risk, delta, start_coverage=start_coverage)
+        if early is not None:
+            basis = ("given" if prior_error is not None else f"estimated on the {len(selection)} selection answers"
+                     if choosing else f"estimated on the first {len(answers)} answers")
+            early = f"{early} (error rate {basis})"
+            logger.warning("%s", early)
+
+    say_early(ServedAnswers())  # a given or selection error rate: said before any certification answer
+    answers = _answer(backbone, calibrator, questions, max_tokens=max_tokens, progress=progress,
+                      desc="certification answers", each=say_early)
     threshold = certify_threshold(answers.confidence, answers.correct, target_risk=target_risk, delta=delta,
                                   start_coverage=start_coverage)
     smallest = smallest_certifiable_risk(answers.confidence, answers.correct, delta, start_coverage=start_coverage)
@@ -171,9 +246,25 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
             "risk": float(1 - ok[answered].mean()) if answered.any() else None, "ece": summarize(conf, ok)["ece"],
             "cut_by_max_tokens": float(np.mean([f == "length" for f, p in zip(answers.finish, pick) if p]))}
     reach = {"early": early, "error_rate": float(1 - answers.correct.mean()), "smallest_target_risk": smallest,
-             **started}
+             **({"start_coverage": start_coverage} if start_coverage or choosing else {})}
+    chose = {} if choice is None else {"start_choice": {**started["start_choice"], **choice.to_dict(),
+                                                        "error_rate": float(1 - selection.correct.mean())}}
     write_json(path, {"threshold": threshold.to_dict(), "served": served, "sets": sets, "tasks": per_task,
-                      "reachable": reach, "fingerprint": fingerprint})
+                      "reachable": reach, **chose, "fingerprint": fingerprint})
     logger.info("certified threshold %s on %d held-out served answers (target risk %g, delta %g): saved to %s",
                 threshold.threshold, threshold.n, target_risk, delta, path)
-    return Certification(threshold, False, early, smallest)
+    return Certification(threshold, False, early, smallest, start_coverage, choosing)
+
+
+def _answer(backbone, calibrator, questions: dict[str, list], *, max_tokens: int, progress: bool, desc: str,
+            each=None) -> ServedAnswers:
+    """The served answers to `questions` in `interleaved_order`, `BATCH` at a time; `each(answers so far)` after
+    every batch."""
+    order = interleaved_order(questions)
+    answers = ServedAnswers()
+    for batch in progress_bar(chunks(order, BATCH), enabled=progress, desc=desc):
+        answers.extend(served_answers(backbone, calibrator, [questions[t][i] for t, i in batch],
+                                      max_tokens=max_tokens, batch_size=BATCH))
+        if each is not None:
+            each(answers)
+    return answers
