@@ -207,9 +207,9 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
                          desc="selection answers")
         choice = choose_start(selection.confidence, selection.correct, target_risks=(target_risk,), delta=delta)
         start_coverage = choice.start
-        logger.info("start coverage %g chosen on %d selection answers (held-out coverage %.3f, against %.3f from "
-                    "%g)", start_coverage, len(selection), choice.score(start_coverage),
-                    choice.score(DEFAULT_START_COVERAGE), DEFAULT_START_COVERAGE)
+        logger.info("start coverage %g chosen on %d selection answers: held-out coverage %.3f (the default %g: "
+                    "%.3f)", start_coverage, len(selection), choice.score(start_coverage), DEFAULT_START_COVERAGE,
+                    choice.score(DEFAULT_START_COVERAGE))
         if error is None:
             error = float(1 - selection.correct.mean())
     order = interleaved_order(questions)
