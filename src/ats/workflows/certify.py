@@ -89,8 +89,13 @@ def certification_sets(calibrator, size: int, *, names: tuple[str, ...] = FREE_F
     Raises:
         ATSError: as `trained_ranges` and `certification_tasks`.
     """
+    return certification_tasks(_trained(calibrator, where, pool_size), size, names=names)
+
+
+def _trained(calibrator, where: str, pool_size: int | None) -> list:
+    """The free-form pool questions `calibrator` trained on, from its training record (`trained_ranges`)."""
     record = {} if calibrator is None else saved_training_record({"type": calibrator.name, **calibrator.config()})
-    return certification_tasks(trained_ranges(record, where=where, pool_size=pool_size), size, names=names)
+    return trained_ranges(record, where=where, pool_size=pool_size)
 
 
 def selection_sets(calibrator, certification: dict, size: int, *, names: tuple[str, ...] = FREE_FORM,
@@ -102,9 +107,7 @@ def selection_sets(calibrator, certification: dict, size: int, *, names: tuple[s
     Raises:
         ATSError: as `certification_sets`.
     """
-    record = {} if calibrator is None else saved_training_record({"type": calibrator.name, **calibrator.config()})
-    taken = trained_ranges(record, where=where, pool_size=pool_size)
-    taken += [task_range(task.describe()) for task in certification.values()]
+    taken = _trained(calibrator, where, pool_size) + [task_range(task.describe()) for task in certification.values()]
     return certification_tasks(taken, size, names=names)
 
 
@@ -182,7 +185,7 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
     choosing = start_coverage is None
     if choosing:
         selection_tasks = selection_sets(calibrator, tasks, selection_size or size, names=names, where=where,
-                                pool_size=pool_size)
+                                         pool_size=pool_size)
         selection_questions = load_questions(selection_tasks, "selection")
         started = {"start_coverage": "choose", "start_choice": {
             "sets": _described(selection_tasks, selection_questions, "selection"), "grid": list(START_GRID),
