@@ -60,7 +60,8 @@ def add_parser(sub) -> None:
                             f"{ANSWER_MAX_TOKENS}, as ats generate)")
     options.add_number(p, "--prior-error", float, UNIT, default=None,
                        help="the error rate expected, to say at once whether --target-risk is reachable (default: "
-                            "estimated on the first answers)")
+                            f"estimated on the selection answers with --start-coverage {CHOOSE}, else on the first "
+                            "answers)")
     options.add_number(p, "--start-coverage", start_or_choose, check_start, default=DEFAULT_START_COVERAGE,
                        help="start the certification sequence at the first threshold that answers at least this "
                             "fraction of the questions, so that a few wrong answers among the most confident cannot "
