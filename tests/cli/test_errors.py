@@ -145,3 +145,19 @@ def test_an_out_under_a_file_or_on_a_file_is_refused_as_parsed(tmp_path, capsys,
         code, err = _run_cli([command, *extra, "--out", str(out)], capsys)
         assert code == 2 and err == [f"ats: error: {message}"], err
     assert afile.read_text() == "mine"
+
+
+@pytest.mark.parametrize("argv, resumes", [
+    (["train", "--out", "o"], True), (["eval", "--tasks", "mmlu", "--out", "o"], True),
+    (["certify", "--calibrator", "c"], True), (["ablate", "--out", "o"], True), (["demo", "--out", "o"], True),
+    (["generate", "--calibrator", "none", "hi"], False), (["serve", "--calibrator", "none"], False),
+    (["export", "--calibrator", "none", "o"], False), (["convert", "a", "b"], False),
+    (["calibration-report", "r"], False), (["lm-eval", "--tasks", "arc_easy"], False),
+])
+def test_an_interrupt_promises_a_continuation_only_where_a_rerun_reuses_finished_steps(argv, resumes):
+    from ats.cli.main import build_parser, interrupted_message
+
+    message = interrupted_message(build_parser().parse_args(argv))
+    assert message == ("ats: interrupted; finished work is kept, run the same command again to continue" if resumes
+                       else "ats: interrupted")
+    assert interrupted_message(None) == "ats: interrupted"  # before the command is known

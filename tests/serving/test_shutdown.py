@@ -4,6 +4,8 @@ client sees (a 503, a stream's error event), never a silently cut answer; and th
 
 from __future__ import annotations
 
+import signal
+
 import httpx
 import pytest
 
@@ -44,6 +46,7 @@ def test_requests_in_flight_finish_within_the_shutdown_timeout(serve):
     log = server.log.read_text()
     assert "shutting down: the requests in flight (5 sequence(s) running, 0 waiting) get up to 120 s" in log
     assert seconds < 110 and "Traceback" not in log
+    assert server.process.returncode == -signal.SIGTERM  # uvicorn raises the signal again: the caller sees it
     with pytest.raises(httpx.TransportError):  # and it listens no more
         httpx.get(server.url + "/health", timeout=5)
 
@@ -63,3 +66,12 @@ def test_requests_still_running_at_the_shutdown_timeout_end_with_an_error_their_
     log = server.log.read_text()
     assert '"POST /v1/completions HTTP/1.1" 503' in log and "Traceback" not in log
     assert seconds < 30
+
+
+def test_ctrl_c_drains_and_exits_130_without_a_word_of_resuming(serve):
+    server = serve(20)
+    server.process.send_signal(signal.SIGINT)
+    assert server.process.wait(60) == 130  # uvicorn raises the signal again after its shutdown: 128 + SIGINT
+    log = server.log.read_text()
+    assert "shutting down: the requests in flight (0 sequence(s) running, 0 waiting)" in log
+    assert "Finished server process" in log and "Traceback" not in log and "interrupted" not in log

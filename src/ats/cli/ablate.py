@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     options.add_overwrite(p)
     p.add_argument("--out", type=options.out_folder("--out"), required=True,
                    help="ablation folder (heads, eval, tables, ablations.json, figure)")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, resumes=True)  # a rerun reuses finished steps
 
 
 def run(args) -> int:

@@ -77,7 +77,7 @@ def add_parser(sub) -> None:
                        help="only for a calibrator trained on answers before its record named its questions: the "
                             "--pool-size it was trained with")
     options.add_overwrite(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, resumes=True)  # a rerun reuses finished steps
 
 
 def run(args) -> int:

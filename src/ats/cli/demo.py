@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
                         "(it prints its estimate for this machine at the start); benchmark: 1,000 examples, an hour "
                         "or more")
     options.add_overwrite(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, resumes=True)  # a rerun reuses finished steps
 
 
 def run(args) -> int:

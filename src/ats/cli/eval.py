@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
                    help="method(s) compared with every other by paired differences (default: ats)")
     options.add_overwrite(p)
     p.add_argument("--out", type=options.out_folder("--out"), required=True)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, resumes=True)  # a rerun reuses finished steps
 
 
 def run(args) -> int:

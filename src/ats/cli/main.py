@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     failed check (`OptionError`) or an `OSError` is printed as one line and gives 2, an interrupt gives 130; argparse's
     own errors (unknown option, bad choice, not a number) exit with 2 as argparse does."""
     parser = build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         _configure_output(args.quiet)
@@ -97,5 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ats: error: {where}{err.strerror or err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("ats: interrupted; finished work is kept, run the same command again to continue", file=sys.stderr)
+        print(interrupted_message(args), file=sys.stderr)
         return 130
+
+
+def interrupted_message(args: argparse.Namespace | None) -> str:
+    """What an interrupted command says: that a rerun continues only where it does (a command whose parser sets
+    `resumes`: its finished steps are saved and reused)."""
+    if getattr(args, "resumes", False):
+        return "ats: interrupted; finished work is kept, run the same command again to continue"
+    return "ats: interrupted"

@@ -90,7 +90,8 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def run(args) -> int:
-    """Run `ats serve` with the parsed `args`; returns the exit code."""
+    """Run `ats serve` with the parsed `args`; returns the exit code (130 after Ctrl-C and the drained shutdown; on
+    SIGTERM the process ends by that signal, as uvicorn raises it again)."""
     options.check_model(args.model)
     folder = None
     if args.calibrator.strip().lower() != "none":
@@ -134,8 +135,11 @@ def run(args) -> int:
     app = create_app(engine, model_name=name, api_key=key, threshold=threshold, playground=playground,
                      certificate=certificate, max_request_bytes=args.max_request_bytes)
     logger.info("serving %s (%s) on http://%s:%d/v1", name, engine.calibration.label, args.host, args.port)
-    run_server(app, engine, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
-               shutdown_timeout=args.shutdown_timeout)
+    try:
+        run_server(app, engine, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+                   shutdown_timeout=args.shutdown_timeout)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn raises it again once its shutdown (logged) is over, a normal end
+        return 130
     return 0
 
 

@@ -75,7 +75,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=options.out_folder("--out"), required=True,
                    help="run folder: answers (or features) in OUT/answers (OUT/features), "
                                                 "the head in OUT/head")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, resumes=True)  # a rerun reuses finished steps
 
 
 def learns_from(args) -> str:
