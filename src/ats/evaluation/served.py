@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..confidence import ANSWER_MAX_TOKENS
+from ..errors import ATSError
 from .tasks.triviaqa import contains_match
 
 JUDGE = "a normalised alias contained in the normalised answer, as whole words"
@@ -58,6 +59,35 @@ class ServedAnswers:
         self.text += other.text
         self.finish += other.finish
 
+    def to_dict(self) -> dict:
+        """The answers as JSON columns (a float64 goes through JSON unchanged, so `from_dict` gives them back
+        exactly)."""
+        return {"confidence": self.confidence.tolist(), "uncalibrated": self.uncalibrated.tolist(),
+                "correct": self.correct.tolist(), "text": list(self.text), "finish": list(self.finish)}
+
+    @classmethod
+    def from_dict(cls, columns, *, where: str) -> "ServedAnswers":
+        """The answers `to_dict` wrote.
+
+        Raises:
+            ATSError: naming `where` and the column, if one is missing, of the wrong type or of another length.
+        """
+        number = ((int, float), "number")
+        kinds = {"confidence": number, "uncalibrated": number, "correct": ((bool,), "bool"), "text": ((str,), "str"),
+                 "finish": ((str,), "str")}
+        if not isinstance(columns, dict):
+            raise ATSError(f"{where}: expected an object of answer columns, got {type(columns).__name__}")
+        for name, (kind, word) in kinds.items():
+            value = columns.get(name)
+            if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
+                raise ATSError(f"{where}: field '{name}' must be a list of {word}")
+            if len(value) != len(columns["confidence"]):
+                raise ATSError(f"{where}: field '{name}' has {len(value)} answers, 'confidence' "
+                               f"{len(columns['confidence'])}")
+        return cls(np.asarray(columns["confidence"], dtype=np.float64),
+                   np.asarray(columns["uncalibrated"], dtype=np.float64), np.asarray(columns["correct"], dtype=bool),
+                   list(columns["text"]), list(columns["finish"]))
+
 
 def served_answers(backbone, calibrator, questions: list[dict], *, max_tokens: int = ANSWER_MAX_TOKENS,
                    batch_size: int = 16) -> ServedAnswers:
@@ -68,7 +98,8 @@ def served_answers(backbone, calibrator, questions: list[dict], *, max_tokens: i
         calibrator: the calibrator whose logits decode and whose confidence is reported (None: the model's own).
         questions: rows {"question", "aliases"}.
         max_tokens: new tokens at most per answer.
-        batch_size: questions decoded together (the result does not depend on it).
+        batch_size: questions decoded together (the answers' confidences depend on it only by float rounding,
+            through the padding of the batch).
 
     Returns:
         The answers, in the order of `questions`.

@@ -30,6 +30,11 @@ the smallest target risk that would have passed is reported.
 Saved beside the calibrator as `threshold.json` with what it certifies (`served`: format, calibrator digest,
 backbone; `sets`), reused while nothing that made it changed (`fingerprint.check_reuse`), and checked by every
 place that applies it (`Certificate.check`).
+
+Resumed. The served answers (selection and certification) are saved beside it in `certify_answers.json` after
+every batch, with what made them (format, backbone, calibrator digest, sets) and their questions' text: an
+interrupted run goes on from the last batch, and another target risk, delta or start reuses them, when both match
+(answers made otherwise are replaced). They are what the threshold rests on, kept for audit.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ logger = logging.getLogger(__name__)
 
 ESTIMATE = 32  # answers that estimate the error rate before the full run
 BATCH = 16  # questions decoded together
+ANSWERS_NAME = "certify_answers.json"  # the served answers a threshold rests on, saved after every batch
 
 
 @dataclass(frozen=True)
@@ -204,10 +210,11 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
             return Certification(CertifiedThreshold.from_dict(stored["threshold"], where=f"{path}: threshold"),
                                  True, reach.get("early"), reach.get("smallest_target_risk"),
                                  float(reach.get("start_coverage", 0.0)), choosing)
+    log = AnswerLog(folder / ANSWERS_NAME, served)
     choice, error = None, prior_error
     if choosing:
         selection = _answer(backbone, calibrator, selection_questions, max_tokens=max_tokens, progress=progress,
-                         desc="selection answers")
+                            desc="selection answers", log=log.part("selection", started["start_choice"]["sets"]))
         choice = choose_start(selection.confidence, selection.correct, target_risks=(target_risk,), delta=delta)
         start_coverage = choice.start
         logger.info("start coverage %g chosen on %d selection answers: held-out coverage %.3f (the default %g: "
@@ -235,7 +242,7 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
 
     say_early(ServedAnswers())  # a given or selection error rate: said before any certification answer
     answers = _answer(backbone, calibrator, questions, max_tokens=max_tokens, progress=progress,
-                      desc="certification answers", each=say_early)
+                      desc="certification answers", each=say_early, log=log.part("certification", sets))
     threshold = certify_threshold(answers.confidence, answers.correct, target_risk=target_risk, delta=delta,
                                   start_coverage=start_coverage)
     smallest = smallest_certifiable_risk(answers.confidence, answers.correct, delta, start_coverage=start_coverage)
@@ -259,15 +266,82 @@ def certify(backbone, calibrator, folder: str | Path, *, target_risk: float, del
     return Certification(threshold, False, early, smallest, start_coverage, choosing)
 
 
+class AnswerLog:
+    """The served answers `certify` makes, in one JSON file (`ANSWERS_NAME`): per part ("selection",
+    "certification") what made them (`served` and the part's sets), their questions and the answers so far."""
+
+    def __init__(self, path: Path, served: dict) -> None:
+        self.path, self.served = path, served
+
+    def part(self, name: str, sets: list[dict]) -> "AnswerLogPart":
+        return AnswerLogPart(self, name, {"served": self.served, "sets": sets})
+
+    def read(self) -> dict:
+        """The file's parts ({} when there is none).
+
+        Raises:
+            ATSError: if the file is damaged (named, with the way out).
+        """
+        try:
+            stored = read_json(self.path) if self.path.is_file() else {}
+        except ATSError as err:
+            raise self.damaged(err) from None
+        return stored if isinstance(stored, dict) else {}
+
+    def damaged(self, err: ATSError) -> ATSError:
+        return ATSError(f"{err}; delete {self.path.name} to answer again")
+
+
+@dataclass(frozen=True)
+class AnswerLogPart:
+    """One part of an `AnswerLog`: `made` is what its answers must have been made with to be reused."""
+
+    log: AnswerLog
+    name: str
+    made: dict
+
+    def resume(self, questions: list[str]) -> ServedAnswers:
+        """The answers saved for the first of `questions` (in order) by a run made the same way; none otherwise."""
+        entry = self.log.read().get(self.name)
+        if not isinstance(entry, dict):
+            return ServedAnswers()
+        saved = entry.get("questions")
+        if entry.get("made") != self.made or not isinstance(saved, list) or saved != questions[:len(saved)]:
+            logger.info("%s: the %s answers there were made otherwise; answering again", self.log.path, self.name)
+            return ServedAnswers()
+        try:
+            answers = ServedAnswers.from_dict(entry.get("answers"), where=f"{self.log.path}: {self.name}")
+            if len(answers) != len(saved):
+                raise ATSError(f"{self.log.path}: {self.name}: {len(saved)} questions but {len(answers)} answers")
+        except ATSError as err:
+            raise self.log.damaged(err) from None
+        if answers:
+            logger.info("%s: %d of %d %s answers made by an earlier run, reused", self.log.path, len(answers),
+                        len(questions), self.name)
+        return answers
+
+    def save(self, questions: list[str], answers: ServedAnswers) -> None:
+        """Save `answers`, to the first of `questions`, as this part (the other part kept)."""
+        stored = self.log.read()
+        stored[self.name] = {"made": self.made, "questions": questions[:len(answers)], "answers": answers.to_dict()}
+        write_json(self.log.path, stored)
+
+
 def _answer(backbone, calibrator, questions: dict[str, list], *, max_tokens: int, progress: bool, desc: str,
-            each=None) -> ServedAnswers:
+            each=None, log: AnswerLogPart | None = None) -> ServedAnswers:
     """The served answers to `questions` in `interleaved_order`, `BATCH` at a time; `each(answers so far)` after
-    every batch."""
+    every batch. With `log`, the answers are saved there after every batch, and those it holds from a run made the
+    same way are reused."""
     order = interleaved_order(questions)
-    answers = ServedAnswers()
-    for batch in progress_bar(chunks(order, BATCH), enabled=progress, desc=desc):
+    texts = [questions[t][i]["question"] for t, i in order]
+    answers = ServedAnswers() if log is None else log.resume(texts)
+    if len(answers) and each is not None:
+        each(answers)
+    for batch in progress_bar(chunks(order[len(answers):], BATCH), enabled=progress, desc=desc):
         answers.extend(served_answers(backbone, calibrator, [questions[t][i] for t, i in batch],
                                       max_tokens=max_tokens, batch_size=BATCH))
+        if log is not None:
+            log.save(texts, answers)
         if each is not None:
             each(answers)
     return answers
