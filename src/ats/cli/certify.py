@@ -42,7 +42,9 @@ def add_parser(sub) -> None:
                                    "error rate among answered questions is at most --target-risk with probability "
                                    ">= 1 - --delta (Clopper-Pearson bounds, fixed-sequence testing). The guarantee "
                                    "holds for questions drawn like those, asked alone and answered in that format, by "
-                                   "this calibrator and backbone.")
+                                   "this calibrator and backbone. The answers are saved beside it after every batch "
+                                   "(certify_answers.json): a rerun goes on from them, and another target risk "
+                                   "reuses them.")
     options.add_model(p)
     p.add_argument("--calibrator", type=options.nonempty("--calibrator"), required=True,
                    help="a saved calibrator folder (the threshold is saved in it)")
