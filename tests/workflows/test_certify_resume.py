@@ -149,3 +149,11 @@ def test_the_chosen_start_keeps_its_selection_answers_too(tiny_backbone, tmp_pat
     selection = {n: t.load()[1] for n, t in free_form_tasks(3, {"nq_open": 3, "triviaqa_pool": 1003}).items()}
     assert log["selection"]["questions"] == [selection[t][i]["question"] for t, i in interleaved_order(selection)]
     assert len(np.asarray(log["selection"]["answers"]["confidence"])) == 6
+    # another target risk reuses both parts (a mark planted in each stays)
+    for part in ("selection", "certification"):
+        log[part]["answers"]["text"][0] = "PLANTED"
+    (tmp_path / "head" / ANSWERS_NAME).write_text(json.dumps(log))
+    certify(tiny_backbone, calibrator, tmp_path / "head", target_risk=0.8, delta=0.2, size=3, max_tokens=4,
+            start_coverage=None, overwrite=True, progress=False)
+    after = json.loads((tmp_path / "head" / ANSWERS_NAME).read_text())
+    assert after == log

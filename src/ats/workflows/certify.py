@@ -39,6 +39,7 @@ interrupted run goes on from the last batch, and another target risk, delta or s
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from itertools import zip_longest
@@ -274,7 +275,9 @@ class AnswerLog:
         self.path, self.served = path, served
 
     def part(self, name: str, sets: list[dict]) -> "AnswerLogPart":
-        return AnswerLogPart(self, name, {"served": self.served, "sets": sets})
+        """The part `name` ("selection", "certification") of the answers to `sets`."""
+        made = json.loads(json.dumps({"served": self.served, "sets": sets}))  # as JSON reads it back
+        return AnswerLogPart(self, name, made)
 
     def read(self) -> dict:
         """The file's parts ({} when there is none).
