@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _interruptible() -> None:
+    """Ctrl-C reaches the server as it does one started from a terminal: a shell without job control (a CI script,
+    `nohup ... &`) starts its background commands with SIGINT ignored, and the server would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def server_env() -> dict:
@@ -44,7 +51,8 @@ class Server:
         if api_key:
             command += ["--api-key", api_key]
         self._log_file = log.open("w")
-        self.process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT, env=server_env())
+        self.process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT, env=server_env(),
+                                        preexec_fn=_interruptible)
         if wait:
             self.wait(timeout)
 
